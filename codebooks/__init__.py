@@ -1,0 +1,1 @@
+"""Codebook fitting, validation, and the out-of-band tables' wire formats."""

@@ -1,0 +1,76 @@
+"""Errors a user can cause. The CLI prints them on one line and exits 2.
+
+This module imports nothing, so every layer (formats, codebooks, sources,
+artifact, runtime, pipeline) can raise these without importing upward.
+"""
+
+from __future__ import annotations
+
+
+class Ds4quantError(Exception):
+    """Base of every user-facing error.
+
+    ``where`` names the file, tensor or argument at fault; it is prefixed to
+    the message so one line tells the user what and where.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, where: str | None = None, hint: str | None = None):
+        self.message = message
+        self.where = where
+        self.hint = hint
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        text = f"{self.where}: {self.message}" if self.where else self.message
+        if self.hint:
+            text = f"{text} ({self.hint})"
+        return " ".join(text.split())
+
+
+class BadInputError(Ds4quantError, ValueError):
+    """Input values or arguments are invalid (NaN, wrong shape, bad option)."""
+
+
+class ShapeError(BadInputError):
+    """An array or tensor has a shape the operation cannot take."""
+
+
+class CorruptDataError(Ds4quantError):
+    """A file's bytes are malformed: truncated, bad magic, out-of-file spans."""
+
+
+class UnsupportedFormatError(Ds4quantError):
+    """A qtype, dtype, version or variant this build does not handle."""
+
+
+class UnknownQTypeError(UnsupportedFormatError, KeyError):
+    """A qtype name that is not in the registry."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.one_line()
+
+
+class CodebookError(BadInputError):
+    """MIX codebooks or modes are invalid, missing, or not covered exactly once."""
+
+
+class EncodeRejectedError(BadInputError):
+    """The encoder refused the input, as the reference encoder does."""
+
+
+class IntegrityError(Ds4quantError):
+    """A checksum, manifest entry or tag disagrees with the data."""
+
+
+class ResumeMismatchError(Ds4quantError):
+    """--resume found a journal whose inputs or recipe differ from this run."""
+
+
+class BudgetError(BadInputError):
+    """A size or bpw budget that no plan can meet."""
+
+
+class MissingDependencyError(Ds4quantError):
+    """An optional package a command needs is not installed."""

@@ -1,0 +1,1 @@
+"""The bundled runtime: decode-table registry, owners, placement, MoE execution."""
