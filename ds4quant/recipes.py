@@ -1,0 +1,234 @@
+"""Recipes: which qtype each tensor of a DS4 checkpoint gets.
+
+A recipe is data (a frozen ``Recipe``). ``plan_tensors`` applies it to the
+source's tensor list, then the user's ``--tensor-type REGEX=QTYPE`` overrides
+in order (last match wins), and returns one ``TensorChoice`` per output
+tensor recording what was asked and what it got, so reports can show both.
+
+Dense policy, shared by every recipe: the router, norms, hash tables,
+hyper-connection parameters and sinks keep their source precision (FP8 and
+FP4 sources widen losslessly to bf16, since GGUF has no FP8); attention
+projections and shared experts take ``dense_qtype`` (default bf16).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Iterable, Mapping, Optional
+
+from ds4quant.errors import BadInputError, ShapeError, UnknownQTypeError
+from ds4quant.formats import get_qtype
+
+SURFACES = ("gate", "up", "down")
+
+# Tensor classes (see ds4quant.sources.naming) that keep source precision.
+KEEP_SOURCE_CLASSES = frozenset({"router", "norm", "hash_table", "hc", "sink", "bias", "embedding", "output", "other"})
+# Tensor classes that take the recipe's dense qtype.
+DENSE_CLASSES = frozenset({"attention", "shared_expert"})
+
+# What "source precision" becomes in GGUF, per source dtype.
+_KEEP = {
+    "F32": "f32",
+    "F16": "f16",
+    "BF16": "bf16",
+    "F8_E4M3": "bf16",  # e4m3 x power-of-two scale is exact in bf16
+    "F8_E8M0": "bf16",
+    "I8": "bf16",  # packed FP4 (e2m1) widens exactly too
+    "I32": "i32",
+    "I64": "i32",  # tid2eid: expert ids, always < 2^31
+    "U8": "i32",
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named conversion recipe.
+
+    experts: surface ("gate" | "up" | "down") -> qtype for routed experts, or
+    the special value "mxfp4-lossless" (bit-exact repack of the FP4 source).
+    """
+
+    name: str
+    description: str
+    experts: Mapping[str, str]
+    dense_qtype: str = "bf16"
+    adaptive: bool = False
+
+    def expert_qtype(self, surface: str) -> str:
+        return self.experts[surface]
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "experts": dict(self.experts),
+            "dense_qtype": self.dense_qtype,
+            "adaptive": self.adaptive,
+        }
+
+
+def _uniform(name: str, qtype: str, description: str) -> Recipe:
+    return Recipe(name, description, MappingProxyType({s: qtype for s in SURFACES}))
+
+
+RECIPES: Mapping[str, Recipe] = MappingProxyType(
+    {
+        r.name: r
+        for r in (
+            Recipe(
+                "mxfp4",
+                "routed experts repacked bit-exactly from the FP4 source as GGUF MXFP4 (lossless)",
+                MappingProxyType({s: "mxfp4-lossless" for s in SURFACES}),
+            ),
+            Recipe(
+                "rocmfp2-strix",
+                "rocmfp2 (107) gate/up + rocmfp3 (104) down: the Lucebox ROCMFP2-STRIX layout",
+                MappingProxyType({"gate": "rocmfp2", "up": "rocmfp2", "down": "rocmfp3"}),
+            ),
+            _uniform("rocmfp3", "rocmfp3", "rocmfp3 (104) for all routed experts"),
+            _uniform("rocmfp4", "rocmfp4", "rocmfp4 (100) for all routed experts"),
+            _uniform("rocmfp4-fast", "rocmfp4_fast", "rocmfp4_fast (101) for all routed experts"),
+            _uniform("rocmfp8", "rocmfp8", "rocmfp8 (103) for all routed experts"),
+        )
+    }
+)
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise BadInputError(
+            f"unknown recipe {name!r}", where="--recipe", hint=f"known recipes: {', '.join(RECIPES)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Override:
+    """One ``--tensor-type REGEX=QTYPE`` rule (matched with re.search on GGUF names)."""
+
+    pattern: str
+    qtype: str
+    regex: re.Pattern = field(compare=False, repr=False)
+
+    @classmethod
+    def parse(cls, text: str) -> "Override":
+        pattern, sep, qtype = text.rpartition("=")
+        if not sep or not pattern or not qtype:
+            raise BadInputError(f"expected REGEX=QTYPE, got {text!r}", where="--tensor-type")
+        try:
+            regex = re.compile(pattern)
+        except re.error as exc:
+            raise BadInputError(f"bad regular expression {pattern!r}: {exc}", where="--tensor-type") from None
+        qtype = qtype.strip()
+        if qtype != "source":
+            try:
+                get_qtype(qtype)
+            except UnknownQTypeError as exc:
+                raise BadInputError(exc.message, where="--tensor-type", hint=exc.hint) from None
+        return cls(pattern, qtype, regex)
+
+
+@dataclass(frozen=True)
+class TensorChoice:
+    """The plan for one output tensor.
+
+    asked: the qtype the recipe or an override asked for ("source" means keep
+    source precision); qtype: the qtype it gets; rule: where the choice came
+    from ("recipe", "dense-policy", "keep-source", or "override:<pattern>").
+    """
+
+    name: str
+    tensor_class: str
+    shape: tuple[int, ...]  # GGUF order: ne[0] (row length) first
+    source_dtype: str
+    asked: str
+    qtype: str
+    rule: str
+    surface: Optional[str] = None
+    layer: Optional[int] = None
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "class": self.tensor_class,
+            "shape": list(self.shape),
+            "source_dtype": self.source_dtype,
+            "asked": self.asked,
+            "qtype": self.qtype,
+            "rule": self.rule,
+            "surface": self.surface,
+            "layer": self.layer,
+        }
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """What the planner needs to know about one output tensor."""
+
+    name: str
+    tensor_class: str
+    shape: tuple[int, ...]  # GGUF order
+    source_dtype: str
+    surface: Optional[str] = None
+    layer: Optional[int] = None
+
+
+def keep_source_qtype(source_dtype: str) -> str:
+    try:
+        return _KEEP[source_dtype]
+    except KeyError:
+        raise BadInputError(f"no GGUF type keeps source dtype {source_dtype}") from None
+
+
+def plan_tensors(
+    recipe: Recipe, tensors: Iterable[PlannedTensor], overrides: Iterable[Override] = ()
+) -> list[TensorChoice]:
+    """Apply ``recipe`` then ``overrides`` (last match wins) to every tensor.
+
+    Raises ShapeError naming the tensor when a chosen qtype's block does not
+    divide the tensor's row length.
+    """
+    overrides = list(overrides)
+    out = []
+    for t in tensors:
+        if t.tensor_class == "routed_expert":
+            asked, rule = recipe.expert_qtype(t.surface), "recipe"
+        elif t.tensor_class in DENSE_CLASSES:
+            asked, rule = recipe.dense_qtype, "dense-policy"
+        else:
+            asked, rule = "source", "keep-source"
+        for ov in overrides:
+            if ov.regex.search(t.name):
+                asked, rule = ov.qtype, f"override:{ov.pattern}"
+        if asked == "mxfp4-lossless":
+            qtype = "mxfp4"
+            if t.source_dtype != "I8":
+                raise BadInputError(
+                    f"the mxfp4 recipe repacks FP4 experts, but this tensor is {t.source_dtype}", where=t.name
+                )
+        elif asked == "source":
+            qtype = keep_source_qtype(t.source_dtype)
+        else:
+            qtype = asked
+        _check_fits(t, qtype)
+        out.append(TensorChoice(t.name, t.tensor_class, t.shape, t.source_dtype, asked, qtype, rule, t.surface, t.layer))
+    return out
+
+
+def _check_fits(t: PlannedTensor, qtype: str) -> None:
+    qt = get_qtype(qtype)
+    row = t.shape[0]
+    need = max(qt.block_size, qt.row_multiple)
+    if row % need:
+        raise ShapeError(
+            f"{qtype} needs a row length that is a multiple of {need}, but the row length is {row}",
+            where=t.name,
+            hint="pick another qtype for it with --tensor-type",
+        )
+    if qt.is_mix and t.tensor_class != "routed_expert":
+        raise BadInputError(
+            f"{qtype} needs per-expert codebooks and is only supported on routed experts", where=t.name
+        )
