@@ -1,0 +1,213 @@
+"""Atomic file and folder writes.
+
+A write goes to a temp file in the target folder, is flushed and fsynced,
+renamed over the target, and the folder is fsynced (DESIGN.md "Writes").
+A crash or an exception leaves either the old file or the complete new one,
+never a torn file; on an exception the temp file is removed.
+
+    with atomic_write("out/model.gguf") as f:     # binary, streaming
+        f.write(header); f.write(chunk) ...
+    atomic_write_json("out/manifest.json", obj)
+
+    with publish_dir("release/v1") as tmp:        # a whole folder
+        atomic_write_bytes(tmp / "a.bin", b"...")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator, Union
+
+from ds4quant.errors import BadInputError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _umask() -> int:
+    # Read without changing it (os.umask() sets it, racing other threads).
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def fsync_dir(folder: PathLike) -> None:
+    """fsync a folder so a rename inside it is durable (no-op where unsupported)."""
+    try:
+        fd = os.open(os.fspath(folder), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename still happened
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """A temp file beside ``path`` that becomes ``path`` on ``commit()``.
+
+    ``finish()`` flushes, fsyncs and closes; ``commit()`` renames and fsyncs
+    the folder; ``abort()`` removes the temp file. Several AtomicFiles can be
+    finished first and committed together (GGUF split sets).
+    """
+
+    def __init__(self, path: PathLike):
+        self.path = Path(path)
+        folder = self.path.parent
+        if not folder.is_dir():
+            raise BadInputError(f"folder {folder} does not exist", where=str(self.path),
+                                hint="create the output folder first")
+        if self.path.is_dir():
+            raise BadInputError("is a folder; cannot write a file there", where=str(self.path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=folder)
+        self.tmp_path = Path(tmp)
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
+            self.file: IO[bytes] = os.fdopen(fd, "wb")
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        self._state = "open"
+
+    def finish(self) -> None:
+        if self._state != "open":
+            return
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        self._state = "finished"
+
+    def commit(self) -> Path:
+        self.finish()
+        if self._state != "finished":
+            raise RuntimeError(f"cannot commit an AtomicFile in state {self._state}")
+        os.replace(self.tmp_path, self.path)
+        self._state = "committed"
+        fsync_dir(self.path.parent)
+        return self.path
+
+    def abort(self) -> None:
+        if self._state in ("committed", "aborted"):
+            return
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp_path)
+        self._state = "aborted"
+
+
+@contextlib.contextmanager
+def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
+    """Binary file handle whose content replaces ``path`` only if the block
+    exits normally; on an exception the temp file is removed and any old
+    ``path`` is untouched."""
+    af = AtomicFile(path)
+    try:
+        yield af.file
+        af.commit()
+    except BaseException:
+        af.abort()
+        raise
+
+
+def atomic_write_bytes(path: PathLike, data: "bytes | bytearray | memoryview") -> Path:
+    """Write ``data`` to ``path`` atomically; returns the path."""
+    with atomic_write(path) as f:
+        f.write(data)
+    return Path(path)
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Canonical JSON text: UTF-8, 2-space indent, sorted keys, newline-terminated.
+    NaN/Inf are refused (not JSON)."""
+    try:
+        text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise BadInputError(f"value cannot be written as JSON: {e}") from None
+    return (text + "\n").encode("utf-8")
+
+
+def atomic_write_json(path: PathLike, obj: Any) -> Path:
+    """Write ``obj`` as canonical JSON (see ``json_bytes``) atomically."""
+    return atomic_write_bytes(path, json_bytes(obj))
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def _check_target(out: Path, overwrite: bool) -> None:
+    if out.exists() or out.is_symlink():
+        if not out.is_dir() or out.is_symlink():
+            raise BadInputError("exists and is not a folder", where=str(out), hint="choose another output path")
+        if any(out.iterdir()) and not overwrite:
+            raise BadInputError("folder exists and is not empty", where=str(out),
+                                hint="choose a new folder, or ask to overwrite it")
+
+
+@contextlib.contextmanager
+def publish_dir(out: PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Build a folder as ``OUT.partial-<pid>`` and rename it to ``OUT`` at the end.
+
+    Yields the partial folder to write into. On an exception it is removed and
+    ``OUT`` is untouched. An existing empty ``OUT`` is replaced; a non-empty
+    one is refused (before any work and again at the end) unless
+    ``overwrite=True``, in which case it is moved aside, the new folder
+    renamed in, and the old one deleted (the one non-atomic moment is the
+    gap between those two renames).
+    """
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise BadInputError(f"folder {out.parent} does not exist", where=str(out),
+                            hint="create the parent folder first")
+    _check_target(out, overwrite)
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    if partial.exists():  # left by an earlier crashed run of this same pid
+        shutil.rmtree(partial)
+    partial.mkdir()
+    try:
+        yield partial
+        _fsync_tree(partial)
+        _check_target(out, overwrite)
+        if out.exists():
+            if any(out.iterdir()):
+                old = out.with_name(f"{out.name}.old-{os.getpid()}")
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(out, old)
+                os.replace(partial, out)
+                fsync_dir(out.parent)
+                shutil.rmtree(old)
+            else:
+                out.rmdir()
+                os.replace(partial, out)
+        else:
+            os.replace(partial, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
