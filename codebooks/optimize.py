@@ -1,0 +1,183 @@
+"""ds4quant's own codebook fitter: Lloyd against the MIX encoder itself.
+
+The reference fitter (§10) clusters max-normalised values in a histogram; the
+encoder (§9.4) then picks, per half, a book and a UE4M3 scale from a window,
+so the books it is given are not the books that minimise its error.
+``fit_optimized`` closes that loop, for one expert's book pair:
+
+1. Starts: the reference books, evenly spaced levels, and ``restarts``
+   jittered copies of the reference (jitter seeded from ``seed``, a stable
+   identity such as "blk.3.ffn_down_exps/17", so any worker gets the bytes).
+2. Each start runs ``iterations`` rounds of: encode + decode with the MIX
+   encoder; for the (book, scale S, code j) the encoder chose per weight, set
+   level[b][j] = sum(w S x) / sum(w S^2), the exact least-squares level for
+   those choices (w = the importance, raw as the encoder uses it); rescale
+   each book by a power of two so max|level| is in (0.5, 1] (a scale byte
+   moves by 8 per octave, so this is free), bf16-round and repair (§10).
+3. The error of a candidate is sum_c q_c (x - decode(encode(x)))^2 in float64
+   over every matrix (q = 1 without importance). The result is the best of the
+   reference books, the best refined books and fixed levels (mode 0), so it
+   is never worse than ``fit_reference`` on the data it was given.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ds4quant import formats
+from ds4quant.codebooks.histogram import _bf16_repair, _check_importance, _check_matrix, _importance_list, fit_reference
+from ds4quant.errors import BadInputError, CodebookError
+from ds4quant.formats._bits import unpack_bits
+from ds4quant.formats.ue4m3 import UE4M3
+
+
+@dataclass(frozen=True)
+class OptimizedFit:
+    """books float32 (2, L) bf16-exact and strictly increasing (valid for both
+    modes); mode 1 (codebook) or 0 (fixed levels); errors as in the module doc
+    (reference_error is None when the reference fitter refused the data)."""
+
+    books: np.ndarray
+    mode: int
+    error: float
+    reference_error: Optional[float]
+    fixed_error: float
+    refined_error: float
+
+
+def _project(levels: np.ndarray) -> np.ndarray:
+    """Any finite (2, L) -> bf16-exact, strictly increasing, max|l| in (0.5, 1]."""
+    out = []
+    for p, book in enumerate(np.asarray(levels, dtype=np.float64)):
+        book = np.sort(book)
+        ml = float(np.max(np.abs(book)))
+        if not (ml > 0 and np.isfinite(ml)):
+            book, ml = np.linspace(-1.0, 1.0, len(book)), 1.0
+        book = (book * 2.0 ** -np.ceil(np.log2(ml))).astype(np.float32)
+        bits, _ = _bf16_repair(np.clip(book, np.float32(-1), np.float32(1)), p)
+        out.append(bits)
+    return (np.stack(out).astype(np.uint32) << 16).view(np.float32)
+
+
+class _Problem:
+    """The matrices, their importance, and the error / Lloyd statistics of books."""
+
+    def __init__(self, qtype: str, mats: list, imps: list) -> None:
+        self.qt = formats.get_qtype(qtype)
+        self.mats = mats
+        self.imps = imps
+        self.bits = 2 if self.qt.codebook_levels == 4 else 3
+
+    def error(self, books: np.ndarray, mode: int) -> float:
+        total = 0.0
+        for x, q in zip(self.mats, self.imps):
+            data = formats.encode(self.qt, x, q, books, mode=mode)
+            y = formats.decode(self.qt, data, x.shape[1], books, modes=mode)
+            d2 = (x.astype(np.float64) - y) ** 2
+            total += float(np.sum(d2 if q is None else d2 * q.astype(np.float64)))
+        return total
+
+    def lloyd_step(self, books: np.ndarray) -> tuple[np.ndarray, float]:
+        """One encoder-Lloyd round: (updated books, error of the input books)."""
+        L = self.qt.codebook_levels
+        num = np.zeros(2 * L)
+        den = np.zeros(2 * L)
+        total = 0.0
+        qs = 4 * self.bits
+        for x, q in zip(self.mats, self.imps):
+            data = formats.encode(self.qt, x, q, books)
+            y = formats.decode(self.qt, data, x.shape[1], books)
+            w = np.ones(x.shape[1]) if q is None else q.astype(np.float64)
+            total += float(np.sum(((x.astype(np.float64) - y) ** 2) * w))
+            blk = data.reshape(-1, qs + 2)
+            codes = unpack_bits(blk[:, :qs], self.bits, 32).astype(np.int64).reshape(-1, 2, 16)
+            meta = blk[:, qs:].astype(np.int64)[:, :, None]
+            s = UE4M3[meta & 0x7F].astype(np.float64)
+            idx = ((meta >> 7) * L + codes).reshape(-1)
+            ww = np.broadcast_to(w.reshape(-1, 2, 16), (x.shape[0], x.shape[1] // 32, 2, 16)).reshape(-1, 2, 16)
+            xs = x.astype(np.float64).reshape(-1, 2, 16)
+            num += np.bincount(idx, weights=(ww * s * xs).reshape(-1), minlength=2 * L)
+            den += np.bincount(idx, weights=np.broadcast_to(ww * s * s, codes.shape).reshape(-1), minlength=2 * L)
+        levels = books.astype(np.float64).reshape(-1).copy()
+        used = den > 0
+        levels[used] = num[used] / den[used]
+        return _project(levels.reshape(2, L)), total
+
+
+def fit_optimized(
+    matrices: Sequence[np.ndarray],
+    qtype: str,
+    importance=None,
+    *,
+    seed: str = "",
+    iterations: int = 8,
+    restarts: int = 2,
+    max_rows: Optional[int] = None,
+) -> OptimizedFit:
+    """Fit one expert's book pair (and mode) for the MIX encoder's own error.
+
+    matrices, importance: as ``fit_reference`` (gate then up for 106, down for
+        105); importance is also the error weight.
+    qtype: "rocmfp2_mix" or "rocmfp3_mix".
+    seed: a stable identity (tensor name, expert id) that seeds the restarts.
+    max_rows: refine on at most this many evenly spaced rows per matrix (the
+        final choice is always made on all rows).
+    Returns an OptimizedFit whose error is <= the reference books' error.
+    """
+    qt = formats.get_qtype(qtype)
+    if not qt.is_mix:
+        raise BadInputError(f"fit_optimized: {qt.name} is not a MIX qtype")
+    if iterations < 0 or restarts < 0:
+        raise BadInputError("fit_optimized: iterations and restarts must be >= 0")
+    mats = [_check_matrix(m, i) for i, m in enumerate(matrices)]
+    if not mats:
+        raise BadInputError("fit_optimized: no matrices")
+    imps = [_check_importance(q, m.shape[1], i) for i, (m, q) in enumerate(zip(mats, _importance_list(importance, len(mats))))]
+    for i, m in enumerate(mats):
+        if not np.all(np.isfinite(m)):
+            raise CodebookError(f"fit_optimized: matrix {i} has non-finite values")
+    L = qt.codebook_levels
+    full = _Problem(qt.name, mats, imps)
+    if max_rows is not None and any(m.shape[0] > max_rows for m in mats):
+        pick = lambda m: m[np.linspace(0, m.shape[0] - 1, max_rows).round().astype(int)]  # noqa: E731
+        fit = _Problem(qt.name, [pick(m) if m.shape[0] > max_rows else m for m in mats], imps)
+    else:
+        fit = full
+
+    try:
+        ref_books, _ = fit_reference(mats, L, imps)
+    except CodebookError:
+        ref_books = None
+    uniform = _project(np.tile(np.linspace(-1.0, 1.0, L), (2, 1)))
+    starts = [uniform] if ref_books is None else [ref_books, uniform]
+    rng = np.random.default_rng(zlib.crc32(f"fit_optimized/{qt.name}/{seed}".encode()))
+    base = uniform if ref_books is None else ref_books
+    for _ in range(restarts):
+        spacing = np.mean(np.diff(base.astype(np.float64), axis=1), axis=1, keepdims=True)
+        starts.append(_project(base + rng.normal(0.0, 0.25, base.shape) * spacing))
+
+    best_books, best_err = None, np.inf
+    for books in starts:
+        for _ in range(iterations):
+            new, err = fit.lloyd_step(books)
+            if err < best_err:
+                best_books, best_err = books, err
+            if np.array_equal(new.view(np.uint32), books.view(np.uint32)):
+                break
+            books = new
+        err = fit.error(books, 1)
+        if err < best_err:
+            best_books, best_err = books, err
+
+    refined_err = full.error(best_books, 1) if fit is not full else best_err
+    ref_err = None if ref_books is None else full.error(ref_books, 1)
+    fixed_err = full.error(best_books, 0)
+    choices = [(refined_err, 1, best_books), (fixed_err, 0, best_books)]
+    if ref_books is not None:
+        choices.insert(0, (ref_err, 1, ref_books))
+    err, mode, books = min(choices, key=lambda c: c[0])  # first wins ties: reference, refined, fixed
+    return OptimizedFit(books=books, mode=mode, error=err, reference_error=ref_err, fixed_error=fixed_err, refined_error=refined_err)

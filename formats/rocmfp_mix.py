@@ -1,0 +1,579 @@
+"""ROCmFP MIX: ggml 106 (2-bit, 10 B/32) and 105 (3-bit, 14 B/32), spec §9.
+
+The wire is the uniform ROCmFP2 / ROCmFP3 block (§3, §5); only the two
+half bytes change meaning. They are "meta" bytes, 7-bit scale + 1-bit book::
+
+    meta = book << 7 | e          e: UE4M3 byte 0..126 (§1), book: 0 or 1
+    106 block: qs[8]  2-bit codes, weight i at bits 2i..2i+1 of qs (LE)
+               + e[2] meta (weights 0-15, 16-31)                    = 10 B
+    105 block: qs[12] 3-bit codes, weight i at bits 3i..3i+2 of the
+               96-bit LE stream + e[2] meta                          = 14 B
+
+A code indexes one of L levels (L = 4 for 106, 8 for 105) of the selected
+book. The books live out of band, one (2, L) bf16 pair and a mode byte per
+expert (§9.2; see ds4quant.codebooks for the tables that carry them).
+
+Decode (§9.3):
+    mode 1 (codebook): y = S(meta & 0x7F) * level[meta >> 7][code]
+    mode 0 (fixed):    y = V(code) * S(meta); the WHOLE meta byte is the
+                       scale, so bit 7 set -> scale 0. V is 106: code - 1,
+                       105: FP3 sign-magnitude {0, 1, 2, 4, +0, -1, -2, -4}.
+
+Encode: ``mode=1`` (default) is §9.4, the Lucebox CPU reference
+``quantize_row_fp{2,3}_mix_ref``, byte for byte. ``mode=0`` is ds4quant's own
+fixed-level encoder (no public one exists, §13.3): per half the UE4M3 byte
+1..126 with the least raw-importance-weighted error, ties to the smaller byte,
+with §3's / §5's element quantiser; zero halves get meta 0; the same inputs are
+refused. Its rows must be decoded with mode 0.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numba
+import numpy as np
+
+from ds4quant.errors import BadInputError, EncodeRejectedError
+from ds4quant.formats._bits import pack_bits, unpack_bits
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV, nearest_nb, nearest_ref
+
+_F32 = np.float32
+_HALF = 16
+_HALF_CHUNK = 1 << 15  # halves per numpy-reference chunk (bounds memory of N(t))
+
+# Mode-0 fixed levels (§9.3), indexed by code.
+_FIXED_106 = np.array([-1.0, 0.0, 1.0, 2.0], dtype=np.float32)
+_FIXED_105 = np.array([0.0, 1.0, 2.0, 4.0, 0.0, -1.0, -2.0, -4.0], dtype=np.float32)
+_FIXED_106.setflags(write=False)
+_FIXED_105.setflags(write=False)
+_FIXED_SPLITS_106 = np.array([-0.5, 0.5, 1.5], dtype=np.float32)  # §3 thresholds
+
+# Failure reasons, shared by the reference and the fast path so both raise
+# the same message.
+_OK, _NONFINITE, _NO_CANDIDATE = 0, 1, 2
+
+
+# --------------------------------------------------------------------------
+# shared helpers
+
+
+def _splits(books: np.ndarray) -> np.ndarray:
+    """NL's split points per book: 0.5 * (level[j] + level[j+1]), sum rounded
+    first (§9.4), float32 (2, L-1)."""
+    with np.errstate(over="ignore"):
+        return (_F32(0.5) * (books[:, :-1] + books[:, 1:])).astype(np.float32)
+
+
+def _max_level(books: np.ndarray) -> np.ndarray:
+    """ML per book: max_j |level_b[j]|, float32 (2,)."""
+    return np.abs(books).max(axis=1).astype(np.float32)
+
+
+def _reject(qt_name: str, status: int, row: int, block: int, half: int):
+    if status == _NONFINITE:
+        why = "has a NaN or Inf value"
+        fix = "clean the source tensor"
+    else:
+        why = "has no finite-error candidate (an overflowing outlier, or negative/non-finite importance)"
+        fix = "clip the outlier or fix the importance vector"
+    raise EncodeRejectedError(
+        f"{qt_name} encoder rejects row {row}, block {block} (half {half}): the half {why}",
+        hint=fix,
+    )
+
+
+# --------------------------------------------------------------------------
+# numpy reference
+
+
+def _nl_ref(v: np.ndarray, split: np.ndarray) -> np.ndarray:
+    """NL(v): binary search over the levels, ties to the lower level (§9.4)."""
+    lo = np.zeros(v.shape, dtype=np.int64)
+    hi = np.full(v.shape, split.shape[0], dtype=np.int64)  # L - 1
+    active = lo < hi
+    while np.any(active):
+        mid = (lo + hi) // 2
+        go_low = v <= split[np.minimum(mid, split.shape[0] - 1)]
+        hi = np.where(active & go_low, mid, hi)
+        lo = np.where(active & ~go_low, mid + 1, lo)
+        active = lo < hi
+    return lo
+
+
+def _encode_halves_ref(h: np.ndarray, w: Optional[np.ndarray], books: np.ndarray):
+    """Encode halves h float32 (n, 16) with weights w (n, 16) or None.
+
+    Returns (meta uint8 (n,), codes uint8 (n, 16), status int8 (n,)).
+    """
+    n = h.shape[0]
+    split = _splits(books)
+    ml = _max_level(books)
+    status = np.zeros(n, dtype=np.int8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = np.all(np.isfinite(h), axis=1)
+        m = np.abs(h).max(axis=1)
+        zero = m == 0
+        if w is None:
+            w_bad = np.zeros(n, dtype=bool)
+            wcol = np.ones((n, _HALF), dtype=np.float32)
+        else:
+            w_bad = ~np.all(np.isfinite(w) & (w >= 0), axis=1)
+            wcol = w
+        best_err = np.full(n, np.inf, dtype=np.float32)
+        best_b = np.zeros(n, dtype=np.int64)
+        best_e = np.ones(n, dtype=np.int64)
+        for b in range(2):
+            if not (ml[b] > 0):
+                continue
+            centre = nearest_ref((m / ml[b]).astype(np.float32)).astype(np.int64)
+            for delta in range(-2, 3):
+                e = centre + delta
+                valid = (e >= 1) & (e <= 126)
+                ec = np.clip(e, 1, 126)
+                s, inv = UE4M3[ec], UE4M3_INV[ec]
+                err = np.zeros(n, dtype=np.float32)
+                for i in range(_HALF):  # float32 sum in element order
+                    xi = h[:, i]
+                    j = _nl_ref(xi * inv, split[b])
+                    d = xi - s * books[b][j]
+                    err = err + (wcol[:, i] * d) * d
+                err[w_bad] = np.inf
+                better = (err < best_err) | (
+                    (err == best_err) & ((b < best_b) | ((b == best_b) & (e < best_e)))
+                )
+                adopt = valid & better
+                best_err = np.where(adopt, err, best_err)
+                best_b = np.where(adopt, b, best_b)
+                best_e = np.where(adopt, e, best_e)
+        # zero half: book 0, byte 0 (§9.4 step 2)
+        best_b[zero] = 0
+        best_e[zero] = 0
+        status[~zero & (best_err == np.inf)] = _NO_CANDIDATE
+        status[~finite] = _NONFINITE
+        # codes: NL(x * (1/S)) in the chosen book; NL(0) when S = 0
+        inv = UE4M3_INV[best_e][:, None]
+        v = np.where(zero[:, None], np.float32(0.0), h * inv).astype(np.float32)
+        codes = np.where(best_b[:, None] == 0, _nl_ref(v, split[0]), _nl_ref(v, split[1]))
+    meta = (best_e | (best_b << 7)).astype(np.uint8)
+    return meta, codes.astype(np.uint8), status
+
+
+def _fixed_codes_ref(v: np.ndarray, bits: int) -> np.ndarray:
+    """Mode-0 element quantiser: 106 is §3's nearest of {-1, 0, 1, 2} (ties to
+    the lower code), 105 is §5's sign + {0, 1, 2, 4} (ties to the lower magnitude)."""
+    if bits == 2:
+        return _nl_ref(v, _FIXED_SPLITS_106)
+    a = np.abs(v)
+    idx = (a > 0.5).astype(np.int64) + (a > 1.5) + (a > 3.0)
+    return np.where((v < 0) & (idx != 0), idx | 4, idx)
+
+
+def _encode_halves_fixed_ref(h: np.ndarray, w: Optional[np.ndarray], bits: int):
+    """Mode 0 (ds4quant's encoder; no public reference exists, §13.3): per half
+    the byte e in 1..126 with the least raw-weighted error (ties to the smaller
+    byte), fixed levels, meta = e (bit 7 clear). Same refusals as mode 1."""
+    n = h.shape[0]
+    fixed = _FIXED_106 if bits == 2 else _FIXED_105
+    status = np.zeros(n, dtype=np.int8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = np.all(np.isfinite(h), axis=1)
+        zero = np.abs(h).max(axis=1) == 0
+        w_bad = np.zeros(n, dtype=bool) if w is None else ~np.all(np.isfinite(w) & (w >= 0), axis=1)
+        wcol = np.ones((n, _HALF), dtype=np.float32) if w is None else w
+        best_err = np.full(n, np.inf, dtype=np.float32)
+        best_e = np.ones(n, dtype=np.int64)
+        for e in range(1, 127):
+            s, inv = UE4M3[e], UE4M3_INV[e]
+            err = np.zeros(n, dtype=np.float32)
+            for i in range(_HALF):
+                xi = h[:, i]
+                d = xi - s * fixed[_fixed_codes_ref(xi * inv, bits)]
+                err = err + (wcol[:, i] * d) * d
+            err[w_bad] = np.inf
+            adopt = err < best_err
+            best_err = np.where(adopt, err, best_err)
+            best_e = np.where(adopt, e, best_e)
+        best_e[zero] = 0
+        status[~zero & (best_err == np.inf)] = _NO_CANDIDATE
+        status[~finite] = _NONFINITE
+        v = (h * UE4M3_INV[best_e][:, None]).astype(np.float32)
+        v[zero] = 0
+        codes = _fixed_codes_ref(v, bits)
+    return best_e.astype(np.uint8), codes.astype(np.uint8), status
+
+
+def _encode_ref(x: np.ndarray, importance, books: np.ndarray, *, qt: QType, bits: int, mode: int = 1) -> np.ndarray:
+    """mode 1: the Lucebox reference (§9.4); mode 0: fixed levels (ours)."""
+    if mode not in (0, 1):
+        raise BadInputError(f"{qt.name} encoder: mode must be 0 or 1, got {mode!r}")
+    rows, cols = x.shape
+    hpr = cols // _HALF  # halves per row
+    nb = cols // 32
+    qs_bytes = 32 * bits // 8
+    out = np.zeros((rows, nb, qs_bytes + 2), dtype=np.uint8)
+    w_row = None if importance is None else importance.reshape(hpr, _HALF)
+    rows_per_chunk = max(1, _HALF_CHUNK // hpr)
+    for r0 in range(0, rows, rows_per_chunk):
+        r1 = min(rows, r0 + rows_per_chunk)
+        h = x[r0:r1].reshape(-1, _HALF)
+        w = None if w_row is None else np.tile(w_row, (r1 - r0, 1))
+        meta, codes, status = _encode_halves_ref(h, w, books) if mode == 1 else _encode_halves_fixed_ref(h, w, bits)
+        bad = np.flatnonzero(status)
+        if len(bad):  # the reference stops at the first bad half in row order
+            i = int(bad[0])
+            _reject(qt.name, int(status[i]), r0 + i // hpr, (i % hpr) // 2, i % 2)
+        out[r0:r1, :, :qs_bytes] = pack_bits(codes.reshape(-1, 32), bits).reshape(r1 - r0, nb, qs_bytes)
+        out[r0:r1, :, qs_bytes:] = meta.reshape(r1 - r0, nb, 2)
+    return out.reshape(rows, nb * (qs_bytes + 2))
+
+
+def _decode_ref(data: np.ndarray, cols: int, books: np.ndarray, modes: int, *, bits: int, fixed: np.ndarray) -> np.ndarray:
+    rows = data.shape[0]
+    nb = cols // 32
+    qs_bytes = 32 * bits // 8
+    blk = data.reshape(rows * nb, qs_bytes + 2)
+    codes = unpack_bits(blk[:, :qs_bytes], bits, 32).astype(np.int64).reshape(-1, 2, _HALF)
+    meta = blk[:, qs_bytes:].astype(np.int64)[:, :, None]  # (blocks, 2, 1)
+    if modes == 1:
+        scale = UE4M3[meta & 0x7F]
+        level = books[meta >> 7, codes]
+    else:
+        scale = UE4M3[meta]  # whole byte: bit 7 set -> 0
+        level = fixed[codes]
+    return (scale * level).astype(np.float32).reshape(rows, cols)
+
+
+# --------------------------------------------------------------------------
+# numba fast path (same arithmetic, one row per prange iteration)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nl_nb(v, split):
+    lo = 0
+    hi = split.shape[0]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if v <= split[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@numba.njit(cache=True, nogil=True)
+def _put_code(qs, i, code, bits):
+    # LE bit stream: code bit j -> stream bit bits*i + j (§3, §5)
+    pos = bits * i
+    byte = pos >> 3
+    sh = pos & 7
+    qs[byte] |= np.uint8((code << sh) & 0xFF)
+    if sh + bits > 8:
+        qs[byte + 1] |= np.uint8(code >> (8 - sh))
+
+
+@numba.njit(cache=True, parallel=True)
+def _encode_nb(x, w, has_w, books, split, ml, bits, out, status, fail_half):
+    rows, cols = x.shape
+    nb = cols // 32
+    qs_bytes = 32 * bits // 8
+    bb = qs_bytes + 2
+    inf = np.float32(np.inf)
+    zero_f = np.float32(0.0)
+    for r in numba.prange(rows):
+        for blk in range(nb):
+            o = blk * bb
+            for hh in range(2):
+                c0 = blk * 32 + hh * 16
+                m = zero_f
+                finite = True
+                w_ok = True
+                for i in range(16):
+                    v = x[r, c0 + i]
+                    if not np.isfinite(v):
+                        finite = False
+                    a = abs(v)
+                    if a > m:
+                        m = a
+                    if has_w:
+                        q = w[c0 + i]
+                        if not (np.isfinite(q) and q >= zero_f):
+                            w_ok = False
+                if not finite:
+                    status[r] = 1
+                    fail_half[r] = blk * 2 + hh
+                    break
+                if m == zero_f:
+                    bk = 0
+                    be = 0
+                else:
+                    best = inf
+                    bk = 0
+                    be = 1
+                    for b in range(2):
+                        if not (ml[b] > zero_f):
+                            continue
+                        centre = nearest_nb(np.float32(m / ml[b]))
+                        for delta in range(-2, 3):
+                            e = centre + delta
+                            if e < 1 or e > 126:
+                                continue
+                            s = UE4M3[e]
+                            inv = UE4M3_INV[e]
+                            err = zero_f
+                            for i in range(16):
+                                xi = x[r, c0 + i]
+                                j = _nl_nb(np.float32(xi * inv), split[b])
+                                d = np.float32(xi - np.float32(s * books[b, j]))
+                                wi = w[c0 + i] if has_w else np.float32(1.0)
+                                err = np.float32(err + np.float32(np.float32(wi * d) * d))
+                            if not w_ok:
+                                err = inf
+                            if err < best or (err == best and (b < bk or (b == bk and e < be))):
+                                best = err
+                                bk = b
+                                be = e
+                    if best == inf:
+                        status[r] = 2
+                        fail_half[r] = blk * 2 + hh
+                        break
+                inv = UE4M3_INV[be]
+                for i in range(16):
+                    v = np.float32(x[r, c0 + i] * inv) if be > 0 else zero_f
+                    _put_code(out[r, o:o + qs_bytes], hh * 16 + i, _nl_nb(v, split[bk]), bits)
+                out[r, o + qs_bytes + hh] = np.uint8(be | (bk << 7))
+            if status[r] != 0:
+                break
+
+
+@numba.njit(cache=True, nogil=True)
+def _fixed_code_nb(v, bits):
+    if bits == 2:
+        if v <= np.float32(-0.5):
+            return 0
+        if v <= np.float32(0.5):
+            return 1
+        if v <= np.float32(1.5):
+            return 2
+        return 3
+    a = abs(v)
+    idx = 0
+    if a > np.float32(0.5):
+        idx = 1
+    if a > np.float32(1.5):
+        idx = 2
+    if a > np.float32(3.0):
+        idx = 3
+    if v < np.float32(0.0) and idx != 0:
+        idx |= 4
+    return idx
+
+
+@numba.njit(cache=True, parallel=True)
+def _encode_fixed_nb(x, w, has_w, fixed, bits, out, status, fail_half):
+    rows, cols = x.shape
+    nb = cols // 32
+    qs_bytes = 32 * bits // 8
+    bb = qs_bytes + 2
+    inf = np.float32(np.inf)
+    zero_f = np.float32(0.0)
+    for r in numba.prange(rows):
+        for blk in range(nb):
+            o = blk * bb
+            for hh in range(2):
+                c0 = blk * 32 + hh * 16
+                m = zero_f
+                finite = True
+                w_ok = True
+                for i in range(16):
+                    v = x[r, c0 + i]
+                    if not np.isfinite(v):
+                        finite = False
+                    a = abs(v)
+                    if a > m:
+                        m = a
+                    if has_w:
+                        q = w[c0 + i]
+                        if not (np.isfinite(q) and q >= zero_f):
+                            w_ok = False
+                if not finite:
+                    status[r] = 1
+                    fail_half[r] = blk * 2 + hh
+                    break
+                be = 0
+                if m != zero_f:
+                    best = inf
+                    be = 1
+                    if w_ok:
+                        for e in range(1, 127):
+                            s = UE4M3[e]
+                            inv = UE4M3_INV[e]
+                            err = zero_f
+                            for i in range(16):
+                                xi = x[r, c0 + i]
+                                y = np.float32(s * fixed[_fixed_code_nb(np.float32(xi * inv), bits)])
+                                d = np.float32(xi - y)
+                                wi = w[c0 + i] if has_w else np.float32(1.0)
+                                err = np.float32(err + np.float32(np.float32(wi * d) * d))
+                            if err < best:
+                                best = err
+                                be = e
+                    if best == inf:
+                        status[r] = 2
+                        fail_half[r] = blk * 2 + hh
+                        break
+                inv = UE4M3_INV[be]
+                for i in range(16):
+                    v = np.float32(x[r, c0 + i] * inv) if be > 0 else zero_f
+                    _put_code(out[r, o:o + qs_bytes], hh * 16 + i, _fixed_code_nb(v, bits), bits)
+                out[r, o + qs_bytes + hh] = np.uint8(be)
+            if status[r] != 0:
+                break
+
+
+def _encode_fast(x: np.ndarray, importance, books: np.ndarray, *, qt: QType, bits: int, mode: int = 1) -> np.ndarray:
+    """Numba twin of ``_encode_ref`` (same bytes, same refusals)."""
+    if mode not in (0, 1):
+        raise BadInputError(f"{qt.name} encoder: mode must be 0 or 1, got {mode!r}")
+    rows, cols = x.shape
+    out = np.zeros((rows, qt.row_bytes(cols)), dtype=np.uint8)
+    status = np.zeros(rows, dtype=np.int8)
+    fail_half = np.zeros(rows, dtype=np.int64)
+    has_w = importance is not None
+    w = importance if has_w else np.zeros(1, dtype=np.float32)
+    books = np.ascontiguousarray(books, dtype=np.float32)
+    if mode == 1:
+        _encode_nb(x, w, has_w, books, np.ascontiguousarray(_splits(books)), _max_level(books), bits, out, status, fail_half)
+    else:
+        _encode_fixed_nb(x, w, has_w, _FIXED_106 if bits == 2 else _FIXED_105, bits, out, status, fail_half)
+    bad = np.flatnonzero(status)
+    if len(bad):
+        r = int(bad[0])
+        hidx = int(fail_half[r])
+        _reject(qt.name, int(status[r]), r, hidx // 2, hidx % 2)
+    return out
+
+
+@numba.njit(cache=True, parallel=True)
+def _decode_nb(data, cols, books, mode, fixed, bits, out):
+    rows = data.shape[0]
+    nb = cols // 32
+    qs_bytes = 32 * bits // 8
+    bb = qs_bytes + 2
+    mask = (1 << bits) - 1
+    for r in numba.prange(rows):
+        for blk in range(nb):
+            o = blk * bb
+            for i in range(32):
+                pos = bits * i
+                byte = pos >> 3
+                sh = pos & 7
+                word = np.int64(data[r, o + byte])
+                if sh + bits > 8:
+                    word |= np.int64(data[r, o + byte + 1]) << 8
+                code = (word >> sh) & mask
+                meta = np.int64(data[r, o + qs_bytes + i // 16])
+                if mode == 1:
+                    y = np.float32(UE4M3[meta & 0x7F] * books[meta >> 7, code])
+                else:
+                    y = np.float32(fixed[code] * UE4M3[meta])
+                out[r, blk * 32 + i] = y
+
+
+def _decode_fast(data: np.ndarray, cols: int, books: np.ndarray, modes: int, *, bits: int, fixed: np.ndarray) -> np.ndarray:
+    out = np.empty((data.shape[0], cols), dtype=np.float32)
+    _decode_nb(data, cols, np.ascontiguousarray(books, dtype=np.float32), int(modes), fixed, bits, out)
+    return out
+
+
+# --------------------------------------------------------------------------
+# torch decode: one gather for the level, one for the scale, one multiply
+
+
+def _decode_torch(data, cols: int, books, modes: int, *, bits: int, fixed: np.ndarray):
+    import torch
+
+    dev = data.device
+    rows = data.shape[0]
+    nb = cols // 32
+    qs_bytes = 32 * bits // 8
+    blk = data.reshape(rows * nb, qs_bytes + 2).to(torch.int64)
+    shifts = torch.arange(8, device=dev, dtype=torch.int64)
+    stream = ((blk[:, :qs_bytes, None] >> shifts) & 1).reshape(-1, 32, bits)
+    weights = torch.tensor([1 << j for j in range(bits)], device=dev, dtype=torch.int64)
+    codes = (stream * weights).sum(dim=2).reshape(-1, 2, _HALF)
+    meta = blk[:, qs_bytes:].reshape(-1, 2, 1)
+    table = torch.from_numpy(UE4M3.copy()).to(dev)
+    if modes == 1:
+        scale = table[meta & 0x7F]
+        level = books.to(device=dev, dtype=torch.float32).reshape(-1)[(meta >> 7) * books.shape[-1] + codes]
+    else:
+        scale = table[meta]
+        level = torch.from_numpy(fixed.copy()).to(dev)[codes]
+    return (scale * level).reshape(rows, cols)
+
+
+# --------------------------------------------------------------------------
+# registration
+
+
+def _bind(fn, **kw):
+    def call(*args, **options):
+        return fn(*args, **kw, **options)
+
+    call.__name__ = fn.__name__
+    call.__doc__ = fn.__doc__
+    return call
+
+
+_RUNTIMES = (RT_DS4QUANT, RT_LUCEBOX)
+
+ROCMFP2_MIX = QType(
+    name="rocmfp2_mix",
+    ggml_type=106,
+    variant="mix106-7s1c",
+    block_size=32,
+    block_bytes=8 + 2,
+    layout="qs[8] 2-bit codebook indices + e[2] meta bytes (book << 7 | UE4M3 scale) per half",
+    family="rocmfpx-mix",
+    runtimes=_RUNTIMES,
+    row_multiple=128,
+    codebook_levels=4,
+    description=(
+        "Q2_1_ROCMFP2_MIX: 2-bit index into one of two 4-level bf16 books per expert, 7-bit scale "
+        "+ 1-bit book per 16 weights. Needs out-of-band per-expert codebooks and modes (Lucebox loads "
+        "106 on any routed surface via a GUMIXs1 blob, dense tensors via DMIXs1); rows need cols % 128 == 0."
+    ),
+)
+
+ROCMFP3_MIX = QType(
+    name="rocmfp3_mix",
+    ggml_type=105,
+    variant="mix105-7s1c",
+    block_size=32,
+    block_bytes=12 + 2,
+    layout="qs[12] 3-bit codebook indices + e[2] meta bytes (book << 7 | UE4M3 scale) per half",
+    family="rocmfpx-mix",
+    runtimes=_RUNTIMES,
+    row_multiple=32,
+    codebook_levels=8,
+    description=(
+        "Q3_1_ROCMFP3_MIX: 3-bit index into one of two 8-level bf16 books per expert, 7-bit scale "
+        "+ 1-bit book per 16 weights. Needs out-of-band per-expert codebooks and modes (Lucebox loads "
+        "105 only on routed down experts via a P4MIXv1 blob, dense tensors via DMIXs1)."
+    ),
+)
+
+for _qt, _bits, _fixed in ((ROCMFP2_MIX, 2, _FIXED_106), (ROCMFP3_MIX, 3, _FIXED_105)):
+    register(
+        _qt,
+        Codec(
+            encode_ref=_bind(_encode_ref, qt=_qt, bits=_bits),
+            encode_fast=_bind(_encode_fast, qt=_qt, bits=_bits),
+            decode_ref=_bind(_decode_ref, bits=_bits, fixed=_fixed),
+            decode_fast=_bind(_decode_fast, bits=_bits, fixed=_fixed),
+            decode_torch=_bind(_decode_torch, bits=_bits, fixed=_fixed),
+            encode_options=("mode",),
+        ),
+    )
