@@ -91,6 +91,107 @@ def formats_cmd(as_json: bool) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
 
 
+def _progress_printer(enabled: bool):
+    """One line per tensor on stderr, with ETA and source MB/s (TTY only)."""
+    if not enabled:
+        return None
+
+    def show(ev: dict) -> None:
+        done, total, el = ev["source_done"], ev["source_total"], ev["elapsed"]
+        rate = done / el / 1e6 if el > 0 else 0.0
+        eta = (total - done) / (done / el) if done and el > 0 else 0.0
+        sq = ev.get("sqnr_db")
+        sqs = f"{sq:6.2f} dB" if isinstance(sq, float) and sq != float("inf") else "   exact "
+        tag = " (resumed)" if ev.get("reused") else ""
+        click.echo(
+            f"[{ev['index']:>4}/{ev['total']}] {ev['name']:<36} {ev['qtype']:<13} {sqs} "
+            f"{ev['seconds']:6.2f}s  {rate:7.1f} MB/s  ETA {eta:6.0f}s{tag}",
+            err=True,
+        )
+
+    return show
+
+
+@cli.command("convert")
+@click.argument("source", type=click.Path(path_type=str))
+@click.argument("outdir", type=click.Path(path_type=str))
+@click.option("--recipe", default="rocmfp2-strix", show_default=True,
+              help="mxfp4, rocmfp2-strix, rocmfp3, rocmfp4, rocmfp4-fast, rocmfp8.")
+@click.option("--threads", type=int, default=None, help="Encoder threads (default: all cores). Never changes bytes.")
+@click.option("--imatrix", type=click.Path(path_type=str), default=None,
+              help="Importance matrix (llama.cpp imatrix.dat or GGUF imatrix).")
+@click.option("--tensor-type", "tensor_types", multiple=True, metavar="REGEX=QTYPE",
+              help="Override the qtype of tensors whose GGUF name matches REGEX; repeatable, last wins. "
+                   "QTYPE 'source' keeps source precision.")
+@click.option("--dense-type", "dense_qtype", default=None, metavar="QTYPE",
+              help="qtype for attention projections and shared experts (default bf16).")
+@click.option("--name", default=None, help="Artifact file name stem (default: SOURCE folder name + recipe).")
+@click.option("--split-max-size", default=None, metavar="SIZE", help="Split the GGUF into files of at most SIZE (e.g. 50G).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run in OUTDIR (same source and recipe).")
+@click.option("--force", is_flag=True, help="Replace the contents of a non-empty OUTDIR.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end; no progress lines.")
+def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
+                resume, force, as_json):
+    r"""Convert a DeepSeek-V4 checkpoint (official layout) into a ROCmFPX artifact.
+
+    \b
+    Examples:
+      ds4quant convert samples/ds4-tiny out/tiny-strix --recipe rocmfp2-strix
+      ds4quant convert ckpt/ out/ --recipe rocmfp3 --imatrix imatrix.gguf --tensor-type 'blk\.0\..*exps=rocmfp4'
+    """
+    from ds4quant.convert import convert
+
+    progress = _progress_printer(not as_json and sys.stderr.isatty())
+    rep = convert(source, outdir, recipe, threads=threads, imatrix=imatrix, tensor_types=tensor_types,
+                  dense_qtype=dense_qtype, name=name, split_max_size=split_max_size, resume=resume,
+                  force=force, command=["ds4quant", *sys.argv[1:]], progress=progress)
+    if as_json:
+        _emit_json(rep.to_json())
+        return
+    j = rep.to_json()
+    click.echo(f"wrote {j['artifact']}: {len(j['files'])} file(s), {j['bytes']:,} bytes, {j['tensors']} tensors")
+    click.echo(f"routed experts: {j['bpw_experts']:.4f} bpw, SQNR {j['expert_sqnr_db'] or float('inf'):.2f} dB; "
+               f"{j['seconds']:.1f} s" + (f" ({j['reused_tensors']} tensors resumed)" if j["reused_tensors"] else ""))
+
+
+@cli.command("inspect")
+@click.argument("artifact", type=click.Path(path_type=str))
+@click.option("--variant-107", default=None, metavar="QTYPE",
+              help="Name the codec of untagged ggml type 107 tensors (rocmfp2, rocmfp2_affine, rocmfp2_s40).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect_cmd(artifact, variant_107, as_json):
+    """Show every tensor of an artifact folder or GGUF file: qtype, ggml type,
+    variant, shape, bytes, bpw; totals, expert bpw, codebook tables.
+
+    \b
+    Examples:
+      ds4quant inspect out/tiny-strix
+      ds4quant inspect model.gguf --variant-107 rocmfp2_affine --json
+    """
+    from ds4quant.inspection import inspect_artifact
+
+    ins = inspect_artifact(artifact, variant_107=variant_107)
+    if as_json:
+        _emit_json(ins.to_json())
+        return
+    header = ("name", "qtype", "ggml", "variant", "shape", "bytes", "bpw")
+    rows = [(t.name, t.qtype, str(t.ggml_type), t.variant, "x".join(map(str, t.shape)), f"{t.bytes:,}", f"{t.bpw:.3f}")
+            for t in ins.tensors]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    click.echo("")
+    for q, d in sorted(ins.qtype_totals().items()):
+        click.echo(f"{q:<14} {d['tensors']:>5} tensors {d['bytes']:>14,} bytes {8 * d['bytes'] / d['weights']:7.3f} bpw")
+    bpw = ins.bpw_experts
+    click.echo(f"files: {', '.join(p.name for p in ins.files)} ({ins.file_bytes:,} bytes)")
+    click.echo(f"expert bpw: {bpw:.4f}" if bpw is not None else "expert bpw: no routed expert tensors")
+    click.echo(f"codebook tables: {', '.join(ins.codebook_tables) or 'none'}")
+    for n in ins.notes:
+        click.echo(f"note: {n}")
+
+
 def main(argv=None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="ds4quant")

@@ -28,6 +28,10 @@ KEEP_SOURCE_CLASSES = frozenset({"router", "norm", "hash_table", "hc", "sink", "
 # Tensor classes that take the recipe's dense qtype.
 DENSE_CLASSES = frozenset({"attention", "shared_expert"})
 
+# Attention-class tensors that are not projections (sinks, compressor position
+# biases) keep source precision like norms do.
+_KEEP_NAMES = re.compile(r"(attn_sinks|_ape)\.weight$")
+
 # What "source precision" becomes in GGUF, per source dtype.
 _KEEP = {
     "F32": "f32",
@@ -165,7 +169,7 @@ class TensorChoice:
 
 
 @dataclass(frozen=True)
-class PlannedTensor:
+class TensorSpec:
     """What the planner needs to know about one output tensor."""
 
     name: str
@@ -184,7 +188,7 @@ def keep_source_qtype(source_dtype: str) -> str:
 
 
 def plan_tensors(
-    recipe: Recipe, tensors: Iterable[PlannedTensor], overrides: Iterable[Override] = ()
+    recipe: Recipe, tensors: Iterable[TensorSpec], overrides: Iterable[Override] = ()
 ) -> list[TensorChoice]:
     """Apply ``recipe`` then ``overrides`` (last match wins) to every tensor.
 
@@ -196,7 +200,7 @@ def plan_tensors(
     for t in tensors:
         if t.tensor_class == "routed_expert":
             asked, rule = recipe.expert_qtype(t.surface), "recipe"
-        elif t.tensor_class in DENSE_CLASSES:
+        elif t.tensor_class in DENSE_CLASSES and not _KEEP_NAMES.search(t.name):
             asked, rule = recipe.dense_qtype, "dense-policy"
         else:
             asked, rule = "source", "keep-source"
@@ -218,7 +222,7 @@ def plan_tensors(
     return out
 
 
-def _check_fits(t: PlannedTensor, qtype: str) -> None:
+def _check_fits(t: TensorSpec, qtype: str) -> None:
     qt = get_qtype(qtype)
     row = t.shape[0]
     need = max(qt.block_size, qt.row_multiple)

@@ -154,7 +154,7 @@ def _split_experts(rows: int, n_experts: int, what: str) -> int:
 
 
 @contextlib.contextmanager
-def _numba_threads(threads: Optional[int]):
+def numba_threads(threads: Optional[int]):
     if threads is None:
         yield
         return
@@ -218,7 +218,7 @@ def encode(
         )
     imp = _check_importance(importance, cols)
     fn = _pick(codec.encode_ref, codec.encode_fast, impl, qt.name, "encoder")
-    with _numba_threads(threads):
+    with numba_threads(threads):
         if qt.is_mix:
             books = check_codebooks(qt, codebooks)
             if books.ndim == 2:

@@ -1,0 +1,554 @@
+"""`ds4quant convert`: a DeepSeek-V4 checkpoint -> a ROCmFPX artifact folder.
+
+Stages (a job with a journal, so a killed run resumes):
+
+1. open + validate the source; build the plan (recipes.plan_tensors); nothing
+   is written until the plan is valid, so bad input leaves OUTDIR untouched;
+2. encode each output tensor into a piece file under ``OUTDIR/.ds4quant-work``
+   (atomic per piece), recording its size and sha256 in ``journal.json``;
+   expert stacks are encoded one expert at a time, so memory stays at a few
+   experts whatever the model size;
+3. assemble the GGUF (or splits) from the pieces, atomically, then write
+   ``manifest.json`` last; remove the work folder.
+
+Resume policy: the source fingerprint and the plan fingerprint (recipe,
+overrides, dense qtype, importance file hash, tool version) must match the
+journal; thread count, split size and artifact name may change, since they
+never change tensor bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from ds4quant import __version__
+from ds4quant.artifact import (
+    FileEntry,
+    GGUFWriter,
+    Manifest,
+    TensorEntry,
+    atomic_write,
+    atomic_write_json,
+    read_gguf_set,
+    sha256_file,
+    write_manifest,
+)
+from ds4quant.errors import BadInputError, Ds4quantError, ResumeMismatchError
+from ds4quant.formats import decode, encode, get_qtype
+from ds4quant.recipes import Override, Recipe, TensorChoice, TensorSpec, get_recipe, plan_tensors
+
+WORK_DIR = ".ds4quant-work"
+JOURNAL = "journal.json"
+MANIFEST = "manifest.json"
+JOURNAL_VERSION = 1
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class TensorResult:
+    """Per output tensor: bytes written and error figures (float32 math).
+
+    sse/ssx: sum of squared error and of squared source values; wsse/wssx
+    the same weighted by importance (None without an imatrix entry).
+    """
+
+    name: str
+    qtype: str
+    nbytes: int
+    sha256: str
+    n_weights: int
+    sse: float
+    ssx: float
+    wsse: Optional[float] = None
+    wssx: Optional[float] = None
+    seconds: float = 0.0
+    reused: bool = False
+
+    @property
+    def rel_mse(self) -> float:
+        return self.sse / self.ssx if self.ssx > 0 else 0.0
+
+    @property
+    def sqnr_db(self) -> float:
+        if self.sse <= 0:
+            return float("inf")
+        return 10.0 * float(np.log10(self.ssx / self.sse)) if self.ssx > 0 else float("-inf")
+
+    def errors_json(self) -> dict:
+        d = {"rel_mse": self.rel_mse, "sqnr_db": self.sqnr_db, "sse": self.sse, "ssx": self.ssx}
+        if self.wsse is not None:
+            d["weighted_sse"] = self.wsse
+            d["weighted_ssx"] = self.wssx
+        # the manifest holds finite numbers only: a lossless tensor has no SQNR
+        return {k: v for k, v in d.items() if not (isinstance(v, float) and not np.isfinite(v))}
+
+    def to_journal(self) -> dict:
+        return {
+            "name": self.name, "qtype": self.qtype, "bytes": self.nbytes, "sha256": self.sha256,
+            "n_weights": self.n_weights, "sse": self.sse, "ssx": self.ssx, "wsse": self.wsse,
+            "wssx": self.wssx, "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_journal(cls, d: dict) -> "TensorResult":
+        return cls(d["name"], d["qtype"], d["bytes"], d["sha256"], d["n_weights"], d["sse"], d["ssx"],
+                   d.get("wsse"), d.get("wssx"), d.get("seconds", 0.0), reused=True)
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What a conversion produced. ``to_json`` is the ``--json`` output."""
+
+    artifact: Path
+    files: tuple[Path, ...]
+    bytes: int
+    plan: tuple[TensorChoice, ...]
+    results: tuple[TensorResult, ...]
+    expert_bytes: int
+    expert_weights: int
+    seconds: float
+    recipe: dict
+    source_fingerprint: str
+    reused: int = 0
+
+    @property
+    def bpw_experts(self) -> float:
+        return 8.0 * self.expert_bytes / self.expert_weights if self.expert_weights else 0.0
+
+    def expert_error(self, weighted: bool = False) -> tuple[float, float]:
+        """(sum of errors, sum of source energy) over routed experts."""
+        kinds = {c.name: c.tensor_class for c in self.plan}
+        e = s = 0.0
+        for r in self.results:
+            if kinds[r.name] != "routed_expert":
+                continue
+            if weighted and r.wsse is not None:
+                e, s = e + r.wsse, s + r.wssx
+            elif not weighted:
+                e, s = e + r.sse, s + r.ssx
+        return e, s
+
+    def to_json(self) -> dict:
+        e, s = self.expert_error()
+        we, ws = self.expert_error(weighted=True)
+        return {
+            "artifact": str(self.artifact),
+            "files": [str(p) for p in self.files],
+            "bytes": self.bytes,
+            "tensors": len(self.plan),
+            "bpw_experts": self.bpw_experts,
+            "expert_bytes": self.expert_bytes,
+            "expert_weights": self.expert_weights,
+            "expert_sqnr_db": (10 * float(np.log10(s / e)) if e > 0 and s > 0 else None),
+            "expert_weighted_error": we if ws else None,
+            "expert_weighted_rel_error": (we / ws) if ws else None,
+            "seconds": self.seconds,
+            "reused_tensors": self.reused,
+            "recipe": self.recipe,
+            "source_fingerprint": self.source_fingerprint,
+            "plan": [c.to_json() for c in self.plan],
+        }
+
+
+ProgressFn = Callable[[dict], None]
+
+
+# ----------------------------------------------------------------------------
+# planning
+
+
+def _tensor_specs(src) -> list[tuple[TensorSpec, tuple]]:
+    """(spec, official members) per output tensor, in a stable order."""
+    out = []
+    n_exp = src.config.n_routed_experts
+    for gguf, members in sorted(src.names.by_gguf().items(), key=lambda kv: _gguf_order(kv[0])):
+        first = members[0]
+        info = src.info(first.name)
+        logical = tuple(info.shape_logical)
+        if first.stacked:
+            if len(members) != n_exp:
+                raise BadInputError(f"has {len(members)} experts, config says {n_exp}", where=gguf)
+            shape = tuple(reversed(logical)) + (n_exp,)
+        else:
+            shape = tuple(reversed(logical)) if logical else (1,)
+        spec = TensorSpec(gguf, str(first.kind.value), shape, info.dtype, first.which, first.layer)
+        out.append((spec, members))
+    return out
+
+
+def _gguf_order(name: str):
+    # token_embd first, then blocks in numeric order, then the output tensors.
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return (1, int(parts[1]), ".".join(parts[2:]))
+    return (0 if name.startswith("token_embd") else 2, 0, name)
+
+
+def _plan_fingerprint(recipe: Recipe, plan: Sequence[TensorChoice], imatrix_sha: Optional[str]) -> str:
+    blob = json.dumps(
+        {
+            "tool_version": __version__,
+            "recipe": recipe.to_json(),
+            "plan": [c.to_json() for c in plan],
+            "imatrix": imatrix_sha,
+        },
+        sort_keys=True,
+    ).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+# ----------------------------------------------------------------------------
+# encoding one tensor
+
+
+def _importance(imatrix, name: str, expert: Optional[int], cols: int) -> Optional[np.ndarray]:
+    if imatrix is None:
+        return None
+    from ds4quant.imatrix import importance_for
+
+    return importance_for(imatrix, name, expert, cols=cols)
+
+
+def _errors(x: np.ndarray, y: np.ndarray, imp: Optional[np.ndarray]):
+    d = (x.astype(np.float64) - y.astype(np.float64))
+    sse = float(np.sum(d * d))
+    ssx = float(np.sum(x.astype(np.float64) ** 2))
+    if imp is None:
+        return sse, ssx, None, None
+    w = imp.astype(np.float64)[None, :]
+    return sse, ssx, float(np.sum(w * d * d)), float(np.sum(w * x.astype(np.float64) ** 2))
+
+
+def _encode_parts(src, choice: TensorChoice, members, imatrix) -> Iterator[tuple[bytes, tuple]]:
+    """Yield (payload chunk, (sse, ssx, wsse|None, wssx|None, n)) per matrix."""
+    qt = get_qtype(choice.qtype)
+    cols = choice.shape[0]
+    for m in members:
+        expert = m.expert
+        if choice.asked == "mxfp4-lossless":
+            from ds4quant.formats.mxfp4 import mxfp4_from_e2m1
+
+            codes, scales = src.expert_fp4(m.layer, m.expert, m.which)
+            payload = mxfp4_from_e2m1(codes, scales, where=m.name)
+            # lossless by construction; the error is exactly zero
+            x = None
+            n = codes.shape[0] * codes.shape[1] * 2
+            yield payload.tobytes(), (0.0, 0.0, None, None, n)
+            continue
+        if qt.name == "i32":
+            raw = np.asarray(src.read(m.name))
+            if raw.dtype.kind not in "iu":
+                raise BadInputError(f"{raw.dtype} tensor cannot be stored as i32", where=m.name)
+            if raw.size and (raw.min() < -(2**31) or raw.max() >= 2**31):
+                raise BadInputError("values do not fit in int32", where=m.name)
+            yield raw.astype("<i4").tobytes(), (0.0, 0.0, None, None, raw.size)
+            continue
+        x = src.read_dequantized(m.name)
+        x = np.ascontiguousarray(x.reshape(-1, cols), dtype=np.float32)
+        if not np.all(np.isfinite(x)):
+            bad = np.argwhere(~np.isfinite(x))[0]
+            raise BadInputError(f"source value at {tuple(int(i) for i in bad)} is not finite", where=m.name)
+        imp = _importance(imatrix, choice.name, expert, cols)
+        try:
+            q = encode(qt.name, x, imp if qt.lossy else None)
+        except Ds4quantError as exc:
+            raise type(exc)(exc.message, where=m.name, hint=exc.hint) from None
+        y = decode(qt.name, q, cols)
+        sse, ssx, wsse, wssx = _errors(x, y, imp)
+        yield q.tobytes(), (sse, ssx, wsse, wssx, x.size)
+
+
+def _encode_tensor(src, choice: TensorChoice, members, imatrix, piece: Path) -> TensorResult:
+    t0 = time.perf_counter()
+    h = hashlib.sha256()
+    nbytes = n = 0
+    sse = ssx = 0.0
+    wsse = wssx = None
+    with atomic_write(piece) as f:
+        for chunk, (e, s, we, ws, cnt) in _encode_parts(src, choice, members, imatrix):
+            f.write(chunk)
+            h.update(chunk)
+            nbytes += len(chunk)
+            sse, ssx, n = sse + e, ssx + s, n + cnt
+            if we is not None:
+                wsse, wssx = (wsse or 0.0) + we, (wssx or 0.0) + ws
+    expect = get_qtype(choice.qtype).nbytes(int(np.prod(choice.shape)))
+    if nbytes != expect:  # a bug, not a user error
+        raise RuntimeError(f"{choice.name}: encoded {nbytes} bytes, expected {expect}")
+    return TensorResult(choice.name, choice.qtype, nbytes, h.hexdigest(), n, sse, ssx, wsse, wssx,
+                        time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------
+# the job
+
+
+@dataclass
+class _Journal:
+    path: Path
+    source_fingerprint: str
+    plan_fingerprint: str
+    done: dict = field(default_factory=dict)
+
+    def save(self) -> None:
+        atomic_write_json(self.path, {
+            "version": JOURNAL_VERSION,
+            "source_fingerprint": self.source_fingerprint,
+            "plan_fingerprint": self.plan_fingerprint,
+            "done": self.done,
+        })
+
+    @classmethod
+    def load(cls, path: Path) -> "_Journal":
+        try:
+            d = json.loads(path.read_text())
+            if d.get("version") != JOURNAL_VERSION:
+                raise ValueError("version")
+            return cls(path, d["source_fingerprint"], d["plan_fingerprint"], dict(d["done"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ResumeMismatchError(f"journal is unreadable ({exc})", where=str(path),
+                                      hint="delete the folder and convert again") from None
+
+
+def _parse_size(text: Optional[str]) -> Optional[int]:
+    if text is None:
+        return None
+    t = str(text).strip().upper()
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    try:
+        v = int(float(t) * mult)
+    except ValueError:
+        raise BadInputError(f"bad size {text!r}", where="--split-max-size", hint="e.g. 512M or 50G") from None
+    if v <= 0:
+        raise BadInputError(f"size must be positive, got {text!r}", where="--split-max-size")
+    return v
+
+
+def _check_outdir(out: Path, resume: bool, force: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise BadInputError("exists and is not a folder", where=str(out))
+    entries = [p.name for p in out.iterdir()]
+    if not entries:
+        return
+    if resume and WORK_DIR in entries:
+        return
+    if force:
+        return
+    raise BadInputError(
+        "output folder is not empty", where=str(out),
+        hint="pass --resume to continue an interrupted run, or --force to replace its contents",
+    )
+
+
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_CHUNK)
+            if not b:
+                return
+            yield b
+
+
+def convert(
+    source: "str | os.PathLike",
+    outdir: "str | os.PathLike",
+    recipe: str = "rocmfp2-strix",
+    *,
+    threads: Optional[int] = None,
+    imatrix: "str | os.PathLike | None" = None,
+    tensor_types: Sequence[str] = (),
+    dense_qtype: Optional[str] = None,
+    name: Optional[str] = None,
+    split_max_size: Optional[str] = None,
+    resume: bool = False,
+    force: bool = False,
+    command: Optional[Sequence[str]] = None,
+    progress: Optional[ProgressFn] = None,
+) -> ConvertReport:
+    """Convert an official DeepSeek-V4 checkpoint folder into an artifact folder.
+
+    Returns a ConvertReport; raises a Ds4quantError for bad input, leaving no
+    artifact in ``outdir``. The bytes never depend on ``threads``.
+    """
+    from ds4quant.sources.official import open_source
+    from ds4quant.sources.naming import deepseek4_kvs
+
+    t_start = time.perf_counter()
+    out = Path(outdir)
+    rec = get_recipe(recipe)
+    if dense_qtype is not None:
+        get_qtype(dense_qtype)
+        rec = Recipe(rec.name, rec.description, rec.experts, dense_qtype, rec.adaptive)
+    overrides = [Override.parse(t) for t in tensor_types]
+    split_bytes = _parse_size(split_max_size)
+    if threads is not None and threads < 1:
+        raise BadInputError(f"must be >= 1, got {threads}", where="--threads")
+
+    src = open_source(source)
+    try:
+        imx = imx_sha = None
+        if imatrix is not None:
+            from ds4quant.imatrix import read_imatrix
+
+            imx = read_imatrix(imatrix)
+            imx_sha = sha256_file(imatrix)
+        specs = _tensor_specs(src)
+        plan = plan_tensors(rec, [s for s, _ in specs], overrides)
+        members = {s.name: m for s, m in specs}
+        kvs = deepseek4_kvs(src.config)
+        _check_outdir(out, resume, force)
+        source_fp = src.fingerprint()
+        plan_fp = _plan_fingerprint(rec, plan, imx_sha)
+        art_name = name or f"{Path(source).resolve().name}-{rec.name}"
+        if "/" in art_name or art_name.startswith("."):
+            raise BadInputError(f"bad artifact name {art_name!r}", where="--name")
+
+        created_out = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        work = out / WORK_DIR
+        pieces = work / "pieces"
+        journal_path = work / JOURNAL
+        if resume and journal_path.exists():
+            journal = _Journal.load(journal_path)
+            for what, old, new in (("source", journal.source_fingerprint, source_fp),
+                                   ("recipe/plan", journal.plan_fingerprint, plan_fp)):
+                if old != new:
+                    raise ResumeMismatchError(
+                        f"cannot resume: the {what} fingerprint differs (journal {old[:12]}, this run {new[:12]})",
+                        where=str(journal_path),
+                        hint="run with the same source, recipe, --tensor-type and --imatrix, or start over with --force",
+                    )
+        else:
+            if work.exists():
+                shutil.rmtree(work)
+            if force:
+                for p in out.iterdir():
+                    if p.is_dir():
+                        shutil.rmtree(p)
+                    else:
+                        p.unlink()
+            journal = _Journal(journal_path, source_fp, plan_fp)
+        pieces.mkdir(parents=True, exist_ok=True)
+        journal.save()
+
+        results: list[TensorResult] = []
+        try:
+            results = _run_encode(src, plan, members, imx, pieces, journal, threads, progress)
+            files = _assemble(out, art_name, src, rec, plan, results, kvs, pieces, split_bytes, source_fp)
+        except Ds4quantError:
+            # bad input mid-run: leave no artifact and no half-made folder
+            shutil.rmtree(work, ignore_errors=True)
+            if created_out:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        manifest = _manifest(out, files, src, rec, plan, results, overrides, imatrix, imx_sha, command, source_fp)
+        write_manifest(out / MANIFEST, manifest)
+        shutil.rmtree(work, ignore_errors=True)
+    finally:
+        src.close()
+
+    expert_bytes = sum(r.nbytes for r, c in zip(results, plan) if c.tensor_class == "routed_expert")
+    expert_weights = sum(int(np.prod(c.shape)) for c in plan if c.tensor_class == "routed_expert")
+    return ConvertReport(
+        artifact=out,
+        files=tuple(files),
+        bytes=sum(p.stat().st_size for p in files),
+        plan=tuple(plan),
+        results=tuple(results),
+        expert_bytes=expert_bytes,
+        expert_weights=expert_weights,
+        seconds=time.perf_counter() - t_start,
+        recipe=rec.to_json(),
+        source_fingerprint=source_fp,
+        reused=sum(1 for r in results if r.reused),
+    )
+
+
+def _run_encode(src, plan, members, imx, pieces: Path, journal: _Journal, threads, progress) -> list[TensorResult]:
+    from ds4quant.formats import numba_threads  # one place sets numba's thread count
+
+    results = []
+    total_src = sum(src.info(m.name).nbytes for c in plan for m in members[c.name])
+    done_src = 0
+    t0 = time.perf_counter()
+    with numba_threads(threads):
+        for i, choice in enumerate(plan):
+            piece = pieces / f"{i:05d}.bin"
+            prev = journal.done.get(choice.name)
+            src_bytes = sum(src.info(m.name).nbytes for m in members[choice.name])
+            if prev is not None and piece.is_file() and piece.stat().st_size == prev["bytes"]:
+                res = TensorResult.from_journal(prev)
+            else:
+                res = _encode_tensor(src, choice, members[choice.name], imx, piece)
+                journal.done[choice.name] = res.to_journal()
+                journal.save()
+            results.append(res)
+            done_src += src_bytes
+            if progress is not None:
+                elapsed = time.perf_counter() - t0
+                progress({
+                    "index": i + 1, "total": len(plan), "name": choice.name, "qtype": choice.qtype,
+                    "bytes": res.nbytes, "seconds": res.seconds, "reused": res.reused,
+                    "sqnr_db": res.sqnr_db if res.ssx > 0 else None,
+                    "source_done": done_src, "source_total": total_src, "elapsed": elapsed,
+                })
+    return results
+
+
+def _assemble(out: Path, art_name: str, src, rec: Recipe, plan, results, kvs, pieces: Path,
+              split_bytes: Optional[int], source_fp: str) -> list[Path]:
+    # Stale GGUFs of an earlier attempt under this name would confuse readers.
+    for p in out.glob(f"{art_name}*.gguf"):
+        p.unlink()
+    w = GGUFWriter(out / f"{art_name}.gguf", split_max_bytes=split_bytes)
+    for kv in kvs:
+        w.add_kv(kv.key, kv.value, kv.type, kv.sub_type)
+    w.add_string("general.name", art_name)
+    w.add_uint32("general.quantization_version", 2)
+    w.add_string("ds4quant.tool_version", __version__)
+    w.add_string("ds4quant.recipe", json.dumps(rec.to_json(), sort_keys=True))
+    w.add_string("ds4quant.source_fingerprint", source_fp)
+    for i, (choice, res) in enumerate(zip(plan, results)):
+        piece = pieces / f"{i:05d}.bin"
+        w.add_tensor(choice.name, choice.qtype, choice.shape, data=(lambda p=piece: _file_chunks(p)))
+    return list(w.write())
+
+
+def _manifest(out: Path, files, src, rec: Recipe, plan, results, overrides, imatrix, imx_sha, command,
+              source_fp: str) -> Manifest:
+    gg = read_gguf_set(files[0])
+    entries = []
+    for choice, res in zip(plan, results):
+        info = gg.tensors[choice.name]
+        if info.nbytes != res.nbytes:
+            raise RuntimeError(f"{choice.name}: GGUF holds {info.nbytes} bytes, piece had {res.nbytes}")
+        entries.append(TensorEntry(choice.name, choice.qtype, info.variant, info.ggml_type, info.shape,
+                                   res.nbytes, res.sha256, None, res.errors_json()))
+    recipe = dict(rec.to_json())
+    recipe["tensor_types"] = [o.pattern + "=" + o.qtype for o in overrides]
+    recipe["imatrix"] = ({"path": str(imatrix), "sha256": imx_sha} if imatrix is not None else None)
+    recipe["plan"] = [c.to_json() for c in plan]
+    return Manifest(
+        tool_version=__version__,
+        command=tuple(command if command is not None else sys.argv),
+        source={"path": str(Path(src.path)), "fingerprint": source_fp, "format": "deepseek-v4-official"},
+        recipe=recipe,
+        files=tuple(FileEntry.of(p, p.relative_to(out).as_posix()) for p in files),
+        tensors=tuple(entries),
+    )
