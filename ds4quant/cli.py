@@ -192,6 +192,164 @@ def inspect_cmd(artifact, variant_107, as_json):
         click.echo(f"note: {n}")
 
 
+def _fmt_db(v) -> str:
+    if v is None:
+        return "-"
+    return "exact" if v == float("inf") else f"{v:.2f}"
+
+
+def _verify_progress(enabled: bool):
+    if not enabled:
+        return None
+
+    def show(ev: dict) -> None:
+        sq = ev.get("sqnr_db")
+        click.echo(f"[{ev['index']:>4}/{ev['total']}] {ev['name']:<40} {ev['qtype']:<14} {_fmt_db(sq):>7} dB "
+                   f"{ev['seconds']:6.2f}s", err=True)
+
+    return show
+
+
+@cli.command("verify")
+@click.argument("artifact", type=click.Path(path_type=str))
+@click.option("--source", default=None, type=click.Path(path_type=str),
+              help="The checkpoint folder it was made from: decode every tensor and compare.")
+@click.option("--imatrix", default=None, type=click.Path(path_type=str),
+              help="Importance matrix for the importance-weighted error (needs --source).")
+@click.option("--report", "report_dir", default=None, type=click.Path(path_type=str),
+              help="Write report.md and PNG plots into this folder.")
+@click.option("--threshold-db", type=float, default=None,
+              help="Flag lossy tensors below this SQNR (default: a floor per qtype).")
+@click.option("--variant-107", default=None, metavar="QTYPE",
+              help="Name the codec of untagged ggml type 107 tensors (rocmfp2, rocmfp2_affine, rocmfp2_s40).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object {ok, checks, tensors, summary}.")
+def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, as_json):
+    """Check that an artifact (or release folder, or bare .gguf) is sound:
+    types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
+    file hashes against manifest.json (and SHA256SUMS). With --source, decode
+    every tensor and report its error against the source.
+
+    Exit status: 0 sound, 1 a check failed, 2 unusable input.
+
+    \b
+    Examples:
+      ds4quant verify out/tiny-strix
+      ds4quant verify out/tiny-strix --source samples/ds4-tiny --report out/tiny-strix-report
+      ds4quant verify release/ --json
+    """
+    from ds4quant.verify import verify
+
+    progress = _verify_progress(source is not None and not as_json and sys.stderr.isatty())
+    rep = verify(artifact, source=source, imatrix=imatrix, report_dir=report_dir, threshold_db=threshold_db,
+                 variant_107=variant_107, progress=progress)
+    if as_json:
+        _emit_json(rep.to_json())
+    else:
+        s = rep.summary
+        click.echo(f"verify {s['artifact']} ({s['kind']}): {len(rep.files)} file(s), {s['n_tensors']} tensors, "
+                   f"{s['tensor_bytes']:,} tensor bytes")
+        for c in rep.checks:
+            click.echo(f"  {'ok  ' if c.ok else 'FAIL'} {c.one_line()}")
+        if s["bpw_experts"] is not None:
+            line = f"routed experts: {s['bpw_experts']:.4f} bpw"
+            if s["expert_sqnr_db"] is not None:
+                line += f", SQNR {s['expert_sqnr_db']:.2f} dB, rel MSE {s['expert_rel_mse']:.4g}"
+            if s["expert_weighted_rel_error"] is not None:
+                line += f", weighted rel error {s['expert_weighted_rel_error']:.4g}"
+            if s["numbers_from"]:
+                line += f" ({'decoded vs source' if s['numbers_from'] == 'source' else 'convert-time, from manifest.json'})"
+            click.echo(line)
+        if rep.report_path is not None:
+            click.echo(f"report: {rep.report_path}")
+        n_bad = len(rep.failed)
+        click.echo("sound" if rep.ok else f"NOT SOUND: {n_bad} check(s) failed")
+    if not rep.ok:
+        click.get_current_context().exit(1)
+
+
+@cli.command("publish")
+@click.argument("artifact", type=click.Path(path_type=str))
+@click.argument("outdir", type=click.Path(path_type=str))
+@click.option("--source", default=None, type=click.Path(path_type=str),
+              help="Verify against this checkpoint first; the model card then shows decoded fidelity.")
+@click.option("--imatrix", default=None, type=click.Path(path_type=str),
+              help="Importance matrix for the weighted error (needs --source).")
+@click.option("--hf-repo", default=None, metavar="NAME",
+              help="Also upload the release folder to this Hugging Face repo (one commit).")
+@click.option("--force", is_flag=True, help="Replace a non-empty OUTDIR.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def publish_cmd(artifact, outdir, source, imatrix, hf_repo, force, as_json):
+    """Verify an artifact, then write a release folder: the artifact files,
+    manifest.json, SHA256SUMS, the verify report with plots, and a model card
+    README.md. An unsound artifact is refused (exit 1).
+
+    \b
+    Examples:
+      ds4quant publish out/tiny-mix release/tiny-mix --source samples/ds4-tiny
+      ds4quant publish out/tiny-mix release/tiny-mix --hf-repo me/ds4-tiny-rocmfpx
+    """
+    from ds4quant.publish import publish
+
+    rep = publish(artifact, outdir, source=source, imatrix=imatrix, hf_repo=hf_repo, overwrite=force)
+    if as_json:
+        _emit_json(rep.to_json())
+        return
+    click.echo(f"release {rep.release}: {len(rep.files)} files, {rep.bytes:,} bytes; check it with "
+               f"`cd {rep.release} && sha256sum -c SHA256SUMS`")
+    if rep.url:
+        click.echo(f"uploaded: {rep.url}")
+
+
+@cli.command("calibrate")
+@click.argument("source", type=click.Path(path_type=str))
+@click.option("--tokens", "tokens_file", required=True, type=click.Path(path_type=str),
+              help="Token ids: one sequence per line (whitespace-separated; '#' lines skipped), or a JSON list of lists.")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=str),
+              help="Output folder (created if its parent exists).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Worker processes, one core each (default 1). Output bytes do not depend on it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object; no progress.")
+def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, as_json: bool) -> None:
+    """Run token sequences through the reference model (transformers
+    DeepSeek-V4, fp32) of SOURCE and write an imatrix (E[x^2] per input
+    column, per expert) and a routing profile.
+
+    \b
+    Writes OUT/imatrix.gguf, routing.csv (Lucebox hotness CSV), routing.json
+    and report.json. Experts no token reached get count 0 and are listed.
+    Examples:
+      ds4quant calibrate samples/ds4-tiny --tokens samples/tokens.txt --out calib
+      ds4quant calibrate ckpt/ --tokens toks.json --out calib --threads 4 --json
+    """
+    import time
+
+    from ds4quant.calibrate import calibrate
+
+    progress = None
+    if not as_json and sys.stderr.isatty():
+        start = time.monotonic()
+
+        def progress(done: int, total: int, tokens: int) -> None:
+            spent = time.monotonic() - start
+            rate = tokens / spent if spent > 0 else 0.0
+            eta = spent / done * (total - done)
+            click.echo(f"\rcalibrate: {done}/{total} sequences, {tokens} tokens, {rate:.0f} tok/s, "
+                       f"ETA {eta:.0f} s ", err=True, nl=done == total)
+
+    rep = calibrate(source, tokens_file, out_dir, threads=threads, progress=progress)
+    if as_json:
+        _emit_json(rep.to_json())
+        return
+    click.echo(f"wrote {', '.join(os.path.join(rep.out_dir, f) for f in rep.files.values())}")
+    click.echo(f"{rep.sequences} sequences, {rep.tokens} tokens, {rep.seconds:.1f} s ({rep.threads} worker(s))")
+    never = {k.split(".")[1]: v for k, v in rep.unreached.items() if k.endswith("ffn_gate_exps.weight") and v}
+    if never:
+        detail = "; ".join(f"layer {layer}: {' '.join(map(str, v))}" for layer, v in never.items())
+        click.echo(f"experts never reached ({rep.unreached_count}, imatrix count 0): {detail}")
+    else:
+        click.echo("every expert was reached")
+
+
 def main(argv=None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="ds4quant")

@@ -1,0 +1,644 @@
+"""Calibrate: importance matrix and routing profile from the reference model.
+
+Runs token sequences through the transformers DeepSeek-V4 reference model
+(``DeepseekV4ForCausalLM`` on the exactly dequantized source weights, fp32,
+``experts_implementation="eager"``; spec ds4-reference-model.md) and records,
+with forward pre-hooks:
+
+- routed experts (``model.model.layers[L].mlp.experts``, called as
+  ``experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k])``): per layer,
+  expert and surface the sum over routed rows of x^2 per input column and the
+  row count. gate and up read the hidden rows routed to the expert; down reads
+  ``silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)`` of that expert,
+  recomputed from its weights with the same ops, rows and order as the eager
+  experts forward (so the values are the model's own, bit for bit);
+- routing: the slots per layer and expert, from ``top_k_index`` itself, so
+  hash-routed layers (experts from ``tid2eid``) count like scored ones;
+- dense projections (attention, compressor, indexer, shared experts, output
+  head): the same sums of their inputs, under their GGUF names.
+
+Outputs in ``out_dir``: ``imatrix.gguf`` (GGUF imatrix: per-expert sums with
+shape (n_expert, cols) and counts per expert; an expert no token reached has
+count 0, so ``importance_for`` returns None and the converter falls back to the
+weight-only error), ``routing.csv`` (Lucebox hotness CSV), ``routing.json`` and
+``report.json`` (tokens, sequences, seconds, unreached experts per tensor).
+
+Determinism: every sequence runs alone (batch 1) on one torch thread, its
+sums are taken in float64 and the per-sequence sums are added in sequence
+order. ``threads`` is the number of worker processes that run sequences, so
+it changes speed, never bytes (torch's CPU kernels give different bits for
+different intra-op thread counts: spec §Q4). Only ``report.json``'s ``run``
+block (seconds, threads) differs between runs.
+
+Example::
+
+    rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "out/calib")
+    rep.unreached["blk.0.ffn_down_exps.weight"]     # experts no token reached
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ds4quant.errors import BadInputError, CorruptDataError, MissingDependencyError
+
+__all__ = ["CalibrationReport", "calibrate", "read_tokens", "REPORT_SCHEMA", "REPORT_VERSION"]
+
+REPORT_SCHEMA = "ds4quant.calibration_report"
+REPORT_VERSION = 1
+IMATRIX_FILE = "imatrix.gguf"
+ROUTING_CSV = "routing.csv"
+ROUTING_JSON = "routing.json"
+REPORT_FILE = "report.json"
+SURFACES = ("gate", "up", "down")
+
+# transformers module (inside model.model.layers.L) -> GGUF tensor stem (blk.L.<stem>.weight);
+# names from ds4-reference-model.md (official <-> transformers) and ds4-and-lucebox.md §2.
+_DENSE_MODULES = (
+    ("self_attn.q_a_proj", "attn_q_a"),
+    ("self_attn.q_b_proj", "attn_q_b"),
+    ("self_attn.kv_proj", "attn_kv"),
+    ("self_attn.o_a_proj", "attn_output_a"),  # grouped: each (token, group) row is one input row
+    ("self_attn.o_b_proj", "attn_output_b"),
+    ("self_attn.compressor.kv_proj", "attn_compressor_kv"),
+    ("self_attn.compressor.gate_proj", "attn_compressor_gate"),
+    ("self_attn.compressor.indexer.q_b_proj", "indexer.attn_q_b"),
+    ("self_attn.compressor.indexer.kv_proj", "indexer_compressor_kv"),
+    ("self_attn.compressor.indexer.gate_proj", "indexer_compressor_gate"),
+    ("self_attn.compressor.indexer.scorer.weights_proj", "indexer.proj"),
+    ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
+    ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
+    ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
+)
+_HEAD_MODULE = ("lm_head", "output.weight")
+
+_TOKEN_RE = re.compile(r"[0-9]+")
+
+
+def expert_tensor(layer: int, surface: str) -> str:
+    """GGUF name of a routed-expert stack, e.g. ``blk.3.ffn_down_exps.weight``."""
+    return f"blk.{layer}.ffn_{surface}_exps.weight"
+
+
+# --------------------------------------------------------------------------
+# token input
+
+
+def read_tokens(path: "str | os.PathLike[str]", vocab_size: int,
+                max_len: Optional[int] = None) -> tuple[tuple[int, ...], ...]:
+    """Token-id sequences from a file.
+
+    Text: one sequence per line, whitespace-separated decimal ids; blank lines
+    and lines starting with ``#`` are skipped. JSON (content starts with
+    ``[``): a list of non-empty lists of ints. Every id must be in
+    0..vocab_size-1 and a sequence at most ``max_len`` long; otherwise a
+    BadInputError names the file and line (or index).
+    """
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise BadInputError(f"cannot read token file: {e.strerror}", where=str(p)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInputError(f"byte {e.start} is not UTF-8; expected token ids as text or JSON", where=str(p)) from None
+    where = str(p)
+    seqs: list[tuple[int, ...]] = []
+    if text.lstrip().startswith("["):
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise BadInputError(f"not valid JSON: {e}", where=where) from None
+        if not isinstance(obj, list):
+            raise BadInputError("JSON token file must be a list of lists of token ids", where=where)
+        for i, seq in enumerate(obj):
+            if not isinstance(seq, list):
+                raise BadInputError(f"sequence {i} is {type(seq).__name__}, not a list of token ids", where=where)
+            seqs.append(_check_seq(seq, vocab_size, max_len, where, f"sequence {i}"))
+    else:
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            s = line.strip()
+            if not s or s.startswith("#"):
+                continue
+            ids = []
+            for tok in s.split():
+                if not _TOKEN_RE.fullmatch(tok):
+                    raise BadInputError(f"line {lineno}: token {tok[:40]!r} is not a token id (a decimal integer >= 0)",
+                                        where=where)
+                ids.append(int(tok))
+            seqs.append(_check_seq(ids, vocab_size, max_len, where, f"line {lineno}"))
+    if not seqs:
+        raise BadInputError("holds no token sequences", where=where,
+                            hint="one sequence per line, whitespace-separated ids, or a JSON list of lists")
+    return tuple(seqs)
+
+
+def _check_seq(seq: Sequence[Any], vocab_size: int, max_len: Optional[int], where: str, what: str) -> tuple[int, ...]:
+    if len(seq) == 0:
+        raise BadInputError(f"{what}: empty sequence", where=where)
+    if max_len is not None and len(seq) > max_len:
+        raise BadInputError(f"{what}: {len(seq)} tokens exceed the model's max_position_embeddings {max_len}",
+                            where=where)
+    out = []
+    for j, t in enumerate(seq):
+        if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
+            raise BadInputError(f"{what}: item {j} is {t!r}, not an integer token id", where=where)
+        if not 0 <= t < vocab_size:
+            raise BadInputError(f"{what}: token id {t} is out of range for vocab_size {vocab_size} "
+                                f"(ids 0..{vocab_size - 1})", where=where)
+        out.append(int(t))
+    return tuple(out)
+
+
+def _tokens_sha256(seqs: Sequence[Sequence[int]]) -> str:
+    """sha256 of the canonical text form (one line per sequence, ids by single spaces)."""
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update((" ".join(str(t) for t in s) + "\n").encode("ascii"))
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------
+# the reference model
+
+
+def _need(module: str, what: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise MissingDependencyError(f"calibrate needs {module} ({what})",
+                                     hint="pip install 'ds4quant[reference]'")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' warnings and progress bars while loading (library
+    code never prints); the previous settings come back afterwards."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _load_model(source_dir: str):
+    """transformers DeepseekV4ForCausalLM on the exactly dequantized weights:
+    fp32, eager experts, eval mode. Refuses missing or mismatched weights."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    with _quiet_transformers():
+        try:
+            model, info = DeepseekV4ForCausalLM.from_pretrained(
+                source_dir, dtype=torch.float32, experts_implementation="eager", output_loading_info=True
+            )
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CorruptDataError(f"transformers could not load the checkpoint: {first[:300]}",
+                                   where=source_dir) from None
+    for key in ("missing_keys", "mismatched_keys"):
+        bad = sorted(str(k) for k in (info.get(key) or ()))
+        if bad:
+            raise CorruptDataError(f"the reference model has {len(bad)} {key.replace('_', ' ')} "
+                                   f"(first: {bad[0]}); the checkpoint is incomplete or has the wrong shapes",
+                                   where=source_dir)
+    model.eval()
+    return model
+
+
+@dataclass
+class _Partial:
+    """One sequence's sums (float64) and counts; picklable for worker processes."""
+
+    tokens: int
+    slots: np.ndarray  # int64 (n_layer, n_expert): routed slots per expert
+    experts: dict = field(default_factory=dict)  # (layer, expert) -> [rows, sum x^2 hidden (H,), sum x^2 act (I,)]
+    dense: dict = field(default_factory=dict)  # GGUF name -> [rows, sum x^2 (cols,)]
+
+
+def _sum_sq(x) -> np.ndarray:
+    """float64 (cols,): sum over rows of x^2 (x: float32 torch [rows, cols]).
+    Squares of float32 are exact in float64; numpy adds rows in order."""
+    a = x.detach().numpy().astype(np.float64)
+    return np.square(a).sum(axis=0)
+
+
+def expert_rows(experts, hidden, idx_t, e: int):
+    """The rows routed to expert ``e`` and its down-projection input, exactly as
+    the eager ``DeepseekV4Experts.forward`` computes them.
+
+    hidden: float32 [T, H]; idx_t: int64 [k, T] (top_k_index transposed, the
+    layout of eager's one-hot mask[e]). Returns (top_k_pos [n], token_idx [n],
+    x = hidden[token_idx] [n, H], act [n, I]) with rows in eager's order and
+    act = silu(clamp(gate, max=limit)) * clamp(up, -limit, limit).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    pos, tok = torch.where(idx_t == e)
+    x = hidden[tok]
+    gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    act = experts.act_fn(gate.clamp(max=experts.limit)) * up.clamp(min=-experts.limit, max=experts.limit)
+    return pos, tok, x, act
+
+
+class _Collector:
+    """Hooks on one loaded model; ``run(ids)`` returns that sequence's _Partial."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.model = model
+        self.n_layer = len(model.model.layers)
+        self.n_expert = int(cfg.n_routed_experts)
+        self._part: Optional[_Partial] = None
+        self._handles = []
+        self.dense_names: list[str] = []
+        for layer_idx, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            self._handles.append(experts.register_forward_pre_hook(self._experts_hook(layer_idx), with_kwargs=True))
+            for path, stem in _DENSE_MODULES:
+                try:
+                    mod = layer.get_submodule(path)
+                except AttributeError:
+                    continue  # e.g. no compressor in sliding-only layers
+                self._add_dense(mod, f"blk.{layer_idx}.{stem}.weight")
+        self._add_dense(model.get_submodule(_HEAD_MODULE[0]), _HEAD_MODULE[1])
+
+    def _add_dense(self, mod, name: str) -> None:
+        def hook(_mod, args):
+            if self._part is None:
+                return
+            x = args[0]
+            rows = x.detach().reshape(-1, x.shape[-1])
+            slot = self._part.dense.setdefault(name, [0, np.zeros(rows.shape[1], dtype=np.float64)])
+            slot[0] += int(rows.shape[0])
+            slot[1] += _sum_sq(rows)
+
+        self._handles.append(mod.register_forward_pre_hook(hook))
+        self.dense_names.append(name)
+
+    def _experts_hook(self, layer_idx: int):
+        import torch
+
+        def hook(module, args, kwargs):
+            if self._part is None:
+                return
+            hidden = args[0] if len(args) > 0 else kwargs["hidden_states"]
+            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            n_exp = module.num_experts
+            with torch.no_grad():
+                flat = idx.reshape(-1)
+                # The eager forward skips index n_expert (an expert-parallel
+                # placeholder); anything else out of range would have failed there.
+                self._part.slots[layer_idx] += torch.bincount(flat[flat < n_exp], minlength=n_exp).numpy()
+                idx_t = idx.transpose(0, 1)  # [k, T]: the eager forward's mask[e] layout
+                for e in torch.unique(flat).tolist():
+                    if e >= n_exp:
+                        continue
+                    _pos, tok, x, act = expert_rows(module, hidden, idx_t, e)
+                    slot = self._part.experts.get((layer_idx, e))
+                    if slot is None:
+                        slot = self._part.experts[(layer_idx, e)] = [0, 0.0, 0.0]
+                    slot[0] += int(tok.shape[0])
+                    slot[1] = slot[1] + _sum_sq(x)
+                    slot[2] = slot[2] + _sum_sq(act)
+
+        return hook
+
+    def run(self, ids: Sequence[int]) -> _Partial:
+        import torch
+
+        self._part = _Partial(tokens=len(ids), slots=np.zeros((self.n_layer, self.n_expert), dtype=np.int64))
+        try:
+            with torch.no_grad():
+                self.model(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+            return self._part
+        finally:
+            self._part = None
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+# worker processes (spawned): one model each, one torch thread each
+_WORKER: Optional[_Collector] = None
+
+
+def _worker_init(source_dir: str, shape: tuple[int, int, int, int], hash_layers: tuple[int, ...]) -> None:
+    global _WORKER
+    import torch
+
+    torch.set_num_threads(1)
+    model = _load_model(source_dir)
+    _check_model(model, shape, hash_layers, source_dir)
+    _WORKER = _Collector(model)
+
+
+def _worker_run(ids: tuple[int, ...]) -> _Partial:
+    if _WORKER is None:
+        raise RuntimeError("calibration worker used before _worker_init")  # a bug, not user input
+    return _WORKER.run(ids)
+
+
+# --------------------------------------------------------------------------
+# totals and outputs
+
+
+class _Totals:
+    """Sums over all sequences, added in sequence order."""
+
+    def __init__(self, n_layer: int, n_expert: int, hidden: int, inter: int):
+        self.tokens = 0
+        self.slots = np.zeros((n_layer, n_expert), dtype=np.int64)
+        self.rows = np.zeros((n_layer, n_expert), dtype=np.int64)
+        self.hidden = np.zeros((n_layer, n_expert, hidden), dtype=np.float64)
+        self.act = np.zeros((n_layer, n_expert, inter), dtype=np.float64)
+        self.dense: dict[str, list] = {}
+
+    def add(self, p: _Partial) -> None:
+        self.tokens += p.tokens
+        self.slots += p.slots
+        for (layer, e), (rows, sh, sa) in sorted(p.experts.items()):
+            self.rows[layer, e] += rows
+            self.hidden[layer, e] += sh
+            self.act[layer, e] += sa
+        for name, (rows, s) in sorted(p.dense.items()):
+            slot = self.dense.setdefault(name, [0, np.zeros_like(s)])
+            slot[0] += rows
+            slot[1] += s
+
+
+@dataclass(frozen=True)
+class CalibrationReport:
+    """What a calibration run did and wrote (``to_json`` is report.json).
+
+    unreached: GGUF expert tensor -> experts with count 0 (ascending).
+    files: role -> file name inside out_dir; sha256: file name -> hex digest
+    (imatrix and routing files). seconds / threads: this run only.
+    """
+
+    out_dir: str
+    source: str
+    fingerprint: str
+    tokens_file: str
+    tokens_sha256: str
+    sequences: int
+    tokens: int
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    hash_layers: tuple[int, ...]
+    unreached: Mapping[str, tuple[int, ...]]
+    dense_tensors: tuple[str, ...]
+    files: Mapping[str, str]
+    sha256: Mapping[str, str]
+    versions: Mapping[str, str]
+    seconds: float
+    threads: int
+
+    @property
+    def unreached_count(self) -> int:
+        """Unreached (layer, expert) pairs (gate/up/down share their rows, so one per surface triple)."""
+        return sum(len(v) for k, v in self.unreached.items() if k.endswith("ffn_gate_exps.weight"))
+
+    def to_json(self) -> dict:
+        return {
+            "schema": REPORT_SCHEMA,
+            "version": REPORT_VERSION,
+            "source": {"name": self.source, "fingerprint": self.fingerprint},
+            "tokens": {"file": self.tokens_file, "sha256": self.tokens_sha256,
+                       "sequences": self.sequences, "tokens": self.tokens},
+            "model": {"n_layer": self.n_layer, "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
+                      "hash_layers": list(self.hash_layers), "dtype": "float32", "experts_implementation": "eager",
+                      "batch": 1, "torch_threads": 1},
+            "versions": dict(self.versions),
+            "files": dict(self.files),
+            "sha256": dict(self.sha256),
+            "unreached_experts": {k: list(v) for k, v in self.unreached.items()},
+            "unreached_count": self.unreached_count,
+            "dense_tensors": list(self.dense_tensors),
+            "run": {"seconds": round(self.seconds, 3), "threads": self.threads},
+        }
+
+
+def _build_imatrix(tot: _Totals, n_layer: int, seq_lens: Sequence[int], dataset: str):
+    from ds4quant.imatrix import make_imatrix
+
+    sums: dict[str, tuple[Any, Any]] = {}
+    for layer in range(n_layer):
+        hid = tot.hidden[layer].astype(np.float32)
+        counts = tot.rows[layer].astype(np.float64)
+        sums[expert_tensor(layer, "gate")] = (hid, counts)
+        sums[expert_tensor(layer, "up")] = (hid, counts)
+        sums[expert_tensor(layer, "down")] = (tot.act[layer].astype(np.float32), counts)
+    for name, (rows, s) in tot.dense.items():
+        sums[name] = (s.astype(np.float32), [rows])
+    lens = set(seq_lens)
+    return make_imatrix(sums, datasets=(dataset,), chunk_count=len(seq_lens),
+                        chunk_size=next(iter(lens)) if len(lens) == 1 else None)
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from ds4quant import __version__
+
+    return {"ds4quant": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def calibrate(
+    source_dir: "str | os.PathLike[str]",
+    tokens: "str | os.PathLike[str] | Sequence[Sequence[int]]",
+    out_dir: "str | os.PathLike[str]",
+    *,
+    threads: Optional[int] = None,
+    progress: Optional[Callable[[int, int, int], None]] = None,
+) -> CalibrationReport:
+    """Run ``tokens`` through the reference model of ``source_dir`` and write the
+    imatrix, routing profile (CSV + JSON) and report into ``out_dir``.
+
+    source_dir: an official-layout DeepSeek-V4 checkpoint folder (FP8/FP4 or
+    BF16/F32). tokens: a token file (see ``read_tokens``) or a list of id
+    sequences. threads: worker processes (default 1: in this process); output
+    bytes do not depend on it. progress(done_sequences, total_sequences,
+    tokens_done) is called after each sequence. ``out_dir`` is created if its
+    parent exists; the four files in it are each replaced atomically.
+
+        rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "calib")
+    """
+    from ds4quant.artifact.atomic import atomic_write_json
+    from ds4quant.imatrix import write_imatrix_gguf
+    from ds4quant.routing import RoutingProfile, write_routing_csv, write_routing_json
+    from ds4quant.sources import open_source
+    from ds4quant.sources.config import HASH_MOE
+
+    if threads is None:
+        threads = 1
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise BadInputError(f"threads must be an int >= 1, got {threads!r}", where="threads")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise BadInputError("exists and is not a folder", where=str(out))
+    if not out.exists() and not out.parent.is_dir():
+        raise BadInputError(f"parent folder {out.parent} does not exist", where=str(out))
+
+    # Validate the source (layout, config, shapes) before the heavy imports.
+    src_path = Path(source_dir)
+    with open_source(src_path) as src:
+        cfg = src.config
+        fingerprint = src.fingerprint()
+    if isinstance(tokens, (str, os.PathLike)):
+        seqs = read_tokens(tokens, cfg.vocab_size, cfg.max_position_embeddings)
+        tokens_file = Path(tokens).name
+    else:
+        if not isinstance(tokens, Sequence) or not all(isinstance(s, Sequence) for s in tokens):
+            raise BadInputError("tokens must be a token file path or a list of token-id lists", where="tokens")
+        seqs = tuple(_check_seq(s, cfg.vocab_size, cfg.max_position_embeddings, "tokens", f"sequence {i}")
+                     for i, s in enumerate(tokens))
+        if not seqs:
+            raise BadInputError("no token sequences given", where="tokens")
+        tokens_file = "<in-memory>"
+    _need("torch", "the reference model")
+    _need("transformers", "the DeepSeek-V4 reference model")
+    if cfg.expert_dtype is not None or cfg.fp8_block is not None:
+        _need("accelerate", "transformers dequantizes FP8/FP4 checkpoints on load through it")
+    out.mkdir(exist_ok=True)
+
+    n_layer, n_expert, k = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok
+    hash_layers = tuple(i for i, t in enumerate(cfg.mlp_layer_types) if t == HASH_MOE)
+    shape = (n_layer, n_expert, cfg.moe_intermediate_size, cfg.hidden_size)
+    tot = _Totals(n_layer, n_expert, cfg.hidden_size, cfg.moe_intermediate_size)
+    workers = min(threads, len(seqs))
+    t0 = time.monotonic()
+    done_tokens = 0
+    if workers == 1:
+        with _torch_threads(1):
+            model = _load_model(str(src_path))
+            _check_model(model, shape, hash_layers, str(src_path))
+            collector = _Collector(model)
+            try:
+                for i, ids in enumerate(seqs):
+                    tot.add(collector.run(ids))
+                    done_tokens += len(ids)
+                    if progress is not None:
+                        progress(i + 1, len(seqs), done_tokens)
+            finally:
+                collector.close()
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
+
+        # spawn: forking a process whose torch threads have started is unsafe. A
+        # worker that fails to start breaks the pool (no endless respawn).
+        ctx = multiprocessing.get_context("spawn")
+        try:
+            with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                                     initargs=(str(src_path), shape, hash_layers)) as pool:
+                for i, part in enumerate(pool.map(_worker_run, seqs)):
+                    tot.add(part)  # map yields in sequence order: the fold order is fixed
+                    done_tokens += part.tokens
+                    if progress is not None:
+                        progress(i + 1, len(seqs), done_tokens)
+        except BrokenProcessPool:
+            raise RuntimeError("a calibration worker process died; rerun with threads=1 to see why") from None
+    seconds = time.monotonic() - t0
+
+    # Every token fills k slots in every layer; anything else means the hooks missed a call.
+    totals = tot.slots.sum(axis=1)
+    if not np.all(totals == tot.tokens * k) or not np.array_equal(tot.slots, tot.rows):
+        raise RuntimeError(f"calibration bookkeeping failed: slots per layer {totals.tolist()}, "
+                           f"expected {tot.tokens * k}")  # a bug, not user input
+
+    im = _build_imatrix(tot, n_layer, [len(s) for s in seqs], tokens_file)
+    tokens_sha = _tokens_sha256(seqs)
+    profile = RoutingProfile(
+        n_layer, n_expert, k, tot.slots.astype(np.uint64), tokens=tot.tokens,
+        source={"model": src_path.name, "fingerprint": fingerprint, "tokens_file": tokens_file,
+                "tokens_sha256": tokens_sha, "sequences": len(seqs), "hash_layers": list(hash_layers),
+                "reference": "transformers DeepseekV4ForCausalLM fp32 eager, batch 1"},
+    )
+    write_imatrix_gguf(out / IMATRIX_FILE, im)
+    write_routing_json(out / ROUTING_JSON, profile)
+    write_routing_csv(out / ROUTING_CSV, profile)
+
+    unreached = {}
+    for layer in range(n_layer):
+        never = tuple(int(e) for e in np.nonzero(tot.rows[layer] == 0)[0])
+        for s in SURFACES:
+            unreached[expert_tensor(layer, s)] = never
+    sha = {}
+    for name in (IMATRIX_FILE, ROUTING_CSV, ROUTING_JSON):
+        sha[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()
+    report = CalibrationReport(
+        out_dir=str(out), source=src_path.name, fingerprint=fingerprint, tokens_file=tokens_file,
+        tokens_sha256=tokens_sha, sequences=len(seqs), tokens=tot.tokens, n_layer=n_layer, n_expert=n_expert,
+        n_expert_used=k, hash_layers=hash_layers, unreached=MappingProxyType(unreached),
+        dense_tensors=tuple(sorted(tot.dense)),
+        files=MappingProxyType({"imatrix": IMATRIX_FILE, "routing_csv": ROUTING_CSV,
+                                "routing_json": ROUTING_JSON, "report": REPORT_FILE}),
+        sha256=MappingProxyType(sha), versions=MappingProxyType(_versions()), seconds=seconds, threads=workers,
+    )
+    atomic_write_json(out / REPORT_FILE, report.to_json())
+    return report
+
+
+def _check_model(model, shape: tuple[int, int, int, int], hash_layers: tuple[int, ...], where: str) -> None:
+    """The loaded model must have config.json's MoE shape (n_layer, n_expert,
+    moe_intermediate, hidden), and every tid2eid entry must name an expert:
+    the hooks and the slot bookkeeping rely on both."""
+    n_layer, n_expert, inter, hidden = shape
+    layers = model.model.layers
+    if len(layers) != n_layer:
+        raise CorruptDataError(f"reference model has {len(layers)} layers, config.json says {n_layer}", where=where)
+    for i, layer in enumerate(layers):
+        ex = layer.mlp.experts
+        if tuple(ex.gate_up_proj.shape) != (n_expert, 2 * inter, hidden):
+            raise CorruptDataError(f"layer {i}: experts gate_up_proj {tuple(ex.gate_up_proj.shape)}, "
+                                   f"expected {(n_expert, 2 * inter, hidden)}", where=where)
+        if i in hash_layers:
+            t = layer.mlp.gate.tid2eid
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= n_expert:
+                bad = lo if lo < 0 else hi
+                raise CorruptDataError(f"layers.{i}.ffn.gate.tid2eid holds expert id {bad}, outside 0..{n_expert - 1}",
+                                       where=where)
+    impl = getattr(model.config, "_experts_implementation", "eager")
+    if impl != "eager":
+        raise RuntimeError(f"reference model runs experts with {impl!r}, not 'eager'")  # a bug, not user input
