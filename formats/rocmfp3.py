@@ -1,0 +1,61 @@
+"""ROCmFP3 -- ggml type 104 (Q3_0_ROCMFPX), variant "fp3" (spec §5).
+
+Block of 32 weights, 14 bytes::
+
+    qs[12]  3-bit codes, weight i at bits 3i..3i+2 of the little-endian
+            96-bit stream (codes straddle bytes: weight 2 = bits 6-7 of
+            qs[0] and bit 0 of qs[1])
+    e[2]    UE4M3 half scales (weights 0-15, 16-31)
+
+Code bit 2 is the sign, bits 0-1 index magnitudes {0, 1, 2, 4}; code 4
+("-0") decodes as +0. Encoder: §2.3 per half with top = 4.
+"""
+
+from __future__ import annotations
+
+from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+
+_GROUP = 16
+
+
+def encode_ref(x, importance, codebooks):
+    return ss.encode_ref(ss.FP3, x, importance, _GROUP)
+
+
+def encode_fast(x, importance, codebooks):
+    return ss.encode_fast(ss.FP3, x, importance, _GROUP)
+
+
+def decode_ref(data, cols, codebooks, modes):
+    return ss.decode_ref(ss.FP3, data, cols, _GROUP)
+
+
+def decode_fast(data, cols, codebooks, modes):
+    return ss.decode_fast(ss.FP3, data, cols, _GROUP)
+
+
+def decode_torch(data, cols, codebooks, modes):
+    return ss.decode_torch(ss.FP3, data, cols, _GROUP)
+
+
+QTYPE = register(
+    QType(
+        name="rocmfp3",
+        ggml_type=104,
+        variant="fp3",
+        block_size=32,
+        block_bytes=12 + 2,
+        layout="qs[12] 3-bit sign+magnitude codes + e[2] UE4M3 half scales",
+        family="rocmfpx",
+        runtimes=(RT_DS4QUANT, RT_LUCEBOX),
+        description="ROCmFP3 sign + {0,1,2,4} x per-16 UE4M3 scale (Q3_0_ROCMFPX)",
+    ),
+    Codec(
+        encode_ref=encode_ref,
+        encode_fast=encode_fast,
+        decode_ref=decode_ref,
+        decode_fast=decode_fast,
+        decode_torch=decode_torch,
+    ),
+)

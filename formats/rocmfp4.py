@@ -1,0 +1,76 @@
+"""ROCmFP4 -- ggml types 100 (Q4_0_ROCMFP4, "fp4-cb10-h16", 18 B) and
+101 (Q4_0_ROCMFP4_FAST, "fp4-cb10-b32", 17 B) (spec §8).
+
+Blocks of 32 weights::
+
+    qs[16]  4-bit codes in split order: qs[j] low nibble = weight j,
+            high nibble = weight j+16 (not adjacent pairs)
+    e[2]    (100) UE4M3 half scales, weights 0-15 / 16-31
+    e       (101) one UE4M3 scale for all 32
+
+Code bit 3 is the sign, bits 0-2 index the Codebook10 magnitudes
+{0, 1, 2, 3, 4, 6, 8, 10}; code 8 ("-0") decodes as +0. Encoder: §2.3 with
+top = 10 per half (100) or per block (101), and the FP4 rule: a candidate
+whose error is >= FLT_MAX is never chosen; if none is below, e = 0.
+"""
+
+from __future__ import annotations
+
+from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+
+
+def _codec(group: int) -> Codec:
+    def encode_ref(x, importance, codebooks):
+        return ss.encode_ref(ss.FP4, x, importance, group)
+
+    def encode_fast(x, importance, codebooks):
+        return ss.encode_fast(ss.FP4, x, importance, group)
+
+    def decode_ref(data, cols, codebooks, modes):
+        return ss.decode_ref(ss.FP4, data, cols, group)
+
+    def decode_fast(data, cols, codebooks, modes):
+        return ss.decode_fast(ss.FP4, data, cols, group)
+
+    def decode_torch(data, cols, codebooks, modes):
+        return ss.decode_torch(ss.FP4, data, cols, group)
+
+    return Codec(
+        encode_ref=encode_ref,
+        encode_fast=encode_fast,
+        decode_ref=decode_ref,
+        decode_fast=decode_fast,
+        decode_torch=decode_torch,
+    )
+
+
+QTYPE = register(
+    QType(
+        name="rocmfp4",
+        ggml_type=100,
+        variant="fp4-cb10-h16",
+        block_size=32,
+        block_bytes=16 + 2,
+        layout="qs[16] split-nibble Codebook10 codes + e[2] UE4M3 half scales",
+        family="rocmfpx",
+        runtimes=(RT_DS4QUANT, RT_LUCEBOX),
+        description="ROCmFP4 sign + {0,1,2,3,4,6,8,10} x per-16 UE4M3 scale (Q4_0_ROCMFP4)",
+    ),
+    _codec(16),
+)
+
+QTYPE_FAST = register(
+    QType(
+        name="rocmfp4_fast",
+        ggml_type=101,
+        variant="fp4-cb10-b32",
+        block_size=32,
+        block_bytes=16 + 1,
+        layout="qs[16] split-nibble Codebook10 codes + e UE4M3 block scale",
+        family="rocmfpx",
+        runtimes=(RT_DS4QUANT, RT_LUCEBOX),
+        description="ROCmFP4 FAST sign + {0,1,2,3,4,6,8,10} x per-32 UE4M3 scale (Q4_0_ROCMFP4_FAST)",
+    ),
+    _codec(32),
+)

@@ -1,0 +1,60 @@
+"""ROCmFP6 -- ggml type 102 (Q6_0_ROCMFPX), variant "fp6" (spec §6).
+
+Block of 32 weights, 26 bytes::
+
+    qs[24]  6-bit codes, weight i at bits 6i..6i+5 of the little-endian stream
+    e[2]    UE4M3 half scales (weights 0-15, 16-31)
+
+Code bit 5 is the sign, bits 0-4 the magnitude m in 0..31 (V = +-m; code 32
+decodes as +0). Element quantiser m = lroundf(min(|x/S|, 31)). Encoder:
+§2.3 per half with top = 31.
+"""
+
+from __future__ import annotations
+
+from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+
+_GROUP = 16
+
+
+def encode_ref(x, importance, codebooks):
+    return ss.encode_ref(ss.FP6, x, importance, _GROUP)
+
+
+def encode_fast(x, importance, codebooks):
+    return ss.encode_fast(ss.FP6, x, importance, _GROUP)
+
+
+def decode_ref(data, cols, codebooks, modes):
+    return ss.decode_ref(ss.FP6, data, cols, _GROUP)
+
+
+def decode_fast(data, cols, codebooks, modes):
+    return ss.decode_fast(ss.FP6, data, cols, _GROUP)
+
+
+def decode_torch(data, cols, codebooks, modes):
+    return ss.decode_torch(ss.FP6, data, cols, _GROUP)
+
+
+QTYPE = register(
+    QType(
+        name="rocmfp6",
+        ggml_type=102,
+        variant="fp6",
+        block_size=32,
+        block_bytes=24 + 2,
+        layout="qs[24] 6-bit sign+magnitude codes + e[2] UE4M3 half scales",
+        family="rocmfpx",
+        runtimes=(RT_DS4QUANT, RT_LUCEBOX),
+        description="ROCmFP6 sign + 0..31 x per-16 UE4M3 scale (Q6_0_ROCMFPX)",
+    ),
+    Codec(
+        encode_ref=encode_ref,
+        encode_fast=encode_fast,
+        decode_ref=decode_ref,
+        decode_fast=decode_fast,
+        decode_torch=decode_torch,
+    ),
+)

@@ -1,0 +1,62 @@
+"""ROCmFP8 -- ggml type 103 (Q8_0_ROCMFPX), variant "fp8" (spec §7).
+
+Block of 32 weights, 33 bytes::
+
+    qs[32]  int8 codes (two's complement), -128 never produced
+    e       one UE4M3 scale for the whole block
+
+Decode ``qs_i * S(e)``. Element quantiser q = lroundf(clamp(x/S, -127, 127)).
+Without importance there is **no search**: ``e = N(max_abs / 127)`` (§1 N,
+with its float32 collapse towards 1 for huge targets). With importance,
+§2.3 over the 32-block with top = 127.
+"""
+
+from __future__ import annotations
+
+from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+
+_GROUP = 32
+
+
+def encode_ref(x, importance, codebooks):
+    return ss.encode_ref(ss.FP8, x, importance, _GROUP, fp8_nearest=True)
+
+
+def encode_fast(x, importance, codebooks):
+    return ss.encode_fast(ss.FP8, x, importance, _GROUP, fp8_nearest=True)
+
+
+def decode_ref(data, cols, codebooks, modes):
+    return ss.decode_ref(ss.FP8, data, cols, _GROUP)
+
+
+def decode_fast(data, cols, codebooks, modes):
+    return ss.decode_fast(ss.FP8, data, cols, _GROUP)
+
+
+def decode_torch(data, cols, codebooks, modes):
+    return ss.decode_torch(ss.FP8, data, cols, _GROUP)
+
+
+QTYPE = register(
+    QType(
+        name="rocmfp8",
+        ggml_type=103,
+        variant="fp8",
+        block_size=32,
+        block_bytes=32 + 1,
+        layout="qs[32] int8 codes + e UE4M3 block scale",
+        family="rocmfpx",
+        runtimes=(RT_DS4QUANT, RT_LUCEBOX),
+        description="ROCmFP8 int8 in [-127,127] x per-32 UE4M3 scale (Q8_0_ROCMFPX); "
+        "nearest scale without importance, scale search with it",
+    ),
+    Codec(
+        encode_ref=encode_ref,
+        encode_fast=encode_fast,
+        decode_ref=decode_ref,
+        decode_fast=decode_fast,
+        decode_torch=decode_torch,
+    ),
+)
