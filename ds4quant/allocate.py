@@ -27,7 +27,7 @@ from ds4quant.errors import BudgetError
 
 # The exact DP gives way to stages 2-3 above this much work (state x candidate
 # visits, in Python), so big problems never stall in it.
-_DP_MAX_WORK = 3_000_000
+_DP_MAX_WORK = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -107,24 +107,33 @@ def allocate(items: Sequence[Item], budget: int) -> Allocation:
     return Allocation({k: f[i].qtype for k, f, i in zip(keys, fronts, pick)}, total_b, total_e, budget, method)
 
 
+def _matrices(fronts: list[list[Candidate]]) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes and errors as (items, width) arrays; missing slots never chosen."""
+    n, width = len(fronts), max(len(f) for f in fronts)
+    B = np.full((n, width), np.iinfo(np.int64).max // 4, dtype=np.int64)
+    E = np.full((n, width), np.inf)
+    for r, f in enumerate(fronts):
+        B[r, : len(f)] = [c.bytes for c in f]
+        E[r, : len(f)] = [c.error for c in f]
+    return B, E
+
+
 def _lagrange(fronts: list[list[Candidate]], budget: int) -> list[int]:
-    def choose(lam: float) -> tuple[list[int], int]:
-        pick, used = [], 0
-        for f in fronts:
-            costs = [c.error + lam * c.bytes for c in f]
-            i = int(np.argmin(costs))  # first minimum: the fewer bytes on ties
-            pick.append(i)
-            used += f[i].bytes
-        return pick, used
+    B, E = _matrices(fronts)
+    rows = np.arange(len(fronts))
+    Bf = np.where(np.isfinite(E), B, 0).astype(np.float64)
+
+    def choose(lam: float) -> tuple[np.ndarray, int]:
+        cost = np.where(np.isfinite(E), E + lam * Bf, np.inf)
+        pick = np.argmin(cost, axis=1)  # first minimum: the fewer bytes on ties
+        return pick, int(B[rows, pick].sum())
 
     pick, used = choose(0.0)
     if used <= budget:
-        return pick
+        return [int(i) for i in pick]
     lo, hi = 0.0, 1.0
-    while choose(hi)[1] > budget:
+    while choose(hi)[1] > budget and hi < 1e300:
         hi *= 4.0
-        if hi > 1e300:
-            break
     best = choose(hi)[0]
     for _ in range(100):
         mid = 0.5 * (lo + hi)
@@ -133,18 +142,13 @@ def _lagrange(fronts: list[list[Candidate]], budget: int) -> list[int]:
             hi, best = mid, p
         else:
             lo = mid
-    return best
+    return [int(i) for i in best]
 
 
 def _fill(fronts: list[list[Candidate]], pick: list[int], budget: int) -> list[int]:
     """Greedy upgrades by error drop per byte, while they fit."""
+    B, E = _matrices(fronts)
     n = len(fronts)
-    width = max(len(f) for f in fronts)
-    B = np.full((n, width), np.iinfo(np.int64).max // 4, dtype=np.int64)
-    E = np.full((n, width), np.inf)
-    for r, f in enumerate(fronts):
-        B[r, : len(f)] = [c.bytes for c in f]
-        E[r, : len(f)] = [c.error for c in f]
     pick = np.array(pick)
     rows = np.arange(n)
     used = int(B[rows, pick].sum())
@@ -164,31 +168,39 @@ def _fill(fronts: list[list[Candidate]], pick: list[int], budget: int) -> list[i
 
 
 def _dp(fronts: list[list[Candidate]], budget: int):
-    """Exact minimum error over reachable byte totals, or None when too big."""
-    states: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    """Exact minimum error over reachable byte totals, or None when too big.
+
+    States are byte totals with their best error; back-pointers per item
+    rebuild the choice, so no state carries a growing path.
+    """
+    states: dict[int, float] = {0: 0.0}
+    back: list[dict[int, tuple[int, int]]] = []
     work = 0
     for f in fronts:
         work += len(states) * len(f)
         if work > _DP_MAX_WORK:
             return None
-        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
-        for used, (err, path) in states.items():
+        nxt: dict[int, float] = {}
+        ptr: dict[int, tuple[int, int]] = {}
+        for used, err in states.items():
             for i, c in enumerate(f):
                 b = used + c.bytes
                 if b > budget:
                     break  # fronts are sorted by bytes
                 e = err + c.error
                 old = nxt.get(b)
-                if old is None or e < old[0]:
-                    nxt[b] = (e, path + (i,))
+                if old is None or e < old:
+                    nxt[b] = e
+                    ptr[b] = (used, i)
         # keep only states not dominated by a cheaper state with lower error
-        pruned: dict[int, tuple[float, tuple[int, ...]]] = {}
-        best = np.inf
+        states, best = {}, np.inf
         for b in sorted(nxt):
-            e, p = nxt[b]
-            if e < best:
-                pruned[b] = (e, p)
-                best = e
-        states = pruned
-    err, path = min(states.values(), key=lambda v: v[0])
-    return list(path)
+            if nxt[b] < best:
+                states[b] = best = nxt[b]
+        back.append(ptr)
+    b = min(states, key=lambda k: (states[k], k))
+    pick = []
+    for ptr in reversed(back):
+        b, i = ptr[b]
+        pick.append(i)
+    return pick[::-1]

@@ -97,6 +97,12 @@ def _progress_printer(enabled: bool):
         return None
 
     def show(ev: dict) -> None:
+        if ev.get("stage") == "measure":
+            el = ev["elapsed"]
+            eta = el / ev["index"] * (ev["total"] - ev["index"]) if ev["index"] else 0.0
+            click.echo(f"[measure {ev['index']:>5}/{ev['total']}] {ev['name']} expert {ev['expert']:<4} "
+                       f"{el:7.1f}s  ETA {eta:6.0f}s", err=True)
+            return
         done, total, el = ev["source_done"], ev["source_total"], ev["elapsed"]
         rate = done / el / 1e6 if el > 0 else 0.0
         eta = (total - done) / (done / el) if done and el > 0 else 0.0
@@ -127,11 +133,26 @@ def _progress_printer(enabled: bool):
               help="qtype for attention projections and shared experts (default bf16).")
 @click.option("--name", default=None, help="Artifact file name stem (default: SOURCE folder name + recipe).")
 @click.option("--split-max-size", default=None, metavar="SIZE", help="Split the GGUF into files of at most SIZE (e.g. 50G).")
+@click.option("--target-bpw", type=float, default=None, help="adaptive: routed-expert bits per weight to land on.")
+@click.option("--max-bytes", default=None, metavar="SIZE", help="adaptive: cap on all tensor data (e.g. 90G).")
+@click.option("--candidates", default=None, metavar="Q1,Q2,...",
+              help="adaptive: candidate qtypes (default rocmfp2,rocmfp2_mix,rocmfp3,rocmfp3_mix,rocmfp4_fast,rocmfp4).")
+@click.option("--granularity", type=click.Choice(["tensor", "expert"]), default="tensor", show_default=True,
+              help="adaptive: one qtype per layer x surface (Lucebox layout), or per expert (compact stacks).")
+@click.option("--routing", type=click.Path(path_type=str), default=None,
+              help="adaptive: routing profile (Lucebox hotness CSV or ds4quant JSON) to weight experts.")
+@click.option("--fitter", type=click.Choice(["optimized", "reference"]), default="optimized", show_default=True,
+              help="adaptive: MIX codebook fitter.")
+@click.option("--cache-dir", type=click.Path(path_type=str), default=None,
+              help="adaptive: measurement cache (default $DS4QUANT_CACHE or ~/.cache/ds4quant).")
+@click.option("--no-lucebox", is_flag=True, help="adaptive: allow layouts only ds4quant's runtime loads.")
+@click.option("--loose-sidecars", is_flag=True, help="Also write NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in OUTDIR (same source and recipe).")
 @click.option("--force", is_flag=True, help="Replace the contents of a non-empty OUTDIR.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end; no progress lines.")
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
-                resume, force, as_json):
+                target_bpw, max_bytes, candidates, granularity, routing, fitter, cache_dir, no_lucebox,
+                loose_sidecars, resume, force, as_json):
     r"""Convert a DeepSeek-V4 checkpoint (official layout) into a ROCmFPX artifact.
 
     \b
@@ -139,12 +160,21 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
       ds4quant convert samples/ds4-tiny out/tiny-strix --recipe rocmfp2-strix
       ds4quant convert ckpt/ out/ --recipe rocmfp3 --imatrix imatrix.gguf --tensor-type 'blk\.0\..*exps=rocmfp4'
     """
-    from ds4quant.convert import convert
+    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
+    from ds4quant.convert import _parse_size, convert
 
+    adaptive = None
+    if recipe == "adaptive" or target_bpw is not None or max_bytes is not None:
+        adaptive = AdaptiveOptions(
+            target_bpw=target_bpw, max_bytes=_parse_size(max_bytes, "--max-bytes"),
+            candidates=tuple(c.strip() for c in candidates.split(",") if c.strip()) if candidates else DEFAULT_CANDIDATES,
+            granularity=granularity, fitter=fitter, routing=routing, cache_dir=cache_dir, lucebox=not no_lucebox,
+        )
     progress = _progress_printer(not as_json and sys.stderr.isatty())
     rep = convert(source, outdir, recipe, threads=threads, imatrix=imatrix, tensor_types=tensor_types,
-                  dense_qtype=dense_qtype, name=name, split_max_size=split_max_size, resume=resume,
-                  force=force, command=["ds4quant", *sys.argv[1:]], progress=progress)
+                  dense_qtype=dense_qtype, name=name, split_max_size=split_max_size, adaptive=adaptive,
+                  loose_sidecars=loose_sidecars, resume=resume, force=force,
+                  command=["ds4quant", *sys.argv[1:]], progress=progress)
     if as_json:
         _emit_json(rep.to_json())
         return
@@ -152,6 +182,16 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
     click.echo(f"wrote {j['artifact']}: {len(j['files'])} file(s), {j['bytes']:,} bytes, {j['tensors']} tensors")
     click.echo(f"routed experts: {j['bpw_experts']:.4f} bpw, SQNR {j['expert_sqnr_db'] or float('inf'):.2f} dB; "
                f"{j['seconds']:.1f} s" + (f" ({j['reused_tensors']} tensors resumed)" if j["reused_tensors"] else ""))
+    click.echo(f"loadable by: {', '.join(j['runtimes']) or 'no known runtime'}")
+    a = j.get("adaptive")
+    if a:
+        click.echo(f"adaptive: {a['method']}, {a['allocated_bytes']:,} of {a['budget_bytes']:,} budget bytes "
+                   f"({100 * a['slack']:.2f}% under); predicted weighted SQNR {a['predicted_weighted_sqnr_db']:.2f} dB")
+        for rname, u in a.get("uniform", {}).items():
+            click.echo(f"  vs {rname}: {u['bpw']:.4f} bpw, weighted SQNR {u['weighted_sqnr_db']:.2f} dB")
+        fc = a.get("fitter_comparison")
+        if fc and fc.get("gain_db") is not None:
+            click.echo(f"  MIX fitter: ours {fc['gain_db']:+.2f} dB vs the reference fitter on {fc['experts']} experts")
 
 
 @cli.command("inspect")

@@ -95,6 +95,12 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
             _uniform("rocmfp4", "rocmfp4", "rocmfp4 (100) for all routed experts"),
             _uniform("rocmfp4-fast", "rocmfp4_fast", "rocmfp4_fast (101) for all routed experts"),
             _uniform("rocmfp8", "rocmfp8", "rocmfp8 (103) for all routed experts"),
+            Recipe(
+                "adaptive",
+                "measured qtype per tensor (or expert) under --target-bpw / --max-bytes; MIX codebooks out of band",
+                MappingProxyType({s: "adaptive" for s in SURFACES}),
+                adaptive=True,
+            ),
         )
     }
 )
@@ -153,9 +159,20 @@ class TensorChoice:
     rule: str
     surface: Optional[str] = None
     layer: Optional[int] = None
+    experts: Optional[tuple[int, ...]] = None  # global ids of a compact expert stack
+    predicted_error: Optional[float] = None  # adaptive: routing-weighted imatrix error
+
+    @property
+    def base(self) -> str:
+        """The layer tensor a compact stack belongs to (its own name otherwise)."""
+        if self.experts is None:
+            return self.name
+        stem, _, _ = self.name.rpartition(".")  # drop ".weight"
+        stem, _, _ = stem.rpartition(".")  # drop ".<qtype>"
+        return stem + ".weight"
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "name": self.name,
             "class": self.tensor_class,
             "shape": list(self.shape),
@@ -166,6 +183,11 @@ class TensorChoice:
             "surface": self.surface,
             "layer": self.layer,
         }
+        if self.experts is not None:
+            d["experts"] = list(self.experts)
+        if self.predicted_error is not None:
+            d["predicted_error"] = self.predicted_error
+        return d
 
 
 @dataclass(frozen=True)
@@ -207,6 +229,11 @@ def plan_tensors(
         for ov in overrides:
             if ov.regex.search(t.name):
                 asked, rule = ov.qtype, f"override:{ov.pattern}"
+        if asked == "adaptive":
+            # decided later by ds4quant.adaptive (measure + allocate)
+            out.append(TensorChoice(t.name, t.tensor_class, t.shape, t.source_dtype, asked, "adaptive", rule,
+                                    t.surface, t.layer))
+            continue
         if asked == "mxfp4-lossless":
             qtype = "mxfp4"
             if t.source_dtype != "I8":

@@ -811,14 +811,14 @@ def _encode_row_nb(fmt, x, imp, has_imp, group, mirror, zero_seed, fp8_nearest, 
         _pack_block_nb(fmt, codes, out, off)
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def encode_rows_nb(fmt, x, imp, has_imp, group, mirror, zero_seed, fp8_nearest, out):
     """Encode float32 x (rows, cols) into out uint8 (rows, row_bytes); rows in parallel."""
     for r in numba.prange(x.shape[0]):
         _encode_row_nb(fmt, x[r], imp, has_imp, group, mirror, zero_seed, fp8_nearest, out[r])
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def decode_rows_nb(fmt, data, group, out):
     """out (rows, cols) float32 = LEVELS[code] * SCALES[e] per group; rows in parallel."""
     rows, cols = out.shape

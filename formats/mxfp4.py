@@ -198,7 +198,7 @@ def _encode_row_nb(x, out, table, kv):
             out[o + 1 + j] = codes[j] | (codes[j + 16] << 4)
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def _encode_nb(x, out, table, kv):
     for r in numba.prange(x.shape[0]):
         _encode_row_nb(x[r], out[r], table, kv)
@@ -212,7 +212,7 @@ def encode_fast(x: np.ndarray, importance=None, codebooks=None) -> np.ndarray:
     return out
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def _decode_nb(data, out, kv):
     nb = out.shape[1] // 32
     for r in numba.prange(data.shape[0]):

@@ -151,7 +151,7 @@ def _encode_row_nb(x, out):
             out[o + 2 + j] = qi & 0xFF
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def _encode_nb(x, out):
     for r in numba.prange(x.shape[0]):
         _encode_row_nb(x[r], out[r])

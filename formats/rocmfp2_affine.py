@@ -319,7 +319,7 @@ def _encode_block_nb(xb, wb, has_w, xv, wv, err, out):
     out[9] = oe
 
 
-@numba.njit(cache=True, parallel=True, error_model="numpy")
+@numba.njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def _encode_nb(x, q, has_w, out):
     rows, cols = x.shape
     nb = cols // _BLOCK
@@ -353,7 +353,7 @@ def _encode_fast(x: np.ndarray, importance: Optional[np.ndarray], codebooks=None
     return out
 
 
-@numba.njit(cache=True, parallel=True, error_model="numpy")
+@numba.njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def _decode_nb(data, cols, out):
     rows = data.shape[0]
     nb = cols // _BLOCK

@@ -273,7 +273,7 @@ def _put_code(qs, i, code, bits):
         qs[byte + 1] |= np.uint8(code >> (8 - sh))
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def _encode_nb(x, w, has_w, books, split, ml, bits, out, status, fail_half):
     rows, cols = x.shape
     nb = cols // 32
@@ -370,7 +370,7 @@ def _fixed_code_nb(v, bits):
     return idx
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def _encode_fixed_nb(x, w, has_w, fixed, bits, out, status, fail_half):
     rows, cols = x.shape
     nb = cols // 32
@@ -455,7 +455,7 @@ def _encode_fast(x: np.ndarray, importance, books: np.ndarray, *, qt: QType, bit
     return out
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def _decode_nb(data, cols, books, mode, fixed, bits, out):
     rows = data.shape[0]
     nb = cols // 32

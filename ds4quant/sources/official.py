@@ -362,6 +362,13 @@ class Source:
                                          where=self._tw(name))
         return self.read(name).view(np.int8), self.read(info.scale)
 
+    def release(self, name: str) -> None:
+        """Let the OS drop a tensor's (and its scale's) pages after use."""
+        info = self.info(name)
+        self._files[info.shard].release(name)
+        if info.scale is not None:
+            self._files[self._infos[info.scale].shard].release(info.scale)
+
     def fingerprint(self) -> str:
         """sha256 over config.json, the index, and each shard's size and header hash."""
         return self._fingerprint

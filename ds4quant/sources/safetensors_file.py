@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,6 +255,27 @@ class SafetensorsFile:
         arr = buf.view(np_dtype).reshape(shape)
         arr.flags.writeable = False
         return arr
+
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process (madvise DONTNEED).
+
+        The mapping is read-only and file-backed, so a later read simply pages
+        the bytes in again; this keeps RSS near one tensor while a converter
+        streams a checkpoint larger than memory.
+        """
+        if self._mm is None:
+            return
+        e = self.entry(name)
+        raw = getattr(self._mm, "_mmap", None)
+        if raw is None or e.nbytes == 0 or not hasattr(raw, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = (self.data_start + e.begin) // page * page
+        end = self.data_start + e.end
+        try:
+            raw.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass  # advice only; never fatal
 
     def close(self) -> None:
         """Drop our reference to the mapping; arrays already handed out keep it

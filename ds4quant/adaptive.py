@@ -1,0 +1,551 @@
+"""Adaptive recipes: measure every candidate qtype, then allocate under a budget.
+
+For every routed-expert matrix (layer, surface, expert) and every candidate
+qtype, ``measure`` encodes the source with the encoder the artifact will use
+(importance-weighted when an imatrix is given; MIX types with codebooks fitted
+for that expert and surface) and records the squared error, weighted per
+input column by the imatrix (E[x^2], the diagonal of the activation second
+moment, so sum_c imp_c * dw_c^2 estimates the output error). Experts are then
+weighted by routing frequency: f_e = E * (count_e + 1) / (sum counts + E), so
+the weights average 1 and never-routed experts still count a little.
+
+``resolve`` turns the measurements into items for ``allocate.allocate``:
+one item per (layer, surface) with granularity "tensor" (one qtype per
+tensor, the Lucebox layout), or per expert with granularity "expert" (a
+layer's experts may differ; each qtype's experts form a compact stack).
+
+Measurements and fitted codebooks are cached on disk under a key that covers
+the source, the imatrix and the fitter settings, so another target reuses
+them and an interrupted measurement resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ds4quant import __version__
+from ds4quant.allocate import Allocation, Candidate, Item, allocate
+from ds4quant.errors import BadInputError, BudgetError, CodebookError, UnknownQTypeError
+from ds4quant.formats import decode, encode, get_qtype
+from ds4quant.metrics import error_sums
+
+DEFAULT_CANDIDATES = ("rocmfp2", "rocmfp2_mix", "rocmfp3", "rocmfp3_mix", "rocmfp4_fast", "rocmfp4")
+GRANULARITIES = ("tensor", "expert")
+FITTERS = ("optimized", "reference")
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """How to measure and allocate.
+
+    target_bpw: routed-expert bits per weight to land on (tensor payload);
+    max_bytes: or a cap on all tensor data plus codebook tables, in bytes;
+    lucebox: keep the result loadable by Lucebox at tensor granularity (no
+    rocmfp3_mix on gate/up); fit_*: fit_optimized effort per expert.
+    """
+
+    target_bpw: Optional[float] = None
+    max_bytes: Optional[int] = None
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    granularity: str = "tensor"
+    fitter: str = "optimized"
+    routing: Optional[str] = None
+    cache_dir: Optional[str] = None
+    lucebox: bool = True
+    fit_iterations: int = 6
+    fit_restarts: int = 1
+    fit_max_rows: int = 512
+
+    def validate(self) -> "AdaptiveOptions":
+        if (self.target_bpw is None) == (self.max_bytes is None):
+            raise BadInputError("the adaptive recipe needs exactly one of --target-bpw or --max-bytes")
+        if self.target_bpw is not None and not (0 < self.target_bpw < 64):
+            raise BadInputError(f"--target-bpw must be in (0, 64), got {self.target_bpw}")
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise BadInputError(f"--max-bytes must be positive, got {self.max_bytes}")
+        if self.granularity not in GRANULARITIES:
+            raise BadInputError(f"--granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.fitter not in FITTERS:
+            raise BadInputError(f"--fitter must be one of {FITTERS}, got {self.fitter!r}")
+        if not self.candidates:
+            raise BadInputError("--candidates is empty")
+        for q in self.candidates:
+            try:
+                qt = get_qtype(q)
+            except UnknownQTypeError as exc:
+                raise BadInputError(exc.message, where="--candidates", hint=exc.hint) from None
+            if not qt.can_encode or qt.block_size != 32:
+                raise BadInputError(f"{q} cannot be an expert candidate", where="--candidates")
+        if len(set(self.candidates)) != len(self.candidates):
+            raise BadInputError("--candidates lists a qtype twice")
+        return self
+
+    def key(self) -> dict:
+        """What a measurement depends on (not the budget: targets share it)."""
+        d = {"candidates": sorted(self.candidates), "fitter": self.fitter}
+        if self.fitter == "optimized":
+            d.update(iterations=self.fit_iterations, restarts=self.fit_restarts, max_rows=self.fit_max_rows)
+        return d
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One (tensor, expert, qtype): payload bytes and float64 error sums.
+
+    wsse/wssx are weighted per column by importance (ones without any);
+    ref_wsse: for MIX with the optimized fitter, the same error with the
+    reference fitter's books (None otherwise)."""
+
+    nbytes: int
+    sse: float
+    ssx: float
+    wsse: float
+    wssx: float
+    ref_wsse: Optional[float] = None
+
+
+@dataclass
+class _Cache:
+    root: Optional[Path]
+    key: str
+    data: dict = field(default_factory=dict)  # "tensor|expert|qtype" -> list
+
+    @property
+    def file(self) -> Optional[Path]:
+        return None if self.root is None else self.root / f"measure-{self.key[:24]}.json"
+
+    def books_file(self, tensor: str, expert: int, qtype: str) -> Optional[Path]:
+        if self.root is None:
+            return None
+        return self.root / f"books-{self.key[:24]}" / f"{tensor}.{expert}.{qtype}.npz"
+
+    def load(self) -> None:
+        f = self.file
+        if f is None or not f.is_file():
+            return
+        try:
+            d = json.loads(f.read_text())
+            if d.get("version") == CACHE_VERSION and d.get("key") == self.key:
+                self.data = dict(d["measures"])
+        except (OSError, ValueError, KeyError, TypeError):
+            self.data = {}  # a damaged cache is only lost time; measure again
+
+    def save(self) -> None:
+        if self.root is None:
+            return
+        from ds4quant.artifact.atomic import atomic_write_json
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.file, {"version": CACHE_VERSION, "key": self.key, "measures": self.data})
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("DS4QUANT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ds4quant")
+    return Path(base)
+
+
+def expert_weights(counts: Optional[np.ndarray], n_expert: int) -> np.ndarray:
+    """Routing weights f_e (mean 1) from one layer's activation counts."""
+    if counts is None:
+        return np.ones(n_expert)
+    c = np.asarray(counts, dtype=np.float64)
+    return n_expert * (c + 1.0) / (c.sum() + n_expert)
+
+
+class Books:
+    """Fitted MIX codebooks: (tensor, expert, qtype) -> (books (2, L), mode)."""
+
+    def __init__(self) -> None:
+        self._m: dict[tuple[str, int, str], tuple[np.ndarray, int]] = {}
+
+    def put(self, tensor: str, expert: int, qtype: str, books: np.ndarray, mode: int) -> None:
+        self._m[(tensor, expert, qtype)] = (np.asarray(books, np.float32), int(mode))
+
+    def get(self, tensor: str, expert: int, qtype: str) -> tuple[np.ndarray, int]:
+        return self._m[(tensor, expert, qtype)]
+
+    def __contains__(self, k) -> bool:
+        return k in self._m
+
+
+def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: AdaptiveOptions, seed: str):
+    """(books, mode, ref_books_error or None) for one expert matrix."""
+    from ds4quant.codebooks import fit_optimized, fit_reference
+
+    L = get_qtype(qtype).codebook_levels
+    if opts.fitter == "reference":
+        books, _ = fit_reference([x], L, imp)
+        return books, 1, None
+    fit = fit_optimized([x], qtype, imp, seed=seed, iterations=opts.fit_iterations,
+                        restarts=opts.fit_restarts, max_rows=opts.fit_max_rows)
+    return fit.books, fit.mode, fit.reference_error
+
+
+def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, qtype: str,
+                   opts: AdaptiveOptions, seed: str) -> tuple[Measure, Optional[tuple[np.ndarray, int]]]:
+    """Encode ``x`` (float32 (rows, cols)) as ``qtype`` the way convert will;
+    return its Measure and, for MIX, the (books, mode) it used."""
+    qt = get_qtype(qtype)
+    books = None
+    ref = None
+    if qt.is_mix:
+        b, mode, ref_err = _fit_books(x, qtype, imp, opts, seed)
+        data = encode(qt, x, imp, b, mode=mode)
+        y = decode(qt, data, x.shape[1], b, modes=mode)
+        books = (b, mode)
+        if ref_err is not None:
+            # fit_optimized weighs by raw importance (ones without); rescale to err_w
+            ref = ref_err
+    else:
+        data = encode(qt, x, imp)
+        y = decode(qt, data, x.shape[1])
+    s = error_sums(x, y, err_w)
+    return Measure(int(data.nbytes), s.sse, s.ssx, s.wsse, s.wssx, ref), books
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """All measures: (tensor, expert, qtype) -> Measure, and the routing weights."""
+
+    measures: Mapping[tuple[str, int, str], Measure]
+    weights: Mapping[str, np.ndarray]  # tensor -> f_e per expert
+    seconds: float
+    reused: int
+
+
+def measure(src, expert_tensors: Sequence[tuple], opts: AdaptiveOptions, imatrix, imatrix_sha: Optional[str],
+            routing, books: Books, progress: Optional[Callable[[dict], None]] = None) -> Measurements:
+    """Measure every candidate on every expert of ``expert_tensors``.
+
+    expert_tensors: (TensorChoice-like with .name/.layer/.surface, members)
+    pairs for the routed-expert tensors the allocation decides.
+    """
+    from ds4quant.imatrix import importance_for
+
+    t0 = time.perf_counter()
+    key_obj = {"v": CACHE_VERSION, "tool": __version__, "source": src.fingerprint(), "imatrix": imatrix_sha,
+               "opts": opts.key()}
+    key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()
+    root = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
+    cache = _Cache(root, key)
+    cache.load()
+    out: dict[tuple[str, int, str], Measure] = {}
+    weights: dict[str, np.ndarray] = {}
+    reused = 0
+    total = sum(len(m) for _, m in expert_tensors)
+    done = 0
+    for choice, members in expert_tensors:
+        n_exp = len(members)
+        counts = None
+        if routing is not None and choice.layer is not None and choice.layer < routing.counts.shape[0]:
+            counts = routing.counts[choice.layer]
+            if counts.shape[0] != n_exp:
+                raise BadInputError(f"routing profile has {counts.shape[0]} experts, the model {n_exp}",
+                                    where=str(getattr(routing, "path", "routing profile")))
+        weights[choice.name] = expert_weights(counts, n_exp)
+        cols = choice.shape[0]
+        imps = [importance_for(imatrix, choice.name, m.expert, cols=cols) if imatrix is not None else None
+                for m in members]
+        # error weights for experts calibration never reached: the mean of the rest
+        seen = [q for q in imps if q is not None]
+        fallback = (np.mean(np.stack(seen), axis=0) if seen else np.ones(cols)).astype(np.float64)
+        fitting = [q for q in opts.candidates if _fits(q, cols)]
+        for m, imp in zip(members, imps):
+            need = [q for q in fitting
+                    if f"{choice.name}|{m.expert}|{q}" not in cache.data
+                    or (get_qtype(q).is_mix and not _books_cached(cache, choice.name, m.expert, q, books))]
+            if need:
+                x = np.ascontiguousarray(src.read_dequantized(m.name), dtype=np.float32)
+                err_w = imp.astype(np.float64) if imp is not None else fallback
+                for q in need:
+                    meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=f"{choice.name}/{m.expert}")
+                    cache.data[f"{choice.name}|{m.expert}|{q}"] = [meas.nbytes, meas.sse, meas.ssx, meas.wsse,
+                                                                  meas.wssx, meas.ref_wsse]
+                    if bk is not None:
+                        books.put(choice.name, m.expert, q, *bk)
+                        _save_books(cache, choice.name, m.expert, q, *bk)
+                release = getattr(src, "release", None)
+                if release is not None:
+                    release(m.name)
+            else:
+                reused += 1
+            for q in fitting:
+                v = cache.data[f"{choice.name}|{m.expert}|{q}"]
+                out[(choice.name, m.expert, q)] = Measure(int(v[0]), *map(float, v[1:5]),
+                                                          None if v[5] is None else float(v[5]))
+            done += 1
+            if progress is not None:
+                progress({"stage": "measure", "index": done, "total": total, "name": choice.name,
+                          "expert": m.expert, "elapsed": time.perf_counter() - t0})
+        cache.save()
+    return Measurements(out, weights, time.perf_counter() - t0, reused)
+
+
+def _books_cached(cache: _Cache, tensor: str, expert: int, qtype: str, books: Books) -> bool:
+    if (tensor, expert, qtype) in books:
+        return True
+    f = cache.books_file(tensor, expert, qtype)
+    if f is None or not f.is_file():
+        return False
+    try:
+        with np.load(f) as z:
+            b, mode = z["books"].astype(np.float32), int(z["mode"])
+    except (OSError, ValueError, KeyError):
+        return False
+    books.put(tensor, expert, qtype, b, mode)
+    return True
+
+
+def _save_books(cache: _Cache, tensor: str, expert: int, qtype: str, b: np.ndarray, mode: int) -> None:
+    f = cache.books_file(tensor, expert, qtype)
+    if f is None:
+        return
+    import io
+
+    from ds4quant.artifact.atomic import atomic_write_bytes
+
+    f.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    np.savez(buf, books=np.asarray(b, np.float32), mode=np.int64(mode))
+    atomic_write_bytes(f, buf.getvalue())
+
+
+def allowed_candidates(opts: AdaptiveOptions, surface: str) -> tuple[str, ...]:
+    """Lucebox loads rocmfp3_mix (105) on down experts only (P4MIXv1)."""
+    if opts.granularity == "tensor" and opts.lucebox and surface != "down":
+        return tuple(q for q in opts.candidates if get_qtype(q).ggml_type != 105)
+    return tuple(opts.candidates)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The allocation outcome for one routed-expert tensor: qtype per expert
+    (a single qtype at tensor granularity) and its predicted weighted error."""
+
+    name: str
+    qtypes: tuple[str, ...]  # per expert, global order
+    predicted_error: float
+    nbytes: int
+
+
+def resolve(expert_tensors: Sequence[tuple], meas: Measurements, opts: AdaptiveOptions,
+            budget: int) -> tuple[dict[str, Decision], Allocation]:
+    """Allocate qtypes under ``budget`` bytes of routed-expert payload."""
+    items = []
+    for choice, members in expert_tensors:
+        w = meas.weights[choice.name]
+        allowed = tuple(q for q in allowed_candidates(opts, choice.surface)
+                        if (choice.name, members[0].expert, q) in meas.measures)
+        if not allowed:
+            raise BadInputError(f"no candidate qtype is allowed on {choice.surface} experts", where="--candidates")
+        if opts.granularity == "tensor":
+            cands = []
+            for q in allowed:
+                ms = [meas.measures[(choice.name, m.expert, q)] for m in members]
+                cands.append(Candidate(q, sum(x.nbytes for x in ms), float(sum(wi * x.wsse for wi, x in zip(w, ms)))))
+            items.append(Item(choice.name, tuple(cands)))
+        else:
+            for i, m in enumerate(members):
+                cands = tuple(Candidate(q, meas.measures[(choice.name, m.expert, q)].nbytes,
+                                        float(w[i] * meas.measures[(choice.name, m.expert, q)].wsse)) for q in allowed)
+                items.append(Item(f"{choice.name}#{m.expert}", cands))
+    alloc = allocate(items, budget)
+    out = {}
+    for choice, members in expert_tensors:
+        w = meas.weights[choice.name]
+        if opts.granularity == "tensor":
+            q = alloc.choice[choice.name]
+            qs = tuple(q for _ in members)
+        else:
+            qs = tuple(alloc.choice[f"{choice.name}#{m.expert}"] for m in members)
+        err = float(sum(wi * meas.measures[(choice.name, m.expert, q)].wsse for wi, m, q in zip(w, members, qs)))
+        nb = sum(meas.measures[(choice.name, m.expert, q)].nbytes for m, q in zip(members, qs))
+        out[choice.name] = Decision(choice.name, qs, err, nb)
+    return out, alloc
+
+
+def weighted_error(expert_tensors: Sequence[tuple], meas: Measurements,
+                   pick: Callable[[object], str]) -> tuple[float, float]:
+    """(sum f_e * weighted error, sum f_e * weighted energy) when every tensor
+    ``choice`` uses qtype ``pick(choice)`` for all its experts."""
+    e = s = 0.0
+    for choice, members in expert_tensors:
+        w = meas.weights[choice.name]
+        q = pick(choice)
+        for wi, m in zip(w, members):
+            x = meas.measures[(choice.name, m.expert, q)]
+            e += wi * x.wsse
+            s += wi * x.wssx
+    return e, s
+
+
+# ----------------------------------------------------------------------------
+# from measurements to a plan
+
+
+def _compact_name(base: str, qtype: str) -> str:
+    return base[: -len(".weight")] + f".{qtype}.weight"
+
+
+def _fits(qtype: str, cols: int) -> bool:
+    qt = get_qtype(qtype)
+    return cols % max(qt.block_size, qt.row_multiple) == 0
+
+
+def plan_adaptive(src, plan, members, opts: AdaptiveOptions, imatrix, imatrix_sha, books: Books, kvs,
+                  progress=None):
+    """Replace the plan's "adaptive" routed-expert choices with measured,
+    budgeted qtypes. Returns (new plan, info dict for reports)."""
+    from dataclasses import replace
+
+    routing = None
+    if opts.routing is not None:
+        from ds4quant.routing import read_routing
+
+        routing = read_routing(opts.routing)
+        if routing.counts.shape[0] != src.config.num_hidden_layers:
+            raise BadInputError(f"routing profile has {routing.counts.shape[0]} layers, the model "
+                                f"{src.config.num_hidden_layers}", where=str(opts.routing))
+    todo = [(c, members[c.name]) for c in plan if c.qtype == "adaptive"]
+    if not todo:
+        raise BadInputError("the adaptive recipe has no routed-expert tensor left to decide",
+                            hint="a --tensor-type override fixed all of them")
+    # a candidate must fit every tensor it may go to (rocmfp2_mix needs in % 128)
+    for c, _ in todo:
+        bad = [q for q in opts.candidates if not _fits(q, c.shape[0])]
+        if len(bad) == len(opts.candidates):
+            raise BadInputError(f"no candidate qtype fits row length {c.shape[0]}", where=c.name)
+    expert_weights_total = sum(int(np.prod(c.shape)) for c in plan if c.tensor_class == "routed_expert")
+    fixed = sum(get_qtype(c.qtype).nbytes(int(np.prod(c.shape))) for c in plan
+                if c.tensor_class == "routed_expert" and c.qtype != "adaptive")
+    if opts.target_bpw is not None:
+        budget = int(opts.target_bpw * expert_weights_total // 8) - fixed
+        budget_what = f"target {opts.target_bpw} bpw over {expert_weights_total:,} routed-expert weights"
+    else:
+        dense = sum(get_qtype(c.qtype).nbytes(int(np.prod(c.shape))) for c in plan
+                    if c.tensor_class != "routed_expert")
+        n_exp = sum(c.shape[2] for c, _ in todo)
+        books_bound = 2 * (33 * n_exp + 128 * len(todo)) + 4096  # own table + Lucebox blobs, upper bound
+        budget = opts.max_bytes - dense - fixed - books_bound
+        budget_what = f"max {opts.max_bytes:,} bytes minus {dense:,} dense, {books_bound:,} codebook bound"
+    if budget <= 0:
+        raise BudgetError(f"no bytes left for the routed experts ({budget_what})",
+                          hint="raise --target-bpw / --max-bytes")
+
+    meas = measure(src, todo, opts, imatrix, imatrix_sha, routing, books, progress)
+    decisions, alloc = resolve(todo, meas, opts, budget)
+
+    new_plan = []
+    for c in plan:
+        if c.qtype != "adaptive":
+            new_plan.append(c)
+            continue
+        d = decisions[c.name]
+        rule = f"adaptive:{'bpw=' + str(opts.target_bpw) if opts.target_bpw is not None else 'bytes=' + str(opts.max_bytes)}"
+        groups: dict[str, list[int]] = {}
+        for m, q in zip(members[c.name], d.qtypes):
+            groups.setdefault(q, []).append(m.expert)
+        if len(groups) == 1:
+            (q,) = groups
+            new_plan.append(replace(c, qtype=q, rule=rule, predicted_error=d.predicted_error))
+            continue
+        w = meas.weights[c.name]
+        for q in opts.candidates:  # a stable order: the candidate order
+            if q not in groups:
+                continue
+            ids = tuple(groups[q])
+            err = float(sum(w[e] * meas.measures[(c.name, e, q)].wsse for e in ids))
+            new_plan.append(replace(c, name=_compact_name(c.name, q), qtype=q, rule=rule, experts=ids,
+                                    shape=(c.shape[0], c.shape[1], len(ids)), predicted_error=err))
+    info = _info(todo, meas, opts, alloc, budget, budget_what, fixed, expert_weights_total, decisions, imatrix)
+    return new_plan, info
+
+
+def _db(err: float, energy: float) -> Optional[float]:
+    return 10.0 * float(np.log10(energy / err)) if err > 0 and energy > 0 else None
+
+
+def _info(todo, meas: Measurements, opts, alloc: Allocation, budget, budget_what, fixed, total_w, decisions,
+          imatrix) -> dict:
+    chosen_e = sum(d.predicted_error for d in decisions.values())
+    energy = 0.0  # the weighted source energy does not depend on the qtype
+    for c, ms in todo:
+        w = meas.weights[c.name]
+        for i, m in enumerate(ms):
+            energy += w[i] * next(x.wssx for (t, e, _), x in meas.measures.items() if t == c.name and e == m.expert)
+    info = {
+        "options": {"target_bpw": opts.target_bpw, "max_bytes": opts.max_bytes, "candidates": list(opts.candidates),
+                    "granularity": opts.granularity, "fitter": opts.fitter, "routing": opts.routing,
+                    "lucebox": opts.lucebox},
+        "budget_bytes": budget,
+        "budget": budget_what,
+        "allocated_bytes": alloc.bytes,
+        "slack": alloc.slack,
+        "method": alloc.method,
+        "fixed_expert_bytes": fixed,
+        "predicted_weighted_error": chosen_e,
+        "predicted_weighted_sqnr_db": _db(chosen_e, energy),
+        "measure_seconds": meas.seconds,
+        "measures_reused": meas.reused,
+        "qtype_share": _shares(todo, decisions),
+    }
+    # the uniform recipes the candidates can express, on the same metric
+    uniform = {}
+    strix = {"gate": "rocmfp2", "up": "rocmfp2", "down": "rocmfp3"}
+    have = {k[2] for k in meas.measures}
+    if {"rocmfp2", "rocmfp3"} <= have:
+        e, s = weighted_error(todo, meas, lambda c: strix[c.surface])
+        b = sum(meas.measures[(c.name, m.expert, strix[c.surface])].nbytes for c, ms in todo for m in ms)
+        uniform["rocmfp2-strix"] = {"weighted_error": e, "weighted_sqnr_db": _db(e, s), "bytes": b,
+                                    "bpw": 8.0 * (b + fixed) / total_w}
+    for q in ("rocmfp3", "rocmfp4", "rocmfp4_fast"):
+        if q in have:
+            e, s = weighted_error(todo, meas, lambda c, q=q: q)
+            b = sum(meas.measures[(c.name, m.expert, q)].nbytes for c, ms in todo for m in ms)
+            uniform[q] = {"weighted_error": e, "weighted_sqnr_db": _db(e, s), "bytes": b,
+                          "bpw": 8.0 * (b + fixed) / total_w}
+    info["uniform"] = uniform
+    # reference vs our fitter on the MIX experts the plan uses
+    ref = ours = 0.0
+    n_mix = 0
+    for c, ms in todo:
+        w = meas.weights[c.name]
+        for i, (m, q) in enumerate(zip(ms, decisions[c.name].qtypes)):
+            x = meas.measures.get((c.name, m.expert, q))
+            if x is not None and get_qtype(q).is_mix and x.ref_wsse is not None:
+                ref += w[i] * x.ref_wsse
+                ours += w[i] * x.wsse
+                n_mix += 1
+    if n_mix:
+        info["fitter_comparison"] = {"experts": n_mix, "reference_weighted_error": ref,
+                                     "optimized_weighted_error": ours,
+                                     "gain_db": 10.0 * float(np.log10(ref / ours)) if ours > 0 and ref > 0 else None}
+    if imatrix is not None:
+        from ds4quant.imatrix import importance_for
+
+        unreached = {}
+        for c, ms in todo:
+            ids = [m.expert for m in ms if importance_for(imatrix, c.name, m.expert, cols=c.shape[0]) is None]
+            if ids:
+                unreached[c.name] = ids
+        info["unreached_experts"] = unreached
+    return info
+
+
+def _shares(todo, decisions) -> dict:
+    counts: dict[str, int] = {}
+    for c, ms in todo:
+        for q in decisions[c.name].qtypes:
+            counts[q] = counts.get(q, 0) + 1
+    n = sum(counts.values())
+    return {q: k / n for q, k in sorted(counts.items())}
