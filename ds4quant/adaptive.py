@@ -123,10 +123,10 @@ class _Cache:
     def file(self) -> Optional[Path]:
         return None if self.root is None else self.root / f"measure-{self.key[:24]}.json"
 
-    def books_file(self, tensor: str, expert: int, qtype: str) -> Optional[Path]:
+    def books_file(self, tensor: str) -> Optional[Path]:
         if self.root is None:
             return None
-        return self.root / f"books-{self.key[:24]}" / f"{tensor}.{expert}.{qtype}.npz"
+        return self.root / f"books-{self.key[:24]}" / f"{tensor}.npz"
 
     def load(self) -> None:
         f = self.file
@@ -260,10 +260,12 @@ def measure(src, expert_tensors: Sequence[tuple], opts: AdaptiveOptions, imatrix
         seen = [q for q in imps if q is not None]
         fallback = (np.mean(np.stack(seen), axis=0) if seen else np.ones(cols)).astype(np.float64)
         fitting = [q for q in opts.candidates if _fits(q, cols)]
+        _load_books(cache, choice.name, books)
+        fresh = False
         for m, imp in zip(members, imps):
             need = [q for q in fitting
                     if f"{choice.name}|{m.expert}|{q}" not in cache.data
-                    or (get_qtype(q).is_mix and not _books_cached(cache, choice.name, m.expert, q, books))]
+                    or (get_qtype(q).is_mix and (choice.name, m.expert, q) not in books)]
             if need:
                 x = np.ascontiguousarray(src.read_dequantized(m.name), dtype=np.float32)
                 err_w = imp.astype(np.float64) if imp is not None else fallback
@@ -273,7 +275,7 @@ def measure(src, expert_tensors: Sequence[tuple], opts: AdaptiveOptions, imatrix
                                                                   meas.wssx, meas.ref_wsse]
                     if bk is not None:
                         books.put(choice.name, m.expert, q, *bk)
-                        _save_books(cache, choice.name, m.expert, q, *bk)
+                        fresh = True
                 release = getattr(src, "release", None)
                 if release is not None:
                     release(m.name)
@@ -287,36 +289,45 @@ def measure(src, expert_tensors: Sequence[tuple], opts: AdaptiveOptions, imatrix
             if progress is not None:
                 progress({"stage": "measure", "index": done, "total": total, "name": choice.name,
                           "expert": m.expert, "elapsed": time.perf_counter() - t0})
+        if fresh:
+            _save_books(cache, choice.name, [m.expert for m in members], fitting, books)
         cache.save()
     return Measurements(out, weights, time.perf_counter() - t0, reused)
 
 
-def _books_cached(cache: _Cache, tensor: str, expert: int, qtype: str, books: Books) -> bool:
-    if (tensor, expert, qtype) in books:
-        return True
-    f = cache.books_file(tensor, expert, qtype)
+def _load_books(cache: _Cache, tensor: str, books: Books) -> None:
+    """Fill ``books`` from the tensor's cache file; a damaged file is ignored."""
+    f = cache.books_file(tensor)
     if f is None or not f.is_file():
-        return False
+        return
     try:
         with np.load(f) as z:
-            b, mode = z["books"].astype(np.float32), int(z["mode"])
+            for k in z.files:
+                if k.endswith("|books"):
+                    e, q, _ = k.split("|")
+                    books.put(tensor, int(e), q, z[k].astype(np.float32), int(z[f"{e}|{q}|mode"]))
     except (OSError, ValueError, KeyError):
-        return False
-    books.put(tensor, expert, qtype, b, mode)
-    return True
+        return
 
 
-def _save_books(cache: _Cache, tensor: str, expert: int, qtype: str, b: np.ndarray, mode: int) -> None:
-    f = cache.books_file(tensor, expert, qtype)
+def _save_books(cache: _Cache, tensor: str, experts, qtypes, books: Books) -> None:
+    f = cache.books_file(tensor)
     if f is None:
         return
     import io
 
     from ds4quant.artifact.atomic import atomic_write_bytes
 
+    arrays = {}
+    for e in experts:
+        for q in qtypes:
+            if (tensor, e, q) in books:
+                b, mode = books.get(tensor, e, q)
+                arrays[f"{e}|{q}|books"] = np.asarray(b, np.float32)
+                arrays[f"{e}|{q}|mode"] = np.int64(mode)
     f.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
-    np.savez(buf, books=np.asarray(b, np.float32), mode=np.int64(mode))
+    np.savez(buf, **arrays)
     atomic_write_bytes(f, buf.getvalue())
 
 

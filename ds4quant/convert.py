@@ -577,6 +577,22 @@ def _fit_fixed_mix_books(plan, members, src, imx, books: Books) -> None:
             src.release(m.name)
 
 
+class _flush_on_exit:
+    """Save the journal however the encode loop ends (Ctrl-C included), so a
+    resume loses at most the tensor in flight; SIGKILL loses at most
+    _JOURNAL_EVERY_S seconds of finished tensors."""
+
+    def __init__(self, journal: "_Journal"):
+        self.journal = journal
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.journal.save()
+        return False
+
+
 def _run_encode(src, plan, members, imx, books, pieces: Path, journal: _Journal, threads,
                 progress) -> list[TensorResult]:
     results = []
@@ -584,7 +600,7 @@ def _run_encode(src, plan, members, imx, books, pieces: Path, journal: _Journal,
     total_src = sum(src.info(m.name).nbytes for c in plan for m in mem[c.name])
     done_src = 0
     t0 = time.perf_counter()
-    with numba_threads(threads), ThreadPoolExecutor(max_workers=1) as pool:
+    with numba_threads(threads), ThreadPoolExecutor(max_workers=1) as pool, _flush_on_exit(journal):
         for i, choice in enumerate(plan):
             piece = pieces / f"{i:05d}.bin"
             prev = journal.done.get(choice.name)
