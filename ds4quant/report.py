@@ -127,9 +127,11 @@ def plot_bits_heatmap(rep: VerifyReport) -> Optional[bytes]:
     if not layers or not surfaces:
         return None
     grid = np.full((len(layers), len(surfaces)), np.nan)
+    names = {}
     for g in rep.groups:
         if g.layer is not None and g.surface in surfaces:
             grid[layers.index(g.layer), surfaces.index(g.surface)] = g.bpw
+            names[(layers.index(g.layer), surfaces.index(g.surface))] = _short_qtypes(g.qtypes)
     with matplotlib.rc_context(_RC):
         fig = _figure()
         ax = fig.add_subplot(1, 1, 1)
@@ -138,17 +140,28 @@ def plot_bits_heatmap(rep: VerifyReport) -> Optional[bytes]:
         ax.set_yticks(range(len(layers)), labels=[str(x) for x in layers])
         ax.set_xlabel("surface")
         ax.set_ylabel("layer")
-        ax.set_title("Bits per weight per layer and surface")
+        ax.set_title("Plan: qtype and bits per weight per layer and surface")
         if grid.size <= 400:
             finite = grid[np.isfinite(grid)]
             mid = (finite.min() + finite.max()) / 2 if finite.size else 0.0
             for (r, c), v in np.ndenumerate(grid):
                 if np.isfinite(v):
-                    ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                    ax.text(c, r, f"{names.get((r, c), '')}\n{v:.2f}", ha="center", va="center", fontsize=6,
                             color="black" if v > mid else "white")
         fig.colorbar(im, ax=ax, label="bpw")
         fig.tight_layout()
         return _png(fig)
+
+
+def _short_qtypes(qtypes) -> str:
+    """The cell label: the qtype, or the qtypes of a per-expert mix by share."""
+    if not qtypes:
+        return ""
+    if len(qtypes) == 1:
+        return next(iter(qtypes))
+    total = sum(qtypes.values())
+    top = sorted(qtypes.items(), key=lambda kv: (-kv[1], kv[0]))[:2]
+    return "\n".join(f"{q} {100 * n / total:.0f}%" for q, n in top) + ("\n..." if len(qtypes) > 2 else "")
 
 
 def histogram_values(rep: VerifyReport) -> tuple[list[float], str]:
