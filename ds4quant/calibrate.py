@@ -505,7 +505,7 @@ def calibrate(
     from ds4quant.artifact.atomic import atomic_write_json
     from ds4quant.imatrix import write_imatrix_gguf
     from ds4quant.routing import RoutingProfile, write_routing_csv, write_routing_json
-    from ds4quant.sources import open_source
+    from ds4quant.sources import open_official_source
     from ds4quant.sources.config import HASH_MOE
 
     if threads is None:
@@ -520,7 +520,7 @@ def calibrate(
 
     # Validate the source (layout, config, shapes) before the heavy imports.
     src_path = Path(source_dir)
-    with open_source(src_path) as src:
+    with open_official_source(src_path, "calibrate (the transformers reference model)") as src:
         cfg = src.config
         fingerprint = src.fingerprint()
     if isinstance(tokens, (str, os.PathLike)):

@@ -153,7 +153,8 @@ def _progress_printer(enabled: bool):
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
                 target_bpw, max_bytes, candidates, granularity, routing, fitter, cache_dir, no_lucebox,
                 loose_sidecars, resume, force, as_json):
-    r"""Convert a DeepSeek-V4 checkpoint (official layout) into a ROCmFPX artifact.
+    r"""Convert a DeepSeek-V4 checkpoint (official layout folder, or a F32/F16/BF16/Q8_0/MXFP4 GGUF) into a
+    ROCmFPX artifact.
 
     \b
     Examples:
@@ -214,8 +215,10 @@ def inspect_cmd(artifact, variant_107, as_json):
     if as_json:
         _emit_json(ins.to_json())
         return
-    header = ("name", "qtype", "ggml", "variant", "shape", "bytes", "bpw")
+    planned = any(t.predicted_error is not None for t in ins.tensors)
+    header = ("name", "qtype", "ggml", "variant", "shape", "bytes", "bpw") + (("predicted err",) if planned else ())
     rows = [(t.name, t.qtype, str(t.ggml_type), t.variant, "x".join(map(str, t.shape)), f"{t.bytes:,}", f"{t.bpw:.3f}")
+            + ((f"{t.predicted_error:.4g}" if t.predicted_error is not None else "-",) if planned else ())
             for t in ins.tensors]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     click.echo("  ".join(h.ljust(w) for h, w in zip(header, widths)))
@@ -228,6 +231,13 @@ def inspect_cmd(artifact, variant_107, as_json):
     click.echo(f"files: {', '.join(p.name for p in ins.files)} ({ins.file_bytes:,} bytes)")
     click.echo(f"expert bpw: {bpw:.4f}" if bpw is not None else "expert bpw: no routed expert tensors")
     click.echo(f"codebook tables: {', '.join(ins.codebook_tables) or 'none'}")
+    rts = ins.kv.get("ds4quant.runtimes")
+    if rts:
+        click.echo(f"loadable by: {', '.join(rts)}")
+    alloc = ((ins.manifest or {}).get("recipe") or {}).get("allocation")
+    if alloc:
+        click.echo(f"adaptive plan: {alloc['method']}, {alloc['allocated_bytes']:,} of {alloc['budget_bytes']:,} "
+                   f"budget bytes, predicted weighted SQNR {alloc['predicted_weighted_sqnr_db']:.2f} dB")
     for n in ins.notes:
         click.echo(f"note: {n}")
 
@@ -253,7 +263,7 @@ def _verify_progress(enabled: bool):
 @cli.command("verify")
 @click.argument("artifact", type=click.Path(path_type=str))
 @click.option("--source", default=None, type=click.Path(path_type=str),
-              help="The checkpoint folder it was made from: decode every tensor and compare.")
+              help="The checkpoint folder (or GGUF) it was made from: decode every tensor and compare.")
 @click.option("--imatrix", default=None, type=click.Path(path_type=str),
               help="Importance matrix for the importance-weighted error (needs --source).")
 @click.option("--report", "report_dir", default=None, type=click.Path(path_type=str),

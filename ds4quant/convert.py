@@ -271,7 +271,18 @@ def _encode_parts(src, choice: TensorChoice, members, imatrix, books: Optional[B
     dense_members = choice.experts is None and members[0].expert is None
     # read + dequantize the next matrix while this one encodes
     pending = None
+    # --- GGUF sources: stored bytes already in the target qtype are copied, never re-encoded
+    payload_qtype = getattr(src, "payload_qtype", None)
     for k, m in enumerate(members):
+        if payload_qtype is not None and qt.name != "i32" and payload_qtype(m.name) == qt.name:
+            x = (pending if pending is not None else pool.submit(_load, src, m, cols)).result()
+            pending = None
+            xs = x.ravel().astype(np.float64)  # source energy for the manifest's error figures
+            yield np.ascontiguousarray(src.read(m.name)).view(np.uint8).tobytes(), (0.0, float(np.dot(xs, xs)),
+                                                                                  None, None, x.size)
+            src.release(m.name)
+            continue
+        # --- end GGUF byte copy
         if choice.asked == "mxfp4-lossless":
             codes, scales = src.expert_fp4(m.layer, m.expert, m.which)
             payload = mxfp4_payload(codes, scales, m.name)
@@ -444,7 +455,7 @@ def convert(
     Returns a ConvertReport; raises a Ds4quantError for bad input, leaving no
     artifact in ``outdir``. The bytes never depend on ``threads``.
     """
-    from ds4quant.sources.official import open_source
+    from ds4quant.sources import open_any_source
     from ds4quant.sources.naming import deepseek4_kvs
 
     t_start = time.perf_counter()
@@ -464,7 +475,7 @@ def convert(
     if threads is not None and threads < 1:
         raise BadInputError(f"must be >= 1, got {threads}", where="--threads")
 
-    src = open_source(source)
+    src = open_any_source(source)
     try:
         imx = imx_sha = None
         if imatrix is not None:
@@ -478,7 +489,7 @@ def convert(
         kvs = deepseek4_kvs(src.config)
         _check_outdir(out, resume, force)
         source_fp = src.fingerprint()
-        art_name = name or f"{Path(source).resolve().name}-{rec.name}"
+        art_name = name or f"{getattr(src, 'name', None) or Path(source).resolve().name}-{rec.name}"
         if "/" in art_name or art_name.startswith(".") or not art_name:
             raise BadInputError(f"bad artifact name {art_name!r}", where="--name")
 
@@ -739,7 +750,8 @@ def _manifest(out: Path, files, src, rec: Recipe, plan, results, overrides, imat
     return Manifest(
         tool_version=__version__,
         command=tuple(command if command is not None else sys.argv),
-        source={"path": str(Path(src.path)), "fingerprint": source_fp, "format": "deepseek-v4-official"},
+        source={"path": str(Path(src.path)), "fingerprint": source_fp,
+                "format": getattr(src, "format", "deepseek-v4-official")},
         recipe=recipe,
         files=tuple(FileEntry.of(p, p.relative_to(out).as_posix()) for p in files),
         tensors=tuple(entries),

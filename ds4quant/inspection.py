@@ -31,6 +31,9 @@ class TensorRow:
     bytes: int
     n_weights: int
     file: str
+    rule: Optional[str] = None  # from the plan stored in the artifact
+    predicted_error: Optional[float] = None
+    experts: Optional[tuple[int, ...]] = None  # global ids of a compact stack
 
     @property
     def bpw(self) -> float:
@@ -41,8 +44,15 @@ class TensorRow:
         return any(f".{s}." in f".{self.name}" for s in EXPERT_SURFACES) or self.name.split(".")[-2] in EXPERT_SURFACES
 
     def to_json(self) -> dict:
-        return {"name": self.name, "qtype": self.qtype, "ggml_type": self.ggml_type, "variant": self.variant,
-                "shape": list(self.shape), "bytes": self.bytes, "bpw": self.bpw, "file": self.file}
+        d = {"name": self.name, "qtype": self.qtype, "ggml_type": self.ggml_type, "variant": self.variant,
+             "shape": list(self.shape), "bytes": self.bytes, "bpw": self.bpw, "file": self.file}
+        if self.rule is not None:
+            d["rule"] = self.rule
+        if self.predicted_error is not None:
+            d["predicted_error"] = self.predicted_error
+        if self.experts is not None:
+            d["experts"] = list(self.experts)
+        return d
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,8 @@ class Inspection:
             "qtypes": self.qtype_totals(),
             "codebook_tables": list(self.codebook_tables),
             "notes": list(self.notes),
-            "recipe": (self.manifest or {}).get("recipe"),
+            "recipe": _recipe_summary(self.manifest),
+            "runtimes": self.kv.get("ds4quant.runtimes"),
             "tensors": [t.to_json() for t in self.tensors],
         }
 
@@ -126,13 +137,17 @@ def inspect_artifact(path: "str | os.PathLike", *, variant_107: Optional[str] = 
     p = Path(path)
     first, man_path = _find_gguf(p)
     g = read_gguf_set(first, variant_107=variant_107)
+    plan = _plan(g)
     rows = []
     for name, info in g.tensors.items():
         n = 1
         for d in info.shape:
             n *= d
+        p = plan.get(name, {})
+        ids = p.get("experts")
         rows.append(TensorRow(name, info.qtype, info.ggml_type, info.variant, tuple(info.shape), info.nbytes, n,
-                              Path(info.path).name))
+                              Path(info.path).name, p.get("rule"), p.get("predicted_error"),
+                              tuple(ids) if ids is not None else None))
     tables = [k for k in CODEBOOK_KVS if k in g.kv]
     for f in g.files:
         for suffix in CODEBOOK_FILES:
@@ -142,8 +157,31 @@ def inspect_artifact(path: "str | os.PathLike", *, variant_107: Optional[str] = 
     manifest = None
     if man_path is not None:
         manifest = read_manifest(man_path).to_json()
-    kv = {k: _kv_summary(v) for k, v in g.kv.items() if not k.startswith("ds4quant.qtype.")}
+    kv = {k: _kv_summary(v) for k, v in g.kv.items()
+          if not k.startswith(("ds4quant.qtype.", "ds4quant.expert_ids.")) and k != "ds4quant.plan"}
+    if "ds4quant.runtimes" in g.kv:
+        kv["ds4quant.runtimes"] = [str(x) for x in g.kv["ds4quant.runtimes"].value]
     return Inspection(p, tuple(g.files), tuple(rows), tuple(tables), manifest, kv, tuple(g.notes))
+
+
+def _plan(g) -> dict:
+    """The plan convert stored in the GGUF (KV ds4quant.plan), by tensor name."""
+    kv = g.kv.get("ds4quant.plan")
+    if kv is None:
+        return {}
+    try:
+        rows = json.loads(str(kv.value))
+        return {r["name"]: r for r in rows if isinstance(r, dict) and "name" in r}
+    except (ValueError, TypeError):
+        return {}  # a foreign or damaged plan is informational only; verify checks integrity
+
+
+def _recipe_summary(manifest: Optional[dict]) -> Optional[dict]:
+    if not manifest:
+        return None
+    r = dict(manifest.get("recipe") or {})
+    r.pop("plan", None)  # per tensor: already in "tensors"
+    return r
 
 
 def _kv_summary(kv) -> object:

@@ -43,6 +43,10 @@ _KEEP = {
     "I32": "i32",
     "I64": "i32",  # tid2eid: expert ids, always < 2^31
     "U8": "i32",
+    # GGUF sources: a block-quantized tensor kept at source precision is its
+    # stored bytes, copied (convert never decodes and re-encodes it)
+    "Q8_0": "q8_0",
+    "MXFP4": "mxfp4",
 }
 
 
@@ -236,7 +240,7 @@ def plan_tensors(
             continue
         if asked == "mxfp4-lossless":
             qtype = "mxfp4"
-            if t.source_dtype != "I8":
+            if t.source_dtype not in ("I8", "MXFP4"):  # official FP4 experts, or a GGUF's MXFP4 stacks
                 raise BadInputError(
                     f"the mxfp4 recipe repacks FP4 experts, but this tensor is {t.source_dtype}", where=t.name
                 )

@@ -1124,9 +1124,9 @@ class _Acc:
 
 def _numbers(run: _Run, g, lay: _Layout, manifest, stacks: Mapping[str, _Stack], books: Mapping[str, Any],
              source, imatrix, threshold_db, progress):
-    from ds4quant.sources.official import open_source
+    from ds4quant.sources import open_any_source
 
-    src = open_source(source)
+    src = open_any_source(source)
     try:
         imx = None
         if imatrix is not None:

@@ -238,3 +238,46 @@ def test_cli_adaptive_json_and_exit_codes(tmp_path, cache):
     res = CliRunner().invoke(cli, args[:-1] + ["--target-bpw", "0.5"])
     assert res.exit_code == 2
     assert len([ln for ln in res.output.splitlines() if ln.strip()]) == 1
+
+
+def test_inspect_shows_the_stored_plan(strix_same_size):
+    out, rep = strix_same_size
+    res = CliRunner().invoke(cli, ["inspect", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    planned = {c.name: c for c in rep.plan}
+    for t in d["tensors"]:
+        if "_exps" in t["name"]:
+            assert t["predicted_error"] == pytest.approx(planned[t["name"]].predicted_error)
+            assert t["rule"].startswith("adaptive:")
+    assert d["recipe"]["allocation"]["budget_bytes"] >= rep.expert_bytes
+    assert "lucebox" in d["runtimes"]
+
+
+def test_experts_calibration_never_reached_get_codes_and_are_listed(tmp_path, cache):
+    from ds4quant.imatrix import make_imatrix, write_imatrix_gguf
+
+    imx = read_imatrix(IMATRIX)
+    entries = {}
+    for name, e in imx.entries.items():
+        values, counts = np.array(e.values), np.array(e.counts)
+        if name == "blk.2.ffn_gate_exps.weight":
+            values[5] = 0.0
+            counts[5] = 0  # expert 5 never routed
+        entries[name] = (values, counts)
+    path = tmp_path / "imatrix-gap.gguf"
+    write_imatrix_gguf(path, make_imatrix(entries))
+    out = tmp_path / "gap"
+    rep = convert(SAMPLE, out, "adaptive", imatrix=path, adaptive=_opts(tmp_path / "c", target_bpw=STRIX_BPW))
+    assert rep.adaptive["unreached_experts"] == {"blk.2.ffn_gate_exps.weight": [5]}
+    g = read_gguf_set(_gguf(out))
+    t = g.tensors["blk.2.ffn_gate_exps.weight"]
+    data = np.asarray(g.tensor_data(t.name)).reshape(16, -1)
+    x = open_source(SAMPLE).read_dequantized("layers.2.ffn.experts.5.w1.weight")
+    if t.needs_codebooks:
+        entry = read_table(np.asarray(g.kv[KEY_CODEBOOKS].value, dtype=np.uint8).tobytes())[t.name]
+        y = formats.decode(t.qtype, data[5], 256, entry.books[5], modes=int(entry.modes[5]))
+    else:
+        y = formats.decode(t.qtype, data[5], 256)
+    assert np.all(np.isfinite(y))
+    assert 10 * np.log10(np.sum(x.astype(np.float64) ** 2) / np.sum((x - y).astype(np.float64) ** 2)) > 5.0

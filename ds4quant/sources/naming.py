@@ -215,6 +215,44 @@ def map_names(names: Iterable[str]) -> NameMap:
     return NameMap(tuple(mapped), tuple(skipped))
 
 
+# GGUF -> official: the inverse of map_name for weights, derived from the same
+# tables (the forward map stays the single source of truth; every answer is
+# checked by mapping it forward again).
+
+_GGUF_LAYER_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.(.+)$")
+_GGUF_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)_exps\.weight$")
+_WHICH_W = {which: w for w, which in _EXPERT_WHICH.items()}
+_GLOBAL_BY_GGUF = {g: name for name, (g, _) in _GLOBAL.items()}
+_LAYER_BY_GGUF = {**{f"{stem}.weight": f"{module}.weight" for module, (stem, _) in _LAYER_MODULES.items()},
+                  **{tmpl.format(L=0).split(".", 2)[2]: param for param, (tmpl, _) in _LAYER_PARAMS.items()}}
+
+
+def official_name(gguf: str, expert: Optional[int] = None) -> Optional[str]:
+    """The official weight name ``map_name`` sends to GGUF tensor ``gguf``
+    (an expert stack needs ``expert``); None when no official weight does.
+
+        official_name("blk.2.attn_q_a.weight")            # "layers.2.attn.wq_a.weight"
+        official_name("blk.2.ffn_up_exps.weight", 5)      # "layers.2.ffn.experts.5.w3.weight"
+    """
+    if gguf in _GLOBAL_BY_GGUF:
+        cand = _GLOBAL_BY_GGUF[gguf] if expert is None else None
+    else:
+        m = _GGUF_LAYER_RE.match(gguf)
+        if not m:
+            return None
+        layer, rest = m.group(1), m.group(2)
+        e = _GGUF_EXPERT_RE.match(rest)
+        if e:
+            ok = isinstance(expert, int) and not isinstance(expert, bool) and expert >= 0
+            cand = f"layers.{layer}.ffn.experts.{expert}.{_WHICH_W[e.group(1)]}.weight" if ok else None
+        else:
+            cand = f"layers.{layer}.{_LAYER_BY_GGUF[rest]}" if expert is None and rest in _LAYER_BY_GGUF else None
+    if cand is None:
+        return None
+    back = map_name(cand)
+    return cand if isinstance(back, Mapped) and back.role == "weight" and back.gguf == gguf else None
+
+
 def gguf_ne(logical_shape: tuple[int, ...], n_experts: Optional[int] = None) -> tuple[int, ...]:
     """GGUF ne (fastest dimension first) of a tensor with numpy/official shape
     ``logical_shape`` (out, in); expert stacks append n_expert: [in, out, n_expert]."""
