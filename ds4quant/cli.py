@@ -122,7 +122,7 @@ def _progress_printer(enabled: bool):
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("outdir", type=click.Path(path_type=str))
 @click.option("--recipe", default="rocmfp2-strix", show_default=True,
-              help="mxfp4, rocmfp2-strix, rocmfp3, rocmfp4, rocmfp4-fast, rocmfp8.")
+              help="mxfp4, rocmfp2-strix, rocmfp3, rocmfp4, rocmfp4-fast, rocmfp8, adaptive.")
 @click.option("--threads", type=int, default=None, help="Encoder threads (default: all cores). Never changes bytes.")
 @click.option("--imatrix", type=click.Path(path_type=str), default=None,
               help="Importance matrix (llama.cpp imatrix.dat or GGUF imatrix).")
@@ -153,13 +153,13 @@ def _progress_printer(enabled: bool):
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
                 target_bpw, max_bytes, candidates, granularity, routing, fitter, cache_dir, no_lucebox,
                 loose_sidecars, resume, force, as_json):
-    r"""Convert a DeepSeek-V4 checkpoint (official layout folder, or a F32/F16/BF16/Q8_0/MXFP4 GGUF) into a
+    """Convert a DeepSeek-V4 checkpoint (official layout folder, or a F32/F16/BF16/Q8_0/MXFP4 GGUF) into a
     ROCmFPX artifact.
 
     \b
     Examples:
       ds4quant convert samples/ds4-tiny out/tiny-strix --recipe rocmfp2-strix
-      ds4quant convert ckpt/ out/ --recipe rocmfp3 --imatrix imatrix.gguf --tensor-type 'blk\.0\..*exps=rocmfp4'
+      ds4quant convert ckpt/ out/ --recipe rocmfp3 --imatrix imatrix.gguf --tensor-type 'blk\\.0\\..*exps=rocmfp4'
     """
     from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
     from ds4quant.convert import _parse_size, convert

@@ -449,7 +449,7 @@ def convert(
     command: Optional[Sequence[str]] = None,
     progress: Optional[ProgressFn] = None,
 ) -> ConvertReport:
-    """Convert an official DeepSeek-V4 checkpoint folder into an artifact folder.
+    """Convert a DeepSeek-V4 checkpoint (official folder or GGUF) into an artifact folder.
 
     ``adaptive`` (an AdaptiveOptions) is required by the ``adaptive`` recipe.
     Returns a ConvertReport; raises a Ds4quantError for bad input, leaving no
