@@ -916,3 +916,38 @@ def decode_torch(fmt: int, data, cols: int, group: int):
     scales = torch.from_numpy(np.array(SCALES[fmt])).to(dev)
     s = scales[blk[:, qsb:]].repeat_interleave(group, dim=1)
     return (levels[codes] * s).reshape(rows, cols)
+
+
+def make_codec(fmt: int, group: int, *, options: "dict[str, str] | None" = None, **fixed):
+    """The registry Codec of one scale-search format.
+
+    group: weights per scale (16 or 32). options: public encode option name ->
+    encode keyword (booleans, e.g. {"fp2s": "mirror"}); fixed: keywords always
+    passed (e.g. fp8_nearest=True).
+    """
+    from ds4quant.formats.qtype import Codec
+
+    options = dict(options or {})
+
+    def kw(opts: dict) -> dict:
+        out = dict(fixed)
+        out.update({options[k]: bool(v) for k, v in opts.items()})
+        return out
+
+    def enc_ref(x, importance, codebooks, **opts):
+        return encode_ref(fmt, x, importance, group, **kw(opts))
+
+    def enc_fast(x, importance, codebooks, **opts):
+        return encode_fast(fmt, x, importance, group, **kw(opts))
+
+    def dec_ref(data, cols, codebooks, modes):
+        return decode_ref(fmt, data, cols, group)
+
+    def dec_fast(data, cols, codebooks, modes):
+        return decode_fast(fmt, data, cols, group)
+
+    def dec_torch(data, cols, codebooks, modes):
+        return decode_torch(fmt, data, cols, group)
+
+    return Codec(encode_ref=enc_ref, encode_fast=enc_fast, decode_ref=dec_ref, decode_fast=dec_fast,
+                 decode_torch=dec_torch, encode_options=tuple(options))

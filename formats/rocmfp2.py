@@ -23,29 +23,9 @@ set -- equivalently it encodes -x -- and sets bit 7 when the mirrored half's
 from __future__ import annotations
 
 from ds4quant.formats import _scale_search as ss
-from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
 
 _GROUP = 16  # one scale per 16-weight half
-
-
-def encode_ref(x, importance, codebooks, *, fp2s: bool = False):
-    return ss.encode_ref(ss.FP2, x, importance, _GROUP, mirror=bool(fp2s))
-
-
-def encode_fast(x, importance, codebooks, *, fp2s: bool = False):
-    return ss.encode_fast(ss.FP2, x, importance, _GROUP, mirror=bool(fp2s))
-
-
-def decode_ref(data, cols, codebooks, modes):
-    return ss.decode_ref(ss.FP2, data, cols, _GROUP)
-
-
-def decode_fast(data, cols, codebooks, modes):
-    return ss.decode_fast(ss.FP2, data, cols, _GROUP)
-
-
-def decode_torch(data, cols, codebooks, modes):
-    return ss.decode_torch(ss.FP2, data, cols, _GROUP)
 
 
 QTYPE = register(
@@ -61,12 +41,5 @@ QTYPE = register(
         description="ROCmFP2 {-1,0,1,2} x per-16 UE4M3 scale, Lucebox default build; "
         "decodes fp2s mirrored halves; encode option fp2s=True picks the mirror per half",
     ),
-    Codec(
-        encode_ref=encode_ref,
-        encode_fast=encode_fast,
-        decode_ref=decode_ref,
-        decode_fast=decode_fast,
-        decode_torch=decode_torch,
-        encode_options=("fp2s",),
-    ),
+    ss.make_codec(ss.FP2, _GROUP, options={"fp2s": "mirror"}),
 )

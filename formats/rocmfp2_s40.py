@@ -36,29 +36,9 @@ e = 1 and amplify every value to +-2^-10.
 from __future__ import annotations
 
 from ds4quant.formats import _scale_search as ss
-from ds4quant.formats.qtype import RT_DS4QUANT, Codec, QType, register
+from ds4quant.formats.qtype import RT_DS4QUANT, QType, register
 
 _GROUP = 16
-
-
-def encode_ref(x, importance, codebooks, *, zero_seed: bool = False):
-    return ss.encode_ref(ss.S40, x, importance, _GROUP, zero_seed=bool(zero_seed))
-
-
-def encode_fast(x, importance, codebooks, *, zero_seed: bool = False):
-    return ss.encode_fast(ss.S40, x, importance, _GROUP, zero_seed=bool(zero_seed))
-
-
-def decode_ref(data, cols, codebooks, modes):
-    return ss.decode_ref(ss.S40, data, cols, _GROUP)
-
-
-def decode_fast(data, cols, codebooks, modes):
-    return ss.decode_fast(ss.S40, data, cols, _GROUP)
-
-
-def decode_torch(data, cols, codebooks, modes):
-    return ss.decode_torch(ss.S40, data, cols, _GROUP)
 
 
 QTYPE = register(
@@ -75,12 +55,5 @@ QTYPE = register(
         "llama.cpp forks (halo-box/strix-llama.cpp and kin), not Lucebox; option zero_seed=True "
         "follows the fork revision that also scores scale 0",
     ),
-    Codec(
-        encode_ref=encode_ref,
-        encode_fast=encode_fast,
-        decode_ref=decode_ref,
-        decode_fast=decode_fast,
-        decode_torch=decode_torch,
-        encode_options=("zero_seed",),
-    ),
+    ss.make_codec(ss.S40, _GROUP, options={"zero_seed": "zero_seed"}),
 )

@@ -14,29 +14,9 @@ Code bit 2 is the sign, bits 0-1 index magnitudes {0, 1, 2, 4}; code 4
 from __future__ import annotations
 
 from ds4quant.formats import _scale_search as ss
-from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
 
 _GROUP = 16
-
-
-def encode_ref(x, importance, codebooks):
-    return ss.encode_ref(ss.FP3, x, importance, _GROUP)
-
-
-def encode_fast(x, importance, codebooks):
-    return ss.encode_fast(ss.FP3, x, importance, _GROUP)
-
-
-def decode_ref(data, cols, codebooks, modes):
-    return ss.decode_ref(ss.FP3, data, cols, _GROUP)
-
-
-def decode_fast(data, cols, codebooks, modes):
-    return ss.decode_fast(ss.FP3, data, cols, _GROUP)
-
-
-def decode_torch(data, cols, codebooks, modes):
-    return ss.decode_torch(ss.FP3, data, cols, _GROUP)
 
 
 QTYPE = register(
@@ -51,11 +31,5 @@ QTYPE = register(
         runtimes=(RT_DS4QUANT, RT_LUCEBOX),
         description="ROCmFP3 sign + {0,1,2,4} x per-16 UE4M3 scale (Q3_0_ROCMFPX)",
     ),
-    Codec(
-        encode_ref=encode_ref,
-        encode_fast=encode_fast,
-        decode_ref=decode_ref,
-        decode_fast=decode_fast,
-        decode_torch=decode_torch,
-    ),
+    ss.make_codec(ss.FP3, _GROUP),
 )

@@ -17,32 +17,7 @@ whose error is >= FLT_MAX is never chosen; if none is below, e = 0.
 from __future__ import annotations
 
 from ds4quant.formats import _scale_search as ss
-from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
-
-
-def _codec(group: int) -> Codec:
-    def encode_ref(x, importance, codebooks):
-        return ss.encode_ref(ss.FP4, x, importance, group)
-
-    def encode_fast(x, importance, codebooks):
-        return ss.encode_fast(ss.FP4, x, importance, group)
-
-    def decode_ref(data, cols, codebooks, modes):
-        return ss.decode_ref(ss.FP4, data, cols, group)
-
-    def decode_fast(data, cols, codebooks, modes):
-        return ss.decode_fast(ss.FP4, data, cols, group)
-
-    def decode_torch(data, cols, codebooks, modes):
-        return ss.decode_torch(ss.FP4, data, cols, group)
-
-    return Codec(
-        encode_ref=encode_ref,
-        encode_fast=encode_fast,
-        decode_ref=decode_ref,
-        decode_fast=decode_fast,
-        decode_torch=decode_torch,
-    )
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
 
 
 QTYPE = register(
@@ -57,7 +32,7 @@ QTYPE = register(
         runtimes=(RT_DS4QUANT, RT_LUCEBOX),
         description="ROCmFP4 sign + {0,1,2,3,4,6,8,10} x per-16 UE4M3 scale (Q4_0_ROCMFP4)",
     ),
-    _codec(16),
+    ss.make_codec(ss.FP4, 16),
 )
 
 QTYPE_FAST = register(
@@ -72,5 +47,5 @@ QTYPE_FAST = register(
         runtimes=(RT_DS4QUANT, RT_LUCEBOX),
         description="ROCmFP4 FAST sign + {0,1,2,3,4,6,8,10} x per-32 UE4M3 scale (Q4_0_ROCMFP4_FAST)",
     ),
-    _codec(32),
+    ss.make_codec(ss.FP4, 32),
 )

@@ -13,29 +13,9 @@ decodes as +0). Element quantiser m = lroundf(min(|x/S|, 31)). Encoder:
 from __future__ import annotations
 
 from ds4quant.formats import _scale_search as ss
-from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
 
 _GROUP = 16
-
-
-def encode_ref(x, importance, codebooks):
-    return ss.encode_ref(ss.FP6, x, importance, _GROUP)
-
-
-def encode_fast(x, importance, codebooks):
-    return ss.encode_fast(ss.FP6, x, importance, _GROUP)
-
-
-def decode_ref(data, cols, codebooks, modes):
-    return ss.decode_ref(ss.FP6, data, cols, _GROUP)
-
-
-def decode_fast(data, cols, codebooks, modes):
-    return ss.decode_fast(ss.FP6, data, cols, _GROUP)
-
-
-def decode_torch(data, cols, codebooks, modes):
-    return ss.decode_torch(ss.FP6, data, cols, _GROUP)
 
 
 QTYPE = register(
@@ -50,11 +30,5 @@ QTYPE = register(
         runtimes=(RT_DS4QUANT, RT_LUCEBOX),
         description="ROCmFP6 sign + 0..31 x per-16 UE4M3 scale (Q6_0_ROCMFPX)",
     ),
-    Codec(
-        encode_ref=encode_ref,
-        encode_fast=encode_fast,
-        decode_ref=decode_ref,
-        decode_fast=decode_fast,
-        decode_torch=decode_torch,
-    ),
+    ss.make_codec(ss.FP6, _GROUP),
 )

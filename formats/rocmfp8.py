@@ -14,29 +14,9 @@ with its float32 collapse towards 1 for huge targets). With importance,
 from __future__ import annotations
 
 from ds4quant.formats import _scale_search as ss
-from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
 
 _GROUP = 32
-
-
-def encode_ref(x, importance, codebooks):
-    return ss.encode_ref(ss.FP8, x, importance, _GROUP, fp8_nearest=True)
-
-
-def encode_fast(x, importance, codebooks):
-    return ss.encode_fast(ss.FP8, x, importance, _GROUP, fp8_nearest=True)
-
-
-def decode_ref(data, cols, codebooks, modes):
-    return ss.decode_ref(ss.FP8, data, cols, _GROUP)
-
-
-def decode_fast(data, cols, codebooks, modes):
-    return ss.decode_fast(ss.FP8, data, cols, _GROUP)
-
-
-def decode_torch(data, cols, codebooks, modes):
-    return ss.decode_torch(ss.FP8, data, cols, _GROUP)
 
 
 QTYPE = register(
@@ -52,11 +32,5 @@ QTYPE = register(
         description="ROCmFP8 int8 in [-127,127] x per-32 UE4M3 scale (Q8_0_ROCMFPX); "
         "nearest scale without importance, scale search with it",
     ),
-    Codec(
-        encode_ref=encode_ref,
-        encode_fast=encode_fast,
-        decode_ref=decode_ref,
-        decode_fast=decode_fast,
-        decode_torch=decode_torch,
-    ),
+    ss.make_codec(ss.FP8, _GROUP, fp8_nearest=True),
 )

@@ -135,61 +135,19 @@ SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 # official name <-> transformers parameter name (ds4-reference-model.md tables)
 
 
-def _hf_layer_name(rest: str) -> str:
-    table = [  # order matters: indexer entries before compressor entries
-        ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
-        ("attn.indexer.compressor.wkv.", "self_attn.compressor.indexer.kv_proj."),
-        ("attn.indexer.compressor.wgate.", "self_attn.compressor.indexer.gate_proj."),
-        ("attn.indexer.compressor.norm.", "self_attn.compressor.indexer.kv_norm."),
-        ("attn.indexer.wq_b.", "self_attn.compressor.indexer.q_b_proj."),
-        ("attn.indexer.weights_proj.", "self_attn.compressor.indexer.scorer.weights_proj."),
-        ("attn.compressor.ape", "self_attn.compressor.position_bias"),
-        ("attn.compressor.wkv.", "self_attn.compressor.kv_proj."),
-        ("attn.compressor.wgate.", "self_attn.compressor.gate_proj."),
-        ("attn.compressor.norm.", "self_attn.compressor.kv_norm."),
-        ("attn.attn_sink", "self_attn.sinks"),
-        ("attn.wq_a.", "self_attn.q_a_proj."),
-        ("attn.wq_b.", "self_attn.q_b_proj."),
-        ("attn.q_norm.", "self_attn.q_a_norm."),
-        ("attn.wkv.", "self_attn.kv_proj."),
-        ("attn.kv_norm.", "self_attn.kv_norm."),
-        ("attn.wo_a.", "self_attn.o_a_proj."),
-        ("attn.wo_b.", "self_attn.o_b_proj."),
-        ("attn_norm.", "input_layernorm."),
-        ("ffn_norm.", "post_attention_layernorm."),
-        ("hc_attn_fn", "attn_hc.fn"), ("hc_attn_base", "attn_hc.base"), ("hc_attn_scale", "attn_hc.scale"),
-        ("hc_ffn_fn", "ffn_hc.fn"), ("hc_ffn_base", "ffn_hc.base"), ("hc_ffn_scale", "ffn_hc.scale"),
-        ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
-        ("ffn.gate.tid2eid", "mlp.gate.tid2eid"),
-        ("ffn.gate.weight", "mlp.gate.weight"),
-        ("ffn.shared_experts.w1.", "mlp.shared_experts.gate_proj."),
-        ("ffn.shared_experts.w3.", "mlp.shared_experts.up_proj."),
-        ("ffn.shared_experts.w2.", "mlp.shared_experts.down_proj."),
-    ]
-    for src, dst in table:
-        if rest.startswith(src):
-            return dst + rest[len(src):]
-    raise KeyError(rest)
-
-
-_HF_GLOBAL = {
-    "embed.weight": "model.embed_tokens.weight",
-    "head.weight": "lm_head.weight",
-    "norm.weight": "model.norm.weight",
-    "hc_head_fn": "model.hc_head.hc_fn",
-    "hc_head_base": "model.hc_head.hc_base",
-    "hc_head_scale": "model.hc_head.hc_scale",
-}
-
-
 def _official_name(hf: str) -> str:
+    """The official name whose transformers parameter is ``hf`` (the one map
+    lives in ds4quant.sources.naming)."""
+    from ds4quant.sources.naming import _HF_GLOBAL, hf_name
+
     inv = {v: k for k, v in _HF_GLOBAL.items()}
     if hf in inv:
         return inv[hf]
-    _, _, layer, rest = hf.split(".", 3)  # model.layers.L.rest
+    _, _, layer, _ = hf.split(".", 3)  # model.layers.L.rest
     for cand in _official_layer_candidates():
-        if _hf_layer_name(cand) == rest:
-            return f"layers.{layer}.{cand}"
+        official = f"layers.{layer}.{cand}"
+        if hf_name(official)[0] == hf:
+            return official
     raise KeyError(hf)
 
 

@@ -24,6 +24,7 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Iterable, NamedTuple, Optional
 
+from ds4quant.artifact.ds4 import REQUIRED_U32_KEYS as _LOADER_U32_KEYS
 from ds4quant.errors import BadInputError, UnsupportedFormatError
 from ds4quant.sources.config import Ds4Config
 
@@ -344,31 +345,9 @@ class GgufKv(NamedTuple):
         return GGUFValueType.UINT32 if self.type == GGUFValueType.ARRAY else None
 
 
-# Lucebox LOADER kRequiredU32Keys (+ attention.value_length, required by newer loaders)
-REQUIRED_U32_KEYS = (
-    "deepseek4.block_count",
-    "deepseek4.embedding_length",
-    "deepseek4.vocab_size",
-    "deepseek4.attention.head_count",
-    "deepseek4.attention.head_count_kv",
-    "deepseek4.attention.key_length",
-    "deepseek4.attention.value_length",
-    "deepseek4.rope.dimension_count",
-    "deepseek4.attention.q_lora_rank",
-    "deepseek4.attention.output_lora_rank",
-    "deepseek4.attention.output_group_count",
-    "deepseek4.expert_count",
-    "deepseek4.expert_used_count",
-    "deepseek4.expert_shared_count",
-    "deepseek4.expert_feed_forward_length",
-    "deepseek4.hash_layer_count",
-    "deepseek4.attention.sliding_window",
-    "deepseek4.attention.indexer.head_count",
-    "deepseek4.attention.indexer.key_length",
-    "deepseek4.attention.indexer.top_k",
-    "deepseek4.hyper_connection.count",
-    "deepseek4.hyper_connection.sinkhorn_iterations",
-)
+# Lucebox LOADER kRequiredU32Keys (the container's table) plus
+# attention.value_length, which newer loaders also require.
+REQUIRED_U32_KEYS = _LOADER_U32_KEYS + ("deepseek4.attention.value_length",)
 
 
 def deepseek4_kvs(config: Ds4Config) -> list[GgufKv]:
