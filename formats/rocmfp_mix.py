@@ -273,6 +273,28 @@ def _put_code(qs, i, code, bits):
         qs[byte + 1] |= np.uint8(code >> (8 - sh))
 
 
+@numba.njit(cache=True, inline="always")
+def _scan_half(x, r, c0, w, has_w):
+    """One half's max |x|, whether all 16 values are finite, and whether every
+    importance weight is finite and >= 0 (§9.4 steps 1-3)."""
+    zero_f = np.float32(0.0)
+    m = zero_f
+    finite = True
+    w_ok = True
+    for i in range(16):
+        v = x[r, c0 + i]
+        if not np.isfinite(v):
+            finite = False
+        a = abs(v)
+        if a > m:
+            m = a
+        if has_w:
+            q = w[c0 + i]
+            if not (np.isfinite(q) and q >= zero_f):
+                w_ok = False
+    return m, finite, w_ok
+
+
 @numba.njit(cache=True, parallel=True, nogil=True)
 def _encode_nb(x, w, has_w, books, split, ml, bits, out, status, fail_half):
     rows, cols = x.shape
@@ -286,20 +308,7 @@ def _encode_nb(x, w, has_w, books, split, ml, bits, out, status, fail_half):
             o = blk * bb
             for hh in range(2):
                 c0 = blk * 32 + hh * 16
-                m = zero_f
-                finite = True
-                w_ok = True
-                for i in range(16):
-                    v = x[r, c0 + i]
-                    if not np.isfinite(v):
-                        finite = False
-                    a = abs(v)
-                    if a > m:
-                        m = a
-                    if has_w:
-                        q = w[c0 + i]
-                        if not (np.isfinite(q) and q >= zero_f):
-                            w_ok = False
+                m, finite, w_ok = _scan_half(x, r, c0, w, has_w)
                 if not finite:
                     status[r] = 1
                     fail_half[r] = blk * 2 + hh
@@ -383,20 +392,7 @@ def _encode_fixed_nb(x, w, has_w, fixed, bits, out, status, fail_half):
             o = blk * bb
             for hh in range(2):
                 c0 = blk * 32 + hh * 16
-                m = zero_f
-                finite = True
-                w_ok = True
-                for i in range(16):
-                    v = x[r, c0 + i]
-                    if not np.isfinite(v):
-                        finite = False
-                    a = abs(v)
-                    if a > m:
-                        m = a
-                    if has_w:
-                        q = w[c0 + i]
-                        if not (np.isfinite(q) and q >= zero_f):
-                            w_ok = False
+                m, finite, w_ok = _scan_half(x, r, c0, w, has_w)
                 if not finite:
                     status[r] = 1
                     fail_half[r] = blk * 2 + hh
