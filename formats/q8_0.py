@@ -172,7 +172,20 @@ def decode_torch(data, cols, codebooks=None, modes=None):
     blocks = data.contiguous().reshape(-1, BLOCK_BYTES)
     d = f16_to_f32_torch(blocks[:, :2].contiguous().view(torch.int16))
     q = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
-    return (q * d).reshape(rows, cols)
+    out = q * d
+    # NaN results carry the CPU's bits: a NaN scale propagates its own (quieted)
+    # payload, inf * 0 gives this CPU's default NaN; GPUs would give 0x7fffffff.
+    d_full = d.expand_as(out)
+    quiet = (d_full.contiguous().view(torch.int32) | 0x00400000).view(torch.float32)
+    out = torch.where(torch.isnan(d_full), quiet, out)
+    inf0 = torch.isinf(d_full) & (q == 0)
+    if bool(inf0.any()):
+        out = torch.where(inf0, torch.from_numpy(_INF_TIMES_ZERO).to(out.device), out)
+    return out.reshape(rows, cols)
+
+
+with np.errstate(invalid="ignore"):
+    _INF_TIMES_ZERO = np.array([np.float32(np.inf) * np.float32(0.0)], np.float32)  # this CPU's default NaN
 
 
 register(

@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ds4quant import formats
@@ -160,6 +160,7 @@ def test_encode_random_matches_gguf_py(seed, rows, nblk, spread):
     x = _heavy(rng, rows, 32 * nblk, spread=spread)
     if seed % 3 == 0:  # quantised inputs: many ties and repeats
         x = np.round(x * 4) / 4
+    assume(np.all(np.isfinite(x)))  # the widest spread can overflow float32
     for name in ("mxfp4", "q8_0", "bf16"):
         want = _gguf_encode(name, x)
         for impl in ("ref", "fast"):
