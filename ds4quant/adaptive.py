@@ -203,8 +203,10 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
         data = encode(qt, x, imp, b, mode=mode)
         y = decode(qt, data, x.shape[1], b, modes=mode)
         books = (b, mode)
-        if ref_err is not None:
-            # fit_optimized weighs by raw importance (ones without); rescale to err_w
+        # fit_optimized weighs its reference error by the raw importance (ones
+        # without); it compares with wsse only where err_w is that same weight
+        same_weights = np.array_equal(err_w, imp) if imp is not None else bool(np.all(err_w == 1.0))
+        if ref_err is not None and same_weights:
             ref = ref_err
     else:
         data = encode(qt, x, imp)
@@ -493,7 +495,8 @@ def _info(todo, meas: Measurements, opts, alloc: Allocation, budget, budget_what
     for c, ms in todo:
         w = meas.weights[c.name]
         for i, m in enumerate(ms):
-            energy += w[i] * next(x.wssx for (t, e, _), x in meas.measures.items() if t == c.name and e == m.expert)
+            q = next(q for q in opts.candidates if (c.name, m.expert, q) in meas.measures)
+            energy += w[i] * meas.measures[(c.name, m.expert, q)].wssx
     info = {
         "options": {"target_bpw": opts.target_bpw, "max_bytes": opts.max_bytes, "candidates": list(opts.candidates),
                     "granularity": opts.granularity, "fitter": opts.fitter, "routing": opts.routing,
