@@ -40,7 +40,7 @@ from ds4quant.metrics import error_sums
 DEFAULT_CANDIDATES = ("rocmfp2", "rocmfp2_mix", "rocmfp3", "rocmfp3_mix", "rocmfp4_fast", "rocmfp4")
 GRANULARITIES = ("tensor", "expert")
 FITTERS = ("optimized", "reference")
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
