@@ -68,7 +68,7 @@ KEY_P4MIX = "deepseek4.p4mix.sidecar"
 _CHUNK = 8 << 20
 # Non-expert 2-D tensors are encoded in row blocks of about this many bytes
 # of float32, so an embedding table never needs several full-size copies.
-_ROW_BLOCK_BYTES = 64 << 20
+_ROW_BLOCK_BYTES = 16 << 20
 _JOURNAL_EVERY_S = 2.0
 
 
@@ -277,9 +277,9 @@ def _encode_parts(src, choice: TensorChoice, members, imatrix, books: Optional[B
         if payload_qtype is not None and qt.name != "i32" and payload_qtype(m.name) == qt.name:
             x = (pending if pending is not None else pool.submit(_load, src, m, cols)).result()
             pending = None
-            xs = x.ravel().astype(np.float64)  # source energy for the manifest's error figures
-            yield np.ascontiguousarray(src.read(m.name)).view(np.uint8).tobytes(), (0.0, float(np.dot(xs, xs)),
-                                                                                  None, None, x.size)
+            # the source energy feeds the manifest's error figures; the error is 0
+            yield np.ascontiguousarray(src.read(m.name)).view(np.uint8), (0.0, error_sums(x, x).ssx,
+                                                                         None, None, x.size)
             src.release(m.name)
             continue
         # --- end GGUF byte copy
@@ -317,13 +317,12 @@ def _encode_parts(src, choice: TensorChoice, members, imatrix, books: Optional[B
             except Ds4quantError as exc:
                 raise type(exc)(exc.message, where=m.name, hint=exc.hint) from None
             if lossless:
-                stats = (0.0, float(np.dot(xb.ravel().astype(np.float64), xb.ravel().astype(np.float64))),
-                         None, None, xb.size)
+                stats = (0.0, error_sums(xb, xb).ssx, None, None, xb.size)
             else:
                 y = decode(qt.name, q, cols, bk, modes=(kw.get("mode", 1) if qt.is_mix else None))
                 s = error_sums(xb, y, imp)
                 stats = (s.sse, s.ssx, s.wsse, s.wssx, xb.size)
-            yield q.tobytes(), stats
+            yield q, stats
         src.release(m.name)
 
 
@@ -341,9 +340,10 @@ def _encode_tensor(src, choice: TensorChoice, members, imatrix, books, pool, pie
     wsse = wssx = None
     with atomic_write(piece) as f:
         for chunk, (e, s, we, ws, cnt) in _encode_parts(src, choice, members, imatrix, books, pool):
-            f.write(chunk)
-            h.update(chunk)
-            nbytes += len(chunk)
+            view = memoryview(chunk).cast("B")  # bytes or a C-contiguous uint8 array, no copy
+            f.write(view)
+            h.update(view)
+            nbytes += view.nbytes
             sse, ssx, n = sse + e, ssx + s, n + cnt
             if we is not None:
                 wsse, wssx = (wsse or 0.0) + we, (wssx or 0.0) + ws

@@ -19,13 +19,27 @@ _RUNTIMES = (RT_DS4QUANT, RT_LUCEBOX, RT_LLAMA_CPP, RT_GGUF_PY)
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 array -> uint16 bf16 words, as ggml rounds (see module doc)."""
+    """float32 array -> uint16 bf16 words, as ggml rounds (see module doc).
+
+    uint32 arithmetic is enough: after NaN quieting the largest word is
+    0xFFFF0000 and adding 0x8000 cannot wrap. Works in 1 Mi-element chunks so
+    a large tensor needs no full-size temporaries.
+    """
     n = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    is_nan = (n & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    n = np.where(is_nan, (n & np.uint32(0xFFFF0000)) | np.uint32(0x00400000), n)
-    # uint64 so that 0xFFFFxxxx + 0x8000 cannot wrap.
-    r = (n.astype(np.uint64) + np.uint64(0x7FFF) + ((n >> np.uint32(16)) & np.uint32(1))) >> np.uint64(16)
-    return r.astype(np.uint16)
+    flat = n.reshape(-1)
+    out = np.empty(flat.shape, dtype=np.uint16)
+    step = 1 << 20
+    for i in range(0, flat.size, step):
+        u = flat[i:i + step].copy()
+        nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        if nan.any():
+            u[nan] = (u[nan] & np.uint32(0xFFFF0000)) | np.uint32(0x00400000)
+        lsb = (u >> np.uint32(16)) & np.uint32(1)
+        u += np.uint32(0x7FFF)
+        u += lsb
+        u >>= np.uint32(16)
+        out[i:i + step] = u
+    return out.reshape(n.shape)
 
 
 # --- f32 -------------------------------------------------------------------
@@ -88,7 +102,8 @@ def _bf16_encode(x, importance, codebooks):
 
 def _bf16_decode(data, cols, codebooks, modes):
     words = np.ascontiguousarray(data).view("<u2").astype(np.uint32)
-    return (words << np.uint32(16)).view(np.float32).reshape(data.shape[0], cols)
+    words <<= np.uint32(16)
+    return words.view(np.float32).reshape(data.shape[0], cols)
 
 
 def _bf16_decode_torch(data, cols, codebooks, modes):

@@ -332,7 +332,9 @@ class Source:
         if dt == "F32":
             return np.array(raw, dtype=np.float32)
         if dt == "BF16":
-            return (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
+            words = raw.astype(np.uint32)
+            words <<= np.uint32(16)  # in place: one float32-sized array, no second temporary
+            return words.view(np.float32)
         if dt == "F16":
             return raw.astype(np.float32)
         if dt == "F8_E4M3":
