@@ -300,6 +300,7 @@ def _encode_parts(src, choice: TensorChoice, members, imatrix, books: Optional[B
         fut = pending if pending is not None else pool.submit(_load, src, m, cols)
         pending = pool.submit(_load, src, members[k + 1], cols) if k + 1 < len(members) and not dense_members else None
         x = fut.result()
+        src.release(m.name)  # x is a copy: the mapped source pages can go now
         imp = _importance(imatrix, choice.base, m.expert, cols) if qt.lossy else None
         kw = {}
         bk = None
@@ -323,7 +324,6 @@ def _encode_parts(src, choice: TensorChoice, members, imatrix, books: Optional[B
                 s = error_sums(xb, y, imp)
                 stats = (s.sse, s.ssx, s.wsse, s.wssx, xb.size)
             yield q, stats
-        src.release(m.name)
 
 
 def mxfp4_payload(codes, scales, where: str) -> bytes:
