@@ -159,7 +159,8 @@ def test_encode_random_matches_gguf_py(seed, rows, nblk, spread):
     rng = np.random.default_rng(seed)
     x = _heavy(rng, rows, 32 * nblk, spread=spread)
     if seed % 3 == 0:  # quantised inputs: many ties and repeats
-        x = np.round(x * 4) / 4
+        with np.errstate(over="ignore"):
+            x = np.round(x * 4) / 4
     assume(np.all(np.isfinite(x)))  # the widest spread can overflow float32
     for name in ("mxfp4", "q8_0", "bf16"):
         want = _gguf_encode(name, x)
