@@ -118,6 +118,18 @@ def _progress_printer(enabled: bool):
     return show
 
 
+def _fit_effort(text: str) -> dict:
+    from ds4quant.errors import BadInputError
+
+    try:
+        it, rs, rows = (int(v) for v in text.split(","))
+    except ValueError:
+        raise BadInputError(f"expected ITER,RESTARTS,ROWS, got {text!r}", where="--fit-effort") from None
+    if it < 0 or rs < 0 or rows < 1:
+        raise BadInputError(f"iterations and restarts must be >= 0 and rows >= 1, got {text!r}", where="--fit-effort")
+    return {"fit_iterations": it, "fit_restarts": rs, "fit_max_rows": rows}
+
+
 @cli.command("convert")
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("outdir", type=click.Path(path_type=str))
@@ -143,6 +155,8 @@ def _progress_printer(enabled: bool):
               help="adaptive: routing profile (Lucebox hotness CSV or ds4quant JSON) to weight experts.")
 @click.option("--fitter", type=click.Choice(["optimized", "reference"]), default="optimized", show_default=True,
               help="adaptive: MIX codebook fitter.")
+@click.option("--fit-effort", default="6,1,512", show_default=True, metavar="ITER,RESTARTS,ROWS",
+              help="adaptive: optimized-fitter Lloyd iterations, restarts, and rows sampled per expert.")
 @click.option("--cache-dir", type=click.Path(path_type=str), default=None,
               help="adaptive: measurement cache (default $DS4QUANT_CACHE or ~/.cache/ds4quant).")
 @click.option("--no-lucebox", is_flag=True, help="adaptive: allow layouts only ds4quant's runtime loads.")
@@ -151,7 +165,7 @@ def _progress_printer(enabled: bool):
 @click.option("--force", is_flag=True, help="Replace the contents of a non-empty OUTDIR.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end; no progress lines.")
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
-                target_bpw, max_bytes, candidates, granularity, routing, fitter, cache_dir, no_lucebox,
+                target_bpw, max_bytes, candidates, granularity, routing, fitter, fit_effort, cache_dir, no_lucebox,
                 loose_sidecars, resume, force, as_json):
     """Convert a DeepSeek-V4 checkpoint (official layout folder, or a F32/F16/BF16/Q8_0/MXFP4 GGUF) into a
     ROCmFPX artifact.
@@ -170,6 +184,7 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
             target_bpw=target_bpw, max_bytes=_parse_size(max_bytes, "--max-bytes"),
             candidates=tuple(c.strip() for c in candidates.split(",") if c.strip()) if candidates else DEFAULT_CANDIDATES,
             granularity=granularity, fitter=fitter, routing=routing, cache_dir=cache_dir, lucebox=not no_lucebox,
+            **_fit_effort(fit_effort),
         )
     progress = _progress_printer(not as_json and sys.stderr.isatty())
     rep = convert(source, outdir, recipe, threads=threads, imatrix=imatrix, tensor_types=tensor_types,

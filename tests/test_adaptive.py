@@ -238,6 +238,8 @@ def test_cli_adaptive_json_and_exit_codes(tmp_path, cache):
     res = CliRunner().invoke(cli, args[:-1] + ["--target-bpw", "0.5"])
     assert res.exit_code == 2
     assert len([ln for ln in res.output.splitlines() if ln.strip()]) == 1
+    res = CliRunner().invoke(cli, args[:-1] + ["--fit-effort", "2,zero,64"])
+    assert res.exit_code == 2 and "--fit-effort" in res.output
 
 
 def test_inspect_shows_the_stored_plan(strix_same_size):
