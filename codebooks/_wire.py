@@ -77,6 +77,24 @@ class Cursor:
             self.fail(f"{self.remaining} trailing bytes after the last entry (offset {self.pos})")
 
 
+def open_blob(data: Any, what: str, magic: bytes, least_entry: int,
+              refused: "dict[bytes, str] | None" = None) -> "tuple[Cursor, int]":
+    """Read the 16-byte header every Lucebox sidecar shares (8-byte magic,
+    u32 n_entries, u32 reserved) and bound n_entries by the bytes left, given
+    the smallest possible entry. Returns (cursor at the first entry, n)."""
+    cur = Cursor(data, what)
+    got = cur.raw(8, "magic")
+    if refused and got in refused:
+        cur.fail(refused[got])
+    if got != magic:
+        cur.fail(f"bad magic {got!r}, expected {magic!r}")
+    n = cur.u32("n_entries")
+    cur.u32("reserved")
+    if n * least_entry > cur.remaining:
+        cur.fail(f"n_entries = {n} needs at least {n * least_entry} bytes, only {cur.remaining} left")
+    return cur, n
+
+
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """uint16 bf16 words -> float32 of the same shape."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ds4quant.codebooks._wire import Cursor, bf16_to_f32, check_books, f32_to_bf16, frozen
+from ds4quant.codebooks._wire import open_blob, bf16_to_f32, check_books, f32_to_bf16, frozen
 from ds4quant.errors import CodebookError
 
 MAGIC = b"DMIXs1\x00\x00"
@@ -110,15 +110,7 @@ def read_dmix(data: Any, *, n_layers: Optional[int] = None, what: str = "DMIXs1 
 
     Raises CorruptDataError for malformed bytes, CodebookError for bad books.
     """
-    cur = Cursor(data, what)
-    magic = cur.raw(8, "magic")
-    if magic != MAGIC:
-        cur.fail(f"bad magic {magic!r}, expected {MAGIC!r}")
-    n = cur.u32("n_entries")
-    cur.u32("reserved")
-    least = entry_nbytes(4)
-    if n * least > cur.remaining:
-        cur.fail(f"n_entries = {n} needs at least {n * least} bytes, only {cur.remaining} left")
+    cur, n = open_blob(data, what, MAGIC, entry_nbytes(4))
     entries, seen = [], set()
     for i in range(n):
         layer, cls, qtype, nslices, c, k = (

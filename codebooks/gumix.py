@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ds4quant.codebooks._wire import MAX_DIM, MAX_EXPERTS, Cursor, bf16_to_f32, check_books, check_modes, f32_to_bf16
+from ds4quant.codebooks._wire import MAX_DIM, MAX_EXPERTS, open_blob, bf16_to_f32, check_books, check_modes, f32_to_bf16
 from ds4quant.codebooks.routed import SURFACES, MixEntry, check_routed_coverage
 from ds4quant.errors import CodebookError
 
@@ -71,17 +71,8 @@ def read_gumix(data: Any, *, n_layers: Optional[int] = None, what: str = "GUMIXs
     n_layers: when given, every layer must be < n_layers.
     Raises CorruptDataError for malformed bytes, CodebookError for bad books.
     """
-    cur = Cursor(data, what)
-    magic = cur.raw(8, "magic")
-    if magic == FUSED_MAGIC:
-        cur.fail("fused GUMIXv1 blobs are not supported; export the split form GUMIXs1")
-    if magic != MAGIC:
-        cur.fail(f"bad magic {magic!r}, expected {MAGIC!r}")
-    n = cur.u32("n_entries")
-    cur.u32("reserved")
-    least = entry_nbytes(1)
-    if n * least > cur.remaining:
-        cur.fail(f"n_entries = {n} needs at least {n * least} bytes, only {cur.remaining} left")
+    cur, n = open_blob(data, what, MAGIC, entry_nbytes(1),
+                       {FUSED_MAGIC: "fused GUMIXv1 blobs are not supported; export the split form GUMIXs1"})
     entries, seen = [], set()
     fields = ("layer", "surface", "E", "out", "in", "C", "K")
     for i in range(n):

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ds4quant.codebooks._wire import MAX_DIM, MAX_EXPERTS, Cursor, bf16_to_f32, check_books, check_modes, f32_to_bf16
+from ds4quant.codebooks._wire import MAX_DIM, MAX_EXPERTS, open_blob, bf16_to_f32, check_books, check_modes, f32_to_bf16
 from ds4quant.codebooks.routed import MixEntry, check_routed_coverage
 from ds4quant.errors import CodebookError
 
@@ -74,15 +74,7 @@ def read_p4mix(data: Any, *, n_layers: Optional[int] = None, what: str = "P4MIXv
     n_layers: when given, every layer must be < n_layers.
     Raises CorruptDataError for malformed bytes, CodebookError for bad books.
     """
-    cur = Cursor(data, what)
-    magic = cur.raw(8, "magic")
-    if magic != MAGIC:
-        cur.fail(f"bad magic {magic!r}, expected {MAGIC!r}")
-    n = cur.u32("n_entries")
-    cur.u32("reserved")
-    least = entry_nbytes(1)
-    if n * least > cur.remaining:
-        cur.fail(f"n_entries = {n} needs at least {n * least} bytes, only {cur.remaining} left")
+    cur, n = open_blob(data, what, MAGIC, entry_nbytes(1))
     entries, seen = [], set()
     for i in range(n):
         at = f"entry {i}"

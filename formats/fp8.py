@@ -87,24 +87,34 @@ def unpack_e2m1(packed: np.ndarray) -> np.ndarray:
     return out
 
 
+def check_fp4_layout(packed, scale_e8m0, where: str) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Validate a DeepSeek FP4 weight: codes int8/uint8 (out, in/2), E8M0
+    scales (out, in/32), in % 32 == 0. Returns (codes u8, scales u8, out, in)."""
+    packed = np.asarray(packed)
+    if packed.dtype not in (np.int8, np.uint8):
+        raise ShapeError(f"FP4 codes must be int8 or uint8, got {packed.dtype}", where=where)
+    codes = packed.view(np.uint8)
+    sc = np.asarray(scale_e8m0).view(np.uint8)
+    if codes.ndim != 2 or sc.ndim != 2:
+        raise ShapeError(f"FP4 codes and scales must be 2-D, got {codes.shape} and {sc.shape}", where=where)
+    rows, half = codes.shape
+    cols = 2 * half
+    if cols % FP4_BLOCK or sc.shape != (rows, cols // FP4_BLOCK):
+        raise ShapeError(
+            f"FP4 codes {codes.shape} (= {rows}x{cols} values) need scales of shape "
+            f"({rows}, {cols // FP4_BLOCK}) and in % {FP4_BLOCK} == 0, got scales {sc.shape}",
+            where=where,
+        )
+    return codes, sc, rows, cols
+
+
 def dequant_e2m1_blocks(packed: np.ndarray, scale_e8m0: np.ndarray, *, where: str = "fp4 tensor") -> np.ndarray:
     """DeepSeek FP4 expert weight -> float32 (out, in), exactly.
 
     packed: int8/uint8 (out, in/2), even element in the low nibble.
     scale_e8m0: uint8 (out, in/32), value 2^(b-127) per 32 inputs.
     """
-    codes = np.asarray(packed).view(np.uint8)
-    sc = np.asarray(scale_e8m0).view(np.uint8)
-    if codes.ndim != 2 or sc.ndim != 2:
-        raise ShapeError(f"FP4 weight and scale must be 2-D, got {codes.shape} and {sc.shape}", where=where)
-    rows, half = codes.shape
-    cols = 2 * half
-    if cols % FP4_BLOCK or sc.shape != (rows, cols // FP4_BLOCK):
-        raise ShapeError(
-            f"FP4 weight {codes.shape} (= {rows}x{cols} values) needs a scale of shape "
-            f"({rows}, {cols // FP4_BLOCK}) and in % {FP4_BLOCK} == 0, got scale {sc.shape}",
-            where=where,
-        )
+    codes, sc, rows, cols = check_fp4_layout(packed, scale_e8m0, where)
     vals = E2M1[unpack_e2m1(codes)].reshape(rows, cols // FP4_BLOCK, FP4_BLOCK)
     return (vals * E8M0[sc][:, :, None]).reshape(rows, cols)
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from ds4quant.errors import CorruptDataError, ShapeError
 from ds4quant.formats._bits import pack_nibbles_split, unpack_nibbles_split
+from ds4quant.formats.fp8 import check_fp4_layout
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_GGUF_PY, RT_LLAMA_CPP, RT_LUCEBOX, Codec, QType, register
 
 BLOCK = 32
@@ -263,21 +264,7 @@ def mxfp4_from_e2m1(codes_packed_lowfirst: np.ndarray, e8m0_scales: np.ndarray, 
     e2m1(code) * 2^(b-127) for every weight (code 8, -0.0, becomes +0.0).
     A scale byte of 255 (NaN) has no MXFP4 form and is refused.
     """
-    packed = np.asarray(codes_packed_lowfirst)
-    if packed.dtype not in (np.int8, np.uint8):
-        raise ShapeError(f"FP4 codes must be int8 or uint8, got {packed.dtype}", where=where)
-    packed = packed.view(np.uint8)
-    sc = np.asarray(e8m0_scales).view(np.uint8)
-    if packed.ndim != 2 or sc.ndim != 2:
-        raise ShapeError(f"FP4 codes and scales must be 2-D, got {packed.shape} and {sc.shape}", where=where)
-    rows, half = packed.shape
-    cols = 2 * half
-    if cols % BLOCK or sc.shape != (rows, cols // BLOCK):
-        raise ShapeError(
-            f"FP4 codes {packed.shape} need scales of shape ({rows}, {cols // BLOCK}) "
-            f"and in % {BLOCK} == 0, got scales {sc.shape}",
-            where=where,
-        )
+    packed, sc, rows, cols = check_fp4_layout(codes_packed_lowfirst, e8m0_scales, where)
     nan = np.argwhere(sc == 255)
     if len(nan):
         raise CorruptDataError(
