@@ -1,0 +1,165 @@
+"""Every tensor-name rule and every key name the project writes or reads.
+
+A leaf (imports nothing of ours but ``errors``): the pipeline, the artifact
+view, verify and the runtime take names and keys from here, so a rule is
+written once. Routed-expert stacks (spec ds4-and-lucebox.md §2)::
+
+    blk.L.ffn_{gate,up,down}_exps.weight            full stack, experts 0..E-1
+    blk.L.ffn_{gate,up,down}_exps.<qtype>.weight    compact stack (expert granularity),
+                                                    global ids in KEY_EXPERT_IDS + name
+
+Example::
+
+    stack_name(3, Proj.DOWN)                  # "blk.3.ffn_down_exps.weight"
+    stack_name(3, "down", "rocmfp3_mix")      # "blk.3.ffn_down_exps.rocmfp3_mix.weight"
+    parse_stack("blk.3.ffn_down_exps.rocmfp3_mix.weight")  # StackName(3, Proj.DOWN, "rocmfp3_mix")
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import NamedTuple, Optional
+
+from ds4quant.errors import BadInputError
+
+
+class Proj(str, Enum):
+    """The three matrices of a routed expert (official w1 / w3 / w2)."""
+
+    GATE = "gate"
+    UP = "up"
+    DOWN = "down"
+
+
+PROJS: tuple[Proj, ...] = (Proj.GATE, Proj.UP, Proj.DOWN)
+
+# ---------------------------------------------------------------------------
+# GGUF keys: the architecture
+
+ARCH = "deepseek4"
+KEY_ARCH = "general.architecture"
+KEY_BLOCK_COUNT = f"{ARCH}.block_count"
+KEY_EMBEDDING_LENGTH = f"{ARCH}.embedding_length"
+KEY_VOCAB_SIZE = f"{ARCH}.vocab_size"
+KEY_EXPERT_COUNT = f"{ARCH}.expert_count"
+KEY_EXPERT_USED_COUNT = f"{ARCH}.expert_used_count"
+KEY_EXPERT_FFN_LENGTH = f"{ARCH}.expert_feed_forward_length"
+KEY_HASH_LAYER_COUNT = f"{ARCH}.hash_layer_count"
+KEY_EXPERT_WEIGHTS_SCALE = f"{ARCH}.expert_weights_scale"
+KEY_SWIGLU_CLAMP = f"{ARCH}.swiglu_clamp_exp"
+
+# Lucebox codebook blobs (embedded copies of the loose sidecar files)
+LUCEBOX_KINDS = ("p4mix", "gumix", "dmix")
+
+
+def sidecar_key(kind: str) -> str:
+    """``deepseek4.<kind>.sidecar`` for kind in p4mix / gumix / dmix."""
+    if kind not in LUCEBOX_KINDS:
+        raise BadInputError(f"sidecar kind must be one of {', '.join(LUCEBOX_KINDS)}, got {kind!r}")
+    return f"{ARCH}.{kind}.sidecar"
+
+
+def sidecar_suffix(kind: str) -> str:
+    """Loose sidecar file suffix after ``NAME.gguf``: ``.gumix.bin`` etc."""
+    sidecar_key(kind)
+    return f".{kind}.bin"
+
+
+KEY_GUMIX = sidecar_key("gumix")
+KEY_P4MIX = sidecar_key("p4mix")
+KEY_DMIX = sidecar_key("dmix")
+
+# ---------------------------------------------------------------------------
+# GGUF keys: ds4quant's own
+
+KEY_FORMAT_VERSION = "ds4quant.format_version"
+KEY_QTYPE_VARIANTS = "ds4quant.qtype_variants"
+KEY_QTYPE_TAG_PREFIX = "ds4quant.qtype."
+KEY_CODEBOOKS = "ds4quant.codebooks"
+KEY_EXPERT_IDS_PREFIX = "ds4quant.expert_ids."
+KEY_RUNTIMES = "ds4quant.runtimes"
+KEY_PLAN = "ds4quant.plan"
+KEY_RECIPE = "ds4quant.recipe"
+KEY_TOOL_VERSION = "ds4quant.tool_version"
+KEY_SOURCE_FINGERPRINT = "ds4quant.source_fingerprint"
+
+
+def expert_ids_key(tensor: str) -> str:
+    """KV holding the global expert ids (local order) of a compact stack."""
+    return KEY_EXPERT_IDS_PREFIX + tensor
+
+
+def qtype_tag_key(tensor: str) -> str:
+    """KV holding the explicit qtype variant tag of one tensor."""
+    return KEY_QTYPE_TAG_PREFIX + tensor
+
+
+# ---------------------------------------------------------------------------
+# tensor names
+
+_LAYER = re.compile(r"^blk\.(0|[1-9][0-9]*)\.")
+_STACK = re.compile(r"^blk\.(?P<layer>0|[1-9][0-9]*)\.ffn_(?P<proj>gate|up|down)_exps"
+                    r"(?:\.(?P<qtype>[a-z0-9_]+))?\.weight$")
+
+
+class StackName(NamedTuple):
+    """A parsed routed-expert stack name; ``qtype`` is set for compact stacks."""
+
+    layer: int
+    proj: Proj
+    qtype: Optional[str]
+
+    @property
+    def compact(self) -> bool:
+        return self.qtype is not None
+
+    @property
+    def base(self) -> str:
+        """The full-stack name of the same layer and projection."""
+        return stack_name(self.layer, self.proj)
+
+
+def _check_layer(layer: object) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise BadInputError(f"layer must be an int >= 0, got {layer!r}")
+    return layer
+
+
+def as_proj(proj: "str | Proj") -> Proj:
+    """``Proj`` from its value; a clear error for anything else."""
+    try:
+        return Proj(proj)
+    except ValueError:
+        raise BadInputError(f"expert projection must be one of gate, up, down, got {proj!r}") from None
+
+
+def stack_name(layer: int, proj: "str | Proj", qtype: Optional[str] = None) -> str:
+    """``blk.L.ffn_P_exps.weight`` (full) or ``blk.L.ffn_P_exps.<qtype>.weight`` (compact)."""
+    p = as_proj(proj).value
+    _check_layer(layer)
+    if qtype is None:
+        return f"blk.{layer}.ffn_{p}_exps.weight"
+    if not re.fullmatch(r"[a-z0-9_]+", qtype or ""):
+        raise BadInputError(f"qtype in a compact stack name must be [a-z0-9_]+, got {qtype!r}")
+    return f"blk.{layer}.ffn_{p}_exps.{qtype}.weight"
+
+
+def parse_stack(name: str) -> Optional[StackName]:
+    """The layer, projection and (compact) qtype of a stack name, else None."""
+    m = _STACK.match(name)
+    if m is None:
+        return None
+    return StackName(int(m.group("layer")), Proj(m.group("proj")), m.group("qtype"))
+
+
+def base_name(name: str) -> str:
+    """``blk.L.ffn_P_exps.<qtype>.weight`` -> ``blk.L.ffn_P_exps.weight``; other names unchanged."""
+    s = parse_stack(name)
+    return s.base if s is not None else name
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The block index of a ``blk.L.*`` tensor, else None."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None

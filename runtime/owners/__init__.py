@@ -1,0 +1,1 @@
+"""Owners: CPU (numba kernels), torch devices (CUDA/HIP), and worker processes."""
