@@ -32,7 +32,7 @@ class _Group(click.Group):
 
     def list_commands(self, ctx):
         # Keep the pipeline order in --help rather than alphabetical.
-        order = ["convert", "inspect", "verify", "publish", "calibrate", "formats"]
+        order = ["convert", "inspect", "verify", "publish", "calibrate", "place", "formats"]
         names = list(self.commands)
         return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
 
@@ -413,6 +413,73 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, as_json:
         click.echo(f"experts never reached ({rep.unreached_count}, imatrix count 0): {detail}")
     else:
         click.echo("every expert was reached")
+
+
+def _size_cell(n) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+@cli.command("place")
+@click.argument("artifact", type=click.Path(path_type=str))
+@click.option("--routing", required=True, type=click.Path(path_type=str),
+              help="Routing profile: Lucebox hotness CSV or ds4quant routing JSON (ds4quant calibrate writes both).")
+@click.option("--owner", "owners", multiple=True, metavar="NAME=BYTES",
+              help="An owner and its byte budget (50G, 512M, 1024; NAME alone: no budget); repeatable, "
+                   "first = hot. Names: cpu, cpu:N, cuda:N, hip:N, torch-cpu:N, worker:N.")
+@click.option("--min-hot", type=int, default=0, show_default=True, help="Hot experts per layer on the first owner.")
+@click.option("--speed-ratio", type=float, default=None,
+              help="First owner's speed over the others: critical-path balancing (Lucebox MAIN_TO_PEER_RATE).")
+@click.option("--cold", default=None, metavar="none|OWNER",
+              help="Where experts that fit no budget go: an owner, or 'none' (held outside this process).")
+@click.option("--ranks", type=int, default=None, help="A cluster placement over N ranks instead.")
+@click.option("--strategy", type=click.Choice(["uniform", "balanced"]), default="uniform", show_default=True,
+              help="--ranks: e % N, or longest-processing-time by hotness.")
+@click.option("--replicate-hot", type=int, default=0, show_default=True,
+              help="--ranks: replicate the K hottest experts of each layer on every rank.")
+@click.option("--out", required=True, type=click.Path(path_type=str), help="Placement file to write (JSON).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def place_cmd(artifact, routing, owners, min_hot, speed_ratio, cold, ranks, strategy, replicate_hot, out, as_json):
+    """Plan which owner holds which routed expert: greedy by routed slots per
+    byte within each owner's budget, with a per-layer floor of hot experts
+    (Lucebox's byte-budget placement), or a cluster placement over ranks.
+
+    \b
+    Examples:
+      ds4quant place out/tiny --routing calib/routing.csv --owner cuda:0=8G --owner cpu --cold cpu --out p.json
+      ds4quant place out/tiny --routing calib/routing.csv --owner cuda:0=2G --cold none --min-hot 4 --out p.json
+      ds4quant place out/tiny --routing calib/routing.csv --ranks 2 --strategy balanced --out cluster.json
+    """
+    from ds4quant.place import place
+
+    if not owners and ranks is None:
+        from ds4quant.errors import BadInputError
+
+        raise BadInputError("give at least one --owner NAME=BYTES (or --ranks N)", where="--owner")
+    p, rep = place(artifact, routing, owners, cold=cold, min_hot=min_hot, speed_ratio=speed_ratio, ranks=ranks,
+                   strategy=strategy, replicate_hot=replicate_hot, out=out)
+    j = rep.to_json()
+    if as_json:
+        _emit_json({**j, "out": out})
+        return
+    if j["kind"] == "ranks":
+        rows = [(str(r["rank"]), str(r["experts"]), _size_cell(r["bytes"]), f"{100 * r['slot_share']:.2f}%")
+                for r in j["ranks"]]
+        header = ("rank", "experts", "bytes", "slots")
+    else:
+        rows = [(o["name"], _size_cell(o["budget"]), _size_cell(o["bytes"]), str(o["experts"])) for o in j["owners"]]
+        if j["none"]["experts"]:
+            rows.append(("none", "-", _size_cell(j["none"]["bytes"]), str(j["none"]["experts"])))
+        header = ("owner", "budget", "bytes", "experts")
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if j["kind"] == "owners":
+        click.echo(f"slot-resident rate {100 * j['slot_resident_rate']:.2f}%, token-resident rate "
+                   f"{100 * j['token_resident_rate']:.2f}% ({j['token_resident_method']}) on {j['owners'][0]['name']}")
+    for n in j["notes"]:
+        click.echo(f"note: {n}")
+    click.echo(f"wrote {out} (content sha256 {j['placement_sha256'][:16]})")
 
 
 def main(argv=None) -> None:

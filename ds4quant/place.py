@@ -1,0 +1,177 @@
+"""``ds4quant place``: plan where an artifact's routed experts live.
+
+Reads the bytes of every expert from the artifact (``ArtifactView.expert_nbytes``)
+and a routing profile (Lucebox hotness CSV or ds4quant JSON), plans with
+``runtime.planning`` and optionally writes the placement file.
+
+    p, rep = place("out/tiny", "calib/routing.csv", ["cuda:0=8G", "cpu"], cold="cpu", min_hot=2,
+                   out="placement.json")
+    p, rep = place("out/tiny", "calib/routing.csv", ranks=2, strategy="balanced", replicate_hot=1)
+
+``place_from_bytes`` is the same without an artifact (expert bytes given).
+Sizes: ``parse_size`` takes 1024, 512K, 512M, 50G, 1.5T (binary units; a
+trailing B or iB is allowed). It is a separate copy of convert's parser
+(``convert._parse_size``), stricter: exact decimal arithmetic, 0 allowed,
+negative and > 2^62 refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from ds4quant.errors import BadInputError, BudgetError, ShapeError
+from ds4quant.routing import RoutingProfile, read_routing
+from ds4quant.runtime.placement import Placement, check_owner_name, write_placement
+from ds4quant.runtime.planning import (
+    MAX_BUDGET,
+    PlacementReport,
+    RankReport,
+    plan_placement,
+    plan_ranks,
+    rank_report,
+)
+
+__all__ = ["place", "place_from_bytes", "parse_size", "parse_owner", "artifact_fingerprint"]
+
+_SIZE_RE = re.compile(r"([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([KMGT]?)(I?B)?")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+OwnerSpec = Union[str, tuple]
+
+
+def parse_size(text: Any, where: str = "size") -> int:
+    """Bytes from '1024', '512M', '50G', '1.5T' (binary units; B/iB suffix optional)."""
+    if isinstance(text, bool):
+        raise BadInputError(f"bad size {text!r}", where=where)
+    if isinstance(text, (int, np.integer)):
+        v = int(text)
+    else:
+        t = str(text).strip().upper()
+        m = _SIZE_RE.fullmatch(t) if len(t) <= 40 else None
+        if m is None:
+            raise BadInputError(f"bad size {text!r}", where=where, hint="e.g. 1024, 512M or 50G")
+        v = int(Fraction(m.group(2)) * _UNITS[m.group(3)])  # floor of exact bytes
+        if m.group(1) == "-" and v:
+            v = -v
+    if v < 0:
+        raise BudgetError(f"size must not be negative, got {text!r}", where=where)
+    if v > MAX_BUDGET:
+        raise BudgetError(f"size {text!r} is larger than 2^62 bytes", where=where)
+    return v
+
+
+def parse_owner(spec: OwnerSpec) -> tuple[str, Optional[int]]:
+    """'cuda:0=8G' -> ('cuda:0', 8589934592); 'cpu' -> ('cpu', None) (no budget);
+    a (name, budget) pair passes through checked."""
+    if isinstance(spec, (tuple, list)) and len(spec) == 2:
+        name, budget = spec
+        check_owner_name(name, where="--owner")
+        return name, None if budget is None else parse_size(budget, f"--owner {name}")
+    if not isinstance(spec, str):
+        raise BadInputError(f"expected NAME=BYTES, got {spec!r}", where="--owner")
+    name, eq, size = spec.partition("=")
+    name = name.strip()
+    check_owner_name(name, where="--owner")
+    return name, parse_size(size, f"--owner {name}") if eq else None
+
+
+def artifact_fingerprint(view) -> str:
+    """What a placement is planned for: sha256 of the artifact's tensor sums when
+    it has them ('sha256:...'), else of its expert-stack layout ('layout:...')."""
+    sums = view.sums
+    if sums:
+        blob = json.dumps(sorted(sums.items()), separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(blob).hexdigest()
+    lay = [[s.name, s.qtype, list(s.expert_ids), int(s.expert_nbytes)] for s in view.stacks]
+    return "layout:" + hashlib.sha256(json.dumps(lay, separators=(",", ":")).encode()).hexdigest()
+
+
+def _profile(routing: Any) -> tuple[RoutingProfile, str]:
+    if isinstance(routing, RoutingProfile):
+        return routing, "routing profile"
+    if not isinstance(routing, (str, os.PathLike)):
+        raise BadInputError(f"routing must be a path or a RoutingProfile, got {type(routing).__name__}",
+                            where="--routing")
+    return read_routing(routing), str(routing)
+
+
+def place_from_bytes(routing: Any, expert_nbytes: Any, owners: Sequence[OwnerSpec] = (), *,
+                     cold: Optional[str] = None, min_hot: int = 0, speed_ratio: Optional[float] = None,
+                     ranks: Optional[int] = None, strategy: str = "uniform", replicate_hot: int = 0,
+                     token_topk: Any = None, n_expert_used: Optional[int] = None,
+                     artifact_fp: Optional[str] = None, out: "str | os.PathLike[str] | None" = None,
+                     ) -> tuple[Placement, Union[PlacementReport, RankReport]]:
+    """Plan from expert bytes int64 (n_layer, n_expert) and a routing profile
+    (path or RoutingProfile); see ``place`` for the options."""
+    prof, where = _profile(routing)
+    nb = np.asarray(expert_nbytes)
+    if nb.shape != (prof.n_layer, prof.n_expert):
+        raise ShapeError(f"routing profile is {prof.n_layer} layers x {prof.n_expert} experts, the artifact "
+                         f"{nb.shape[0] if nb.ndim >= 1 else '?'} x {nb.shape[1] if nb.ndim >= 2 else '?'}",
+                         where=where, hint="profile the same model the artifact was made from")
+    notes = []
+    if n_expert_used is not None and n_expert_used != prof.n_expert_used:
+        notes.append(f"profile says top-{prof.n_expert_used}, the artifact top-{n_expert_used}; "
+                     f"using top-{n_expert_used}")
+        prof = RoutingProfile(prof.n_layer, prof.n_expert, n_expert_used, prof.counts, prof.tokens, prof.source)
+    parsed = [parse_owner(o) for o in owners]
+    if ranks is not None:
+        if min_hot or speed_ratio is not None or cold is not None:
+            raise BadInputError("--min-hot, --speed-ratio and --cold plan owners inside one process; "
+                                "they do not apply with --ranks", where="--ranks")
+        if len(parsed) > 1:
+            raise BadInputError("with --ranks give at most one --owner (each rank's local owner)", where="--owner")
+        local, budget = parsed[0] if parsed else ("cpu", None)
+        p = plan_ranks(prof, ranks, strategy, replicate_hot, owner=local, artifact=artifact_fp)
+        rep = rank_report(p, prof, nb, notes=notes)
+        if budget is not None and max(rep.bytes) > budget:
+            worst = int(np.argmax(rep.bytes))
+            raise BudgetError(f"rank {worst} holds {rep.bytes[worst]:,} bytes, more than {local}'s budget "
+                              f"{budget:,}", where="--owner", hint="add ranks or raise the budget")
+    else:
+        if strategy != "uniform" or replicate_hot:
+            raise BadInputError("--strategy and --replicate-hot need --ranks N", where="--strategy")
+        p, rep = plan_placement(prof, nb, parsed, cold=cold, min_hot=min_hot, speed_ratio=speed_ratio,
+                                token_topk=token_topk, artifact=artifact_fp)
+        if notes:
+            rep = dataclasses.replace(rep, notes=tuple(notes) + rep.notes)
+    if out is not None:
+        write_placement(out, p)
+    return p, rep
+
+
+def place(artifact: "str | os.PathLike[str]", routing: Any, owners: Sequence[OwnerSpec] = (), *,
+          cold: Optional[str] = None, min_hot: int = 0, speed_ratio: Optional[float] = None,
+          ranks: Optional[int] = None, strategy: str = "uniform", replicate_hot: int = 0,
+          token_topk: Any = None, out: "str | os.PathLike[str] | None" = None,
+          variant_107: Optional[str] = None) -> tuple[Placement, Union[PlacementReport, RankReport]]:
+    """Plan a placement of ``artifact``'s routed experts from ``routing``.
+
+    owners: ['NAME=BYTES' | 'NAME' | (name, bytes)], first = hot/primary.
+    cold: None (refuse experts that fit nowhere), 'none', or an owner name.
+    ranks/strategy/replicate_hot: a cluster placement instead (issue 10).
+    out: write the placement file there (atomic). Returns (Placement, report).
+    """
+    # User input first (budgets, profile), so its errors never wait on an artifact read.
+    owners = [parse_owner(o) for o in owners]
+    routing, _ = _profile(routing)
+    if not Path(artifact).exists():
+        raise BadInputError("no such artifact", where=str(artifact))
+    from ds4quant.artifact.view import open_artifact
+
+    with open_artifact(artifact, variant_107=variant_107) as v:
+        nb = np.asarray(v.expert_nbytes(), dtype=np.int64)
+        used = int(v.header.n_expert_used)
+        fp = artifact_fingerprint(v)
+    return place_from_bytes(routing, nb, owners, cold=cold, min_hot=min_hot, speed_ratio=speed_ratio, ranks=ranks,
+                            strategy=strategy, replicate_hot=replicate_hot, token_topk=token_topk,
+                            n_expert_used=used, artifact_fp=fp, out=out)
