@@ -436,9 +436,12 @@ def _size_cell(n) -> str:
               help="--ranks: e % N, or longest-processing-time by hotness.")
 @click.option("--replicate-hot", type=int, default=0, show_default=True,
               help="--ranks: replicate the K hottest experts of each layer on every rank.")
-@click.option("--out", required=True, type=click.Path(path_type=str), help="Placement file to write (JSON).")
+@click.option("--out", type=click.Path(path_type=str), default=None, help="Placement file to write (JSON).")
+@click.option("--check", "check", type=click.Path(path_type=str), default=None, metavar="PLACEMENT",
+              help="Instead of planning: validate an existing placement file against ARTIFACT and report it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def place_cmd(artifact, routing, owners, min_hot, speed_ratio, cold, ranks, strategy, replicate_hot, out, as_json):
+def place_cmd(artifact, routing, owners, min_hot, speed_ratio, cold, ranks, strategy, replicate_hot, out, check,
+              as_json):
     """Plan which owner holds which routed expert: greedy by routed slots per
     byte within each owner's budget, with a per-layer floor of hot experts
     (Lucebox's byte-budget placement), or a cluster placement over ranks.
@@ -449,14 +452,21 @@ def place_cmd(artifact, routing, owners, min_hot, speed_ratio, cold, ranks, stra
       ds4quant place out/tiny --routing calib/routing.csv --owner cuda:0=2G --cold none --min-hot 4 --out p.json
       ds4quant place out/tiny --routing calib/routing.csv --ranks 2 --strategy balanced --out cluster.json
     """
-    from ds4quant.place import place
+    from ds4quant.errors import BadInputError
+    from ds4quant.place import check_placement, place
 
-    if not owners and ranks is None:
-        from ds4quant.errors import BadInputError
-
-        raise BadInputError("give at least one --owner NAME=BYTES (or --ranks N)", where="--owner")
-    p, rep = place(artifact, routing, owners, cold=cold, min_hot=min_hot, speed_ratio=speed_ratio, ranks=ranks,
-                   strategy=strategy, replicate_hot=replicate_hot, out=out)
+    if check is not None:
+        if out is not None or owners or ranks is not None:
+            raise BadInputError("--check reports an existing placement; it takes no --out, --owner or --ranks",
+                                where="--check")
+        _p, rep = check_placement(artifact, routing, check)
+    else:
+        if out is None:
+            raise BadInputError("name the placement file to write", where="--out")
+        if not owners and ranks is None:
+            raise BadInputError("give at least one --owner NAME=BYTES (or --ranks N)", where="--owner")
+        _p, rep = place(artifact, routing, owners, cold=cold, min_hot=min_hot, speed_ratio=speed_ratio, ranks=ranks,
+                        strategy=strategy, replicate_hot=replicate_hot, out=out)
     j = rep.to_json()
     if as_json:
         _emit_json({**j, "out": out})
@@ -479,7 +489,8 @@ def place_cmd(artifact, routing, owners, min_hot, speed_ratio, cold, ranks, stra
                    f"{100 * j['token_resident_rate']:.2f}% ({j['token_resident_method']}) on {j['owners'][0]['name']}")
     for n in j["notes"]:
         click.echo(f"note: {n}")
-    click.echo(f"wrote {out} (content sha256 {j['placement_sha256'][:16]})")
+    click.echo(f"{'wrote' if check is None else 'checked'} {out or check} "
+               f"(content sha256 {j['placement_sha256'][:16]})")
 
 
 def main(argv=None) -> None:

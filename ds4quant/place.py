@@ -28,19 +28,22 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ds4quant.errors import BadInputError, BudgetError, ShapeError
+from ds4quant.errors import BadInputError, BudgetError, IntegrityError, ShapeError
 from ds4quant.routing import RoutingProfile, read_routing
-from ds4quant.runtime.placement import Placement, check_owner_name, write_placement
+from ds4quant.runtime.placement import Placement, check_owner_name, read_placement, write_placement
 from ds4quant.runtime.planning import (
     MAX_BUDGET,
+    check_plan_options,
+    check_rank_options,
     PlacementReport,
     RankReport,
+    placement_report,
     plan_placement,
     plan_ranks,
     rank_report,
 )
 
-__all__ = ["place", "place_from_bytes", "parse_size", "parse_owner", "artifact_fingerprint"]
+__all__ = ["place", "place_from_bytes", "check_placement", "parse_size", "parse_owner", "artifact_fingerprint"]
 
 _SIZE_RE = re.compile(r"([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([KMGT]?)(I?B)?")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -104,6 +107,23 @@ def _profile(routing: Any) -> tuple[RoutingProfile, str]:
     return read_routing(routing), str(routing)
 
 
+def _check_options(prof: RoutingProfile, owners, cold, min_hot, speed_ratio, ranks, strategy, replicate_hot):
+    """Every option check that needs no expert bytes; returns the parsed owners."""
+    parsed = [parse_owner(o) for o in owners]
+    if ranks is not None:
+        if min_hot or speed_ratio is not None or cold is not None:
+            raise BadInputError("--min-hot, --speed-ratio and --cold plan owners inside one process; "
+                                "they do not apply with --ranks", where="--ranks")
+        if len(parsed) > 1:
+            raise BadInputError("with --ranks give at most one --owner (each rank's local owner)", where="--owner")
+        check_rank_options(prof, ranks, strategy, replicate_hot, parsed[0][0] if parsed else "cpu")
+    else:
+        if strategy != "uniform" or replicate_hot:
+            raise BadInputError("--strategy and --replicate-hot need --ranks N", where="--strategy")
+        check_plan_options(prof, parsed, cold, min_hot, speed_ratio)
+    return parsed
+
+
 def place_from_bytes(routing: Any, expert_nbytes: Any, owners: Sequence[OwnerSpec] = (), *,
                      cold: Optional[str] = None, min_hot: int = 0, speed_ratio: Optional[float] = None,
                      ranks: Optional[int] = None, strategy: str = "uniform", replicate_hot: int = 0,
@@ -123,13 +143,8 @@ def place_from_bytes(routing: Any, expert_nbytes: Any, owners: Sequence[OwnerSpe
         notes.append(f"profile says top-{prof.n_expert_used}, the artifact top-{n_expert_used}; "
                      f"using top-{n_expert_used}")
         prof = RoutingProfile(prof.n_layer, prof.n_expert, n_expert_used, prof.counts, prof.tokens, prof.source)
-    parsed = [parse_owner(o) for o in owners]
+    parsed = _check_options(prof, owners, cold, min_hot, speed_ratio, ranks, strategy, replicate_hot)
     if ranks is not None:
-        if min_hot or speed_ratio is not None or cold is not None:
-            raise BadInputError("--min-hot, --speed-ratio and --cold plan owners inside one process; "
-                                "they do not apply with --ranks", where="--ranks")
-        if len(parsed) > 1:
-            raise BadInputError("with --ranks give at most one --owner (each rank's local owner)", where="--owner")
         local, budget = parsed[0] if parsed else ("cpu", None)
         p = plan_ranks(prof, ranks, strategy, replicate_hot, owner=local, artifact=artifact_fp)
         rep = rank_report(p, prof, nb, notes=notes)
@@ -138,8 +153,6 @@ def place_from_bytes(routing: Any, expert_nbytes: Any, owners: Sequence[OwnerSpe
             raise BudgetError(f"rank {worst} holds {rep.bytes[worst]:,} bytes, more than {local}'s budget "
                               f"{budget:,}", where="--owner", hint="add ranks or raise the budget")
     else:
-        if strategy != "uniform" or replicate_hot:
-            raise BadInputError("--strategy and --replicate-hot need --ranks N", where="--strategy")
         p, rep = plan_placement(prof, nb, parsed, cold=cold, min_hot=min_hot, speed_ratio=speed_ratio,
                                 token_topk=token_topk, artifact=artifact_fp)
         if notes:
@@ -161,17 +174,41 @@ def place(artifact: "str | os.PathLike[str]", routing: Any, owners: Sequence[Own
     ranks/strategy/replicate_hot: a cluster placement instead (issue 10).
     out: write the placement file there (atomic). Returns (Placement, report).
     """
-    # User input first (budgets, profile), so its errors never wait on an artifact read.
-    owners = [parse_owner(o) for o in owners]
+    # User input first (profile, budgets, options), so its errors never wait on an artifact read.
     routing, _ = _profile(routing)
+    owners = _check_options(routing, owners, cold, min_hot, speed_ratio, ranks, strategy, replicate_hot)
+    nb, used, fp = _artifact_facts(artifact, variant_107)
+    return place_from_bytes(routing, nb, owners, cold=cold, min_hot=min_hot, speed_ratio=speed_ratio, ranks=ranks,
+                            strategy=strategy, replicate_hot=replicate_hot, token_topk=token_topk,
+                            n_expert_used=used, artifact_fp=fp, out=out)
+
+
+def _artifact_facts(artifact, variant_107) -> tuple[np.ndarray, int, str]:
     if not Path(artifact).exists():
         raise BadInputError("no such artifact", where=str(artifact))
     from ds4quant.artifact.view import open_artifact
 
     with open_artifact(artifact, variant_107=variant_107) as v:
-        nb = np.asarray(v.expert_nbytes(), dtype=np.int64)
-        used = int(v.header.n_expert_used)
-        fp = artifact_fingerprint(v)
-    return place_from_bytes(routing, nb, owners, cold=cold, min_hot=min_hot, speed_ratio=speed_ratio, ranks=ranks,
-                            strategy=strategy, replicate_hot=replicate_hot, token_topk=token_topk,
-                            n_expert_used=used, artifact_fp=fp, out=out)
+        return np.asarray(v.expert_nbytes(), dtype=np.int64), int(v.header.n_expert_used), artifact_fingerprint(v)
+
+
+def check_placement(artifact: "str | os.PathLike[str]", routing: Any, placement: "str | os.PathLike[str]", *,
+                    token_topk: Any = None, variant_107: Optional[str] = None,
+                    ) -> tuple[Placement, Union[PlacementReport, RankReport]]:
+    """Read an existing placement file, check it fits ``artifact`` (shape and
+    fingerprint) and report it on ``routing``."""
+    p = read_placement(placement)
+    prof, where = _profile(routing)
+    if (prof.n_layer, prof.n_expert) != (p.n_layer, p.n_expert):
+        raise ShapeError(f"routing profile is {prof.n_layer} x {prof.n_expert}, the placement "
+                         f"{p.n_layer} x {p.n_expert} (layers x experts)", where=where)
+    nb, _used, fp = _artifact_facts(artifact, variant_107)
+    if nb.shape != (p.n_layer, p.n_expert):
+        raise ShapeError(f"artifact is {nb.shape[0]} x {nb.shape[1]}, the placement {p.n_layer} x {p.n_expert}",
+                         where=str(placement))
+    if p.artifact is not None and p.artifact != fp:
+        raise IntegrityError(f"planned for artifact {p.artifact[:23]}..., this one is {fp[:23]}...",
+                             where=str(placement), hint="re-run ds4quant place for this artifact")
+    if p.ranks is not None:
+        return p, rank_report(p, prof, nb)
+    return p, placement_report(p, prof, nb, token_topk=token_topk)

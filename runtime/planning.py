@@ -51,9 +51,10 @@ import numpy as np
 from ds4quant.errors import BadInputError, BudgetError, ShapeError
 from ds4quant.routing import RoutingProfile
 
-from .placement import NONE, REPLICATED, STRATEGIES, Placement, RankPlacement, check_owner_name
+from .placement import MAX_RANKS, NONE, REPLICATED, STRATEGIES, Placement, RankPlacement, check_owner_name
 
-__all__ = ["PlacementReport", "RankReport", "plan_placement", "plan_ranks", "rank_report", "placement_report"]
+__all__ = ["PlacementReport", "RankReport", "plan_placement", "plan_ranks", "rank_report", "placement_report",
+           "check_plan_options", "check_rank_options"]
 
 MAX_BUDGET = 1 << 62  # bytes; anything larger is a typo, not a machine
 
@@ -167,22 +168,12 @@ def _check_owners(owners: Sequence) -> tuple[list[str], list[Optional[int]]]:
 # plan_placement
 
 
-def plan_placement(profile: RoutingProfile, expert_nbytes: Any, owners: Sequence, cold: Optional[str] = None,
-                   min_hot: int = 0, speed_ratio: Optional[float] = None, token_topk: Any = None,
-                   artifact: Optional[str] = None) -> tuple[Placement, PlacementReport]:
-    """Plan a placement (see the module doc).
-
-    profile: RoutingProfile (n_layer, n_expert counts). expert_nbytes: int
-    (n_layer, n_expert) bytes per expert (gate+up+down). owners: [(name,
-    budget_bytes or None)], first = hot/primary. cold: None (refuse
-    leftovers), "none", or an owner name from ``owners``. token_topk: optional
-    int (n_layer, T, k) samples for the token-resident rate.
-
-        p, rep = plan_placement(prof, nbytes, [("cuda:0", 8 << 30), ("cpu", None)], cold="cpu", min_hot=4)
-    """
+def check_plan_options(profile: RoutingProfile, owners: Sequence, cold: Optional[str] = None, min_hot: int = 0,
+                       speed_ratio: Optional[float] = None) -> tuple[list[str], list[Optional[int]]]:
+    """The checks of plan_placement that need no expert bytes (so a CLI can run
+    them before reading an artifact); returns (names, budgets)."""
     if not isinstance(profile, RoutingProfile):
         raise BadInputError(f"expected a RoutingProfile, got {type(profile).__name__}")
-    nb = _check_nbytes(profile, expert_nbytes)
     names, budgets = _check_owners(owners)
     if cold is not None and cold != NONE and cold not in names:
         raise BadInputError(f"cold owner {cold!r} is not one of the owners {names} (or 'none')", where="--cold")
@@ -196,6 +187,24 @@ def plan_placement(profile: RoutingProfile, expert_nbytes: Any, owners: Sequence
         if len(names) < 2 and cold != NONE:
             raise BadInputError("a speed ratio balances the first owner against the others; give two owners "
                                 "or --cold none", where="--speed-ratio")
+    return names, budgets
+
+
+def plan_placement(profile: RoutingProfile, expert_nbytes: Any, owners: Sequence, cold: Optional[str] = None,
+                   min_hot: int = 0, speed_ratio: Optional[float] = None, token_topk: Any = None,
+                   artifact: Optional[str] = None) -> tuple[Placement, PlacementReport]:
+    """Plan a placement (see the module doc).
+
+    profile: RoutingProfile (n_layer, n_expert counts). expert_nbytes: int
+    (n_layer, n_expert) bytes per expert (gate+up+down). owners: [(name,
+    budget_bytes or None)], first = hot/primary. cold: None (refuse
+    leftovers), "none", or an owner name from ``owners``. token_topk: optional
+    int (n_layer, T, k) samples for the token-resident rate.
+
+        p, rep = plan_placement(prof, nbytes, [("cuda:0", 8 << 30), ("cpu", None)], cold="cpu", min_hot=4)
+    """
+    names, budgets = check_plan_options(profile, owners, cold, min_hot, speed_ratio)
+    nb = _check_nbytes(profile, expert_nbytes)
     L, E = profile.n_layer, profile.n_expert
     counts = [[int(v) for v in row] for row in profile.counts]
     where = np.full((L, E), -1, dtype=np.int64)  # owner index, -1 unplaced
@@ -337,17 +346,11 @@ def _balanced(row: Sequence[int], experts: Sequence[int], n: int) -> dict[int, i
     return out
 
 
-def plan_ranks(profile: RoutingProfile, n_ranks: int, strategy: str = "uniform", replicate_hot: int = 0,
-               owner: str = "cpu", artifact: Optional[str] = None) -> Placement:
-    """A rank placement (see the module doc); ``owner`` names the local owner
-    ``for_rank`` puts a rank's experts on.
-
-        p = plan_ranks(prof, 2, "balanced", replicate_hot=1); p.slot_rank(3, e, t)
-    """
+def check_rank_options(profile: RoutingProfile, n_ranks: int, strategy: str = "uniform", replicate_hot: int = 0,
+                       owner: str = "cpu") -> None:
+    """The checks of plan_ranks (no expert bytes needed)."""
     if not isinstance(profile, RoutingProfile):
         raise BadInputError(f"expected a RoutingProfile, got {type(profile).__name__}")
-    from .placement import MAX_RANKS
-
     if not _is_int(n_ranks) or not 1 <= n_ranks <= MAX_RANKS:
         raise BadInputError(f"must be an integer in 1..{MAX_RANKS}, got {n_ranks!r}", where="--ranks")
     if strategy not in STRATEGIES:
@@ -356,6 +359,17 @@ def plan_ranks(profile: RoutingProfile, n_ranks: int, strategy: str = "uniform",
     if not _is_int(replicate_hot) or not 0 <= replicate_hot <= E:
         raise BadInputError(f"must be an integer in 0..n_expert ({E}), got {replicate_hot!r}", where="--replicate-hot")
     check_owner_name(owner, where="--owner")
+
+
+def plan_ranks(profile: RoutingProfile, n_ranks: int, strategy: str = "uniform", replicate_hot: int = 0,
+               owner: str = "cpu", artifact: Optional[str] = None) -> Placement:
+    """A rank placement (see the module doc); ``owner`` names the local owner
+    ``for_rank`` puts a rank's experts on.
+
+        p = plan_ranks(prof, 2, "balanced", replicate_hot=1); p.slot_rank(3, e, t)
+    """
+    check_rank_options(profile, n_ranks, strategy, replicate_hot, owner)
+    E = profile.n_expert
     rows = []
     for layer in range(profile.n_layer):
         counts = [int(v) for v in profile.counts[layer]]
