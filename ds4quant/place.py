@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ds4quant.errors import BadInputError, BudgetError, IntegrityError, ShapeError
+from ds4quant.errors import BadInputError, BudgetError, ShapeError
 from ds4quant.routing import RoutingProfile, read_routing
 from ds4quant.runtime.placement import Placement, check_owner_name, read_placement, write_placement
 from ds4quant.runtime.planning import (
@@ -203,12 +203,7 @@ def check_placement(artifact: "str | os.PathLike[str]", routing: Any, placement:
         raise ShapeError(f"routing profile is {prof.n_layer} x {prof.n_expert}, the placement "
                          f"{p.n_layer} x {p.n_expert} (layers x experts)", where=where)
     nb, _used, fp = _artifact_facts(artifact, variant_107)
-    if nb.shape != (p.n_layer, p.n_expert):
-        raise ShapeError(f"artifact is {nb.shape[0]} x {nb.shape[1]}, the placement {p.n_layer} x {p.n_expert}",
-                         where=str(placement))
-    if p.artifact is not None and p.artifact != fp:
-        raise IntegrityError(f"planned for artifact {p.artifact[:23]}..., this one is {fp[:23]}...",
-                             where=str(placement), hint="re-run ds4quant place for this artifact")
+    p.check_matches(nb.shape[0], nb.shape[1], fp, where=str(placement))
     if p.ranks is not None:
         return p, rank_report(p, prof, nb)
     return p, placement_report(p, prof, nb, token_topk=token_topk)

@@ -209,6 +209,17 @@ class Placement:
             out[NONE] += sum(int(nb[L, e]) for e in self.none[L])
         return out
 
+    def check_matches(self, n_layer: int, n_expert: int, fingerprint: Optional[str] = None,
+                      where: Optional[str] = None) -> None:
+        """Refuse (one line naming ``where``) a placement planned for another
+        shape, or, when both are known, for another artifact fingerprint."""
+        if (self.n_layer, self.n_expert) != (n_layer, n_expert):
+            raise BadInputError(f"placement is for {self.n_layer} layers x {self.n_expert} experts, the artifact "
+                                f"has {n_layer} x {n_expert}", where=where, hint="re-run ds4quant place")
+        if fingerprint is not None and self.artifact is not None and fingerprint != self.artifact:
+            raise IntegrityError(f"placement was planned for artifact {self.artifact[:23]}..., this one is "
+                                 f"{fingerprint[:23]}...", where=where, hint="re-run ds4quant place")
+
     # ------------------------------------------------------------------ ranks
     def _need_ranks(self) -> RankPlacement:
         if self.ranks is None:

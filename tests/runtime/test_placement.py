@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from ds4quant.cli import cli
 from ds4quant.errors import BudgetError, CorruptDataError, Ds4quantError, IntegrityError
 from ds4quant.place import parse_owner, parse_size, place_from_bytes
-from ds4quant.routing import RoutingProfile, read_routing, write_routing_csv
+from ds4quant.routing import RoutingProfile, read_routing
 from ds4quant.runtime.placement import (
     NONE,
     REPLICATED,
@@ -453,3 +453,13 @@ def test_placement_build_refuses_programmatic_garbage():
     with pytest.raises(Ds4quantError):
         Placement.build(1, 3, 1, ["cpu"], [[[0, 1], [2]]])
     assert IntegrityError.__mro__  # the hash class exists under the base
+
+
+def test_check_matches_shape_and_fingerprint():
+    p = placement_for_one_owner(4, 16, artifact="sha256:" + "b" * 64)
+    p.check_matches(4, 16, "sha256:" + "b" * 64)
+    p.check_matches(4, 16, None)
+    with pytest.raises(Ds4quantError, match="4 layers x 16 experts"):
+        p.check_matches(4, 8, where="x.json")
+    with pytest.raises(IntegrityError, match="planned for artifact"):
+        p.check_matches(4, 16, "layout:" + "c" * 64, where="x.json")
