@@ -63,22 +63,21 @@ def route(hidden, token_ids, gate_weight, bias=None, tid2eid=None, top_k: int = 
         raise BadInputError(f"top_k must be an int in 1..{E}, got {top_k!r}", where="route")
     if isinstance(routed_scale, bool) or not isinstance(routed_scale, (int, float)):
         raise BadInputError(f"routed_scale must be a number, got {routed_scale!r}", where="route")
-    logits = torch.nn.functional.linear(hidden, gate_weight)
-    scores = _score(scoring, logits)
-    if tid2eid is None:
-        if bias is not None:
-            if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32 or tuple(bias.shape) != (E,):
-                raise ShapeError(f"bias must be float32 [{E}], got {getattr(bias, 'dtype', type(bias).__name__)} "
-                                 f"{tuple(getattr(bias, 'shape', ()))}", where="route")
-            sel = scores + bias
+    if bias is not None and tid2eid is None and (
+            not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32 or tuple(bias.shape) != (E,)):
+        raise ShapeError(f"bias must be float32 [{E}], got {getattr(bias, 'dtype', type(bias).__name__)} "
+                         f"{tuple(getattr(bias, 'shape', ()))}", where="route")
+    with torch.no_grad():  # routing is inference only; the ops (and bits) are the reference's
+        logits = torch.nn.functional.linear(hidden, gate_weight)
+        scores = _score(scoring, logits)
+        if tid2eid is None:
+            sel = scores + bias if bias is not None else scores
+            index = torch.topk(sel, top_k, dim=-1, sorted=False).indices
         else:
-            sel = scores
-        index = torch.topk(sel, top_k, dim=-1, sorted=False).indices
-    else:
-        index = _hash_index(tid2eid, token_ids, T, E, top_k)
-    weights = scores.gather(1, index)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return index, weights * routed_scale
+            index = _hash_index(tid2eid, token_ids, T, E, top_k)
+        weights = scores.gather(1, index)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return index, weights * routed_scale
 
 
 def _hash_index(tid2eid, token_ids, T: int, E: int, top_k: int):
