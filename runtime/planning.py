@@ -54,7 +54,7 @@ from ds4quant.routing import RoutingProfile
 from .placement import MAX_RANKS, NONE, REPLICATED, STRATEGIES, Placement, RankPlacement, check_owner_name
 
 __all__ = ["PlacementReport", "RankReport", "plan_placement", "plan_ranks", "rank_report", "placement_report",
-           "check_plan_options", "check_rank_options"]
+           "check_plan_options", "check_rank_options", "plan_for_rank"]
 
 MAX_BUDGET = 1 << 62  # bytes; anything larger is a typo, not a machine
 
@@ -192,14 +192,16 @@ def check_plan_options(profile: RoutingProfile, owners: Sequence, cold: Optional
 
 def plan_placement(profile: RoutingProfile, expert_nbytes: Any, owners: Sequence, cold: Optional[str] = None,
                    min_hot: int = 0, speed_ratio: Optional[float] = None, token_topk: Any = None,
-                   artifact: Optional[str] = None) -> tuple[Placement, PlacementReport]:
+                   artifact: Optional[str] = None, allowed: Any = None) -> tuple[Placement, PlacementReport]:
     """Plan a placement (see the module doc).
 
     profile: RoutingProfile (n_layer, n_expert counts). expert_nbytes: int
     (n_layer, n_expert) bytes per expert (gate+up+down). owners: [(name,
     budget_bytes or None)], first = hot/primary. cold: None (refuse
     leftovers), "none", or an owner name from ``owners``. token_topk: optional
-    int (n_layer, T, k) samples for the token-resident rate.
+    int (n_layer, T, k) samples for the token-resident rate. allowed: optional
+    bool (n_layer, n_expert); experts outside it are ``none`` without planning
+    (a cluster rank plans only its own experts: ``plan_for_rank``).
 
         p, rep = plan_placement(prof, nbytes, [("cuda:0", 8 << 30), ("cpu", None)], cold="cpu", min_hot=4)
     """
@@ -207,12 +209,19 @@ def plan_placement(profile: RoutingProfile, expert_nbytes: Any, owners: Sequence
     nb = _check_nbytes(profile, expert_nbytes)
     L, E = profile.n_layer, profile.n_expert
     counts = [[int(v) for v in row] for row in profile.counts]
-    where = np.full((L, E), -1, dtype=np.int64)  # owner index, -1 unplaced
+    where = np.full((L, E), -1, dtype=np.int64)  # owner index, -1 unplaced, -2 outside ``allowed``
+    if allowed is not None:
+        a = np.asarray(allowed)
+        if a.shape != (L, E) or a.dtype != np.bool_:
+            raise ShapeError(f"allowed must be bool ({L}, {E}), got {a.dtype} {a.shape}")
+        where[~a] = -2
+    inside = where != -2
     left = list(budgets)
 
     # 1. floor on the first owner
     if min_hot:
-        floor = [(layer, e) for layer in range(L) for e in profile.hot_experts(layer, min_hot)]
+        floor = [(layer, e) for layer in range(L)
+                 for e in [e for e in profile.ranked_experts(layer) if inside[layer, e]][:min_hot]]
         need = sum(int(nb[layer, e]) for layer, e in floor)
         if left[0] is not None and need > left[0]:
             raise BudgetError(f"the floor of {min_hot} hot experts per layer needs {need:,} bytes on {names[0]}, "
@@ -227,8 +236,9 @@ def plan_placement(profile: RoutingProfile, expert_nbytes: Any, owners: Sequence
     order = sorted(((layer, e) for layer in range(L) for e in range(E)),
                    key=lambda it: (-Fraction(counts[it[0]][it[1]], int(nb[it])), -counts[it[0]][it[1]], it))
     shared = [sum(row) // profile.n_expert_used for row in counts]
+    # work on this process's branches only: experts outside ``allowed`` run elsewhere
     main = [shared[layer] + sum(c for e, c in enumerate(counts[layer]) if where[layer, e] == 0) for layer in range(L)]
-    peer = [sum(counts[layer]) + shared[layer] - main[layer] for layer in range(L)]
+    peer = [sum(c for e, c in enumerate(counts[layer]) if where[layer, e] == -1) for layer in range(L)]
     for oi, name in enumerate(names):
         if name == cold:
             continue
@@ -268,7 +278,7 @@ def plan_placement(profile: RoutingProfile, expert_nbytes: Any, owners: Sequence
         else:
             notes.append(f"{len(rest)} experts are held outside this process (cold none)")
     experts = [[[int(e) for e in np.nonzero(where[layer] == i)[0]] for i in range(len(names))] for layer in range(L)]
-    none = [[int(e) for e in np.nonzero(where[layer] == -1)[0]] for layer in range(L)]
+    none = [[int(e) for e in np.nonzero(where[layer] < 0)[0]] for layer in range(L)]
     p = Placement.build(L, E, profile.n_expert_used, names, experts, none, artifact=artifact)
     rep = placement_report(p, profile, nb, budgets=budgets, token_topk=token_topk, min_hot=min_hot,
                            speed_ratio=speed_ratio, cold=cold, notes=notes)
@@ -414,3 +424,18 @@ def rank_report(p: Placement, profile: RoutingProfile, expert_nbytes: Any = None
     share = tuple(float(w / total) if total else 0.0 for w in work)
     return RankReport(n, rk.strategy, rk.replicate_hot, tuple(held), None if nb is None else tuple(byts), share,
                       placement_sha256=p.content_sha256, notes=tuple(notes))
+
+
+def plan_for_rank(p: Placement, rank: int, profile: RoutingProfile, expert_nbytes: Any, owners: Sequence,
+                  cold: Optional[str] = None, min_hot: int = 0, speed_ratio: Optional[float] = None,
+                  ) -> tuple[Placement, PlacementReport]:
+    """Rank ``rank``'s own and replicated experts of rank placement ``p`` planned
+    over that rank's local ``owners`` (e.g. a GPU and a CPU); every other expert
+    is ``none``. ``for_rank`` is the one-owner case."""
+    rk = p._need_ranks()
+    if not _is_int(rank) or not 0 <= rank < rk.n_ranks:
+        raise BadInputError(f"rank must be in 0..{rk.n_ranks - 1}, got {rank!r}")
+    own = np.array(rk.owner, dtype=np.int64)
+    allowed = (own == rank) | (own == REPLICATED)
+    return plan_placement(profile, expert_nbytes, owners, cold=cold, min_hot=min_hot, speed_ratio=speed_ratio,
+                          artifact=p.artifact, allowed=allowed)

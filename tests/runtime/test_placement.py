@@ -466,3 +466,20 @@ def test_check_matches_shape_and_fingerprint():
         p.check_matches(4, 8, where="x.json")
     with pytest.raises(IntegrityError, match="planned for artifact"):
         p.check_matches(4, 16, "layout:" + "c" * 64, where="x.json")
+
+
+def test_plan_for_rank_places_only_the_ranks_experts():
+    from ds4quant.runtime.planning import plan_for_rank
+
+    prof, nb = _profile(9), _nbytes(seed=9)
+    cl = plan_ranks(prof, 2, "balanced", replicate_hot=1)
+    for r in range(2):
+        local, rep = plan_for_rank(cl, r, prof, nb, [("cuda:0", 6000), ("cpu", None)], cold="cpu", min_hot=1)
+        one = cl.for_rank(r)
+        for L in range(4):
+            mine = set(one.experts_of("cpu", L))
+            assert set(local.experts_of("cuda:0", L)) | set(local.experts_of("cpu", L)) == mine
+            assert set(local.none[L]) == set(range(16)) - mine
+            hottest_mine = [e for e in prof.ranked_experts(L) if e in mine][0]
+            assert hottest_mine in local.experts_of("cuda:0", L)
+        assert rep.bytes[0] <= 6000
