@@ -438,14 +438,15 @@ class CallCost:
 
 def measure_call_cost(owner: str, stacks: Sequence[ExpertStack], layer: int, *, books: Sequence[tuple] = (),
                       batches: Sequence[int] = (1, 64), repeats: int = 30, mode: str = "exact",
-                      seed: int = 0, python: str | None = None, **owner_kwargs) -> tuple[CallCost, ...]:
+                      seed: int = 0, python: str | None = None, env: dict | None = None,
+                      **owner_kwargs) -> tuple[CallCost, ...]:
     """The worker's cost per run_slots call against the same owner in process.
 
     stacks: the layer's gate/up/down ExpertStacks; books: (tensor, ids, entry)
     for MIX stacks. x is seeded normal noise, slots cycle over the resident experts.
     """
     local = make_owner(owner, "bench/local", owner_kwargs)
-    worker = WorkerOwner("worker:bench", owner=owner, python=python, **owner_kwargs)
+    worker = WorkerOwner("worker:bench", owner=owner, python=python, env=env, **owner_kwargs)
     try:
         for o in (local, worker):
             for s in stacks:
