@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import os
 import socket
@@ -124,7 +125,7 @@ class SharedBuffer:
         if self.mm is None:
             raise ValueError("shared buffer is closed")
         dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         if offset < 0 or offset + count * dtype.itemsize > self.nbytes:
             raise ValueError(f"view of {count} x {dtype} at {offset} exceeds the {self.nbytes}-byte segment")
         return np.frombuffer(self.mm, dtype=dtype, count=count, offset=offset).reshape(shape)

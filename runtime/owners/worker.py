@@ -171,6 +171,10 @@ class _Connection:
         self.wfd = self.proc.stdin.fileno()
         self.rfd = self.proc.stdout.fileno()
         os.set_blocking(self.wfd, False)
+        self.out_poll = select.poll()
+        self.out_poll.register(self.wfd, select.POLLOUT)
+        self.in_poll = select.poll()
+        self.in_poll.register(self.rfd, select.POLLIN | select.POLLHUP | select.POLLERR)
 
     # -- one request, one reply ------------------------------------------------
 
@@ -207,8 +211,7 @@ class _Connection:
 
     def _write(self, data: bytes, deadline: float) -> None:
         view = memoryview(data)
-        poller = select.poll()
-        poller.register(self.wfd, select.POLLOUT)
+        poller = self.out_poll
         while view:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -241,8 +244,7 @@ class _Connection:
         return bytes(buf)
 
     def _read_frame(self, deadline: float):
-        poller = select.poll()
-        poller.register(self.rfd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        poller = self.in_poll
         (length,) = _HEADER.unpack(self._read_exact(_HEADER.size, deadline, poller))
         if length > MAX_FRAME:
             raise OSError(f"frame of {length} bytes")
