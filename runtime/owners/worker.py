@@ -178,7 +178,7 @@ class _Connection:
 
     # -- one request, one reply ------------------------------------------------
 
-    def call(self, op: str, payload: Any = None, fd: int | None = None, timeout_s: float | None = None):
+    def require_open(self, op: str) -> None:
         if self.closed:
             raise WorkerError(
                 f"{op} on a closed worker" + (f" (it failed earlier: {self.failure})" if self.failure else ""),
@@ -186,16 +186,28 @@ class _Connection:
                 hint="start a new WorkerOwner",
                 op=op,
             )
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    def call(self, op: str, payload: Any = None, fd: int | None = None, timeout_s: float | None = None):
+        self.require_open(op)
+        try:
+            frame = encode_frame((op, payload))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            # Nothing was sent, so the connection is still good.
+            raise BadInputError(f"cannot send {op} to the worker: {e}", where=self.identity) from e
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
         try:
             if fd is not None:
-                send_fd(self.sock, fd)
-            self._write(encode_frame((op, payload)), deadline)
+                try:
+                    send_fd(self.sock, fd)
+                except (BrokenPipeError, ConnectionResetError):
+                    raise _Gone from None
+            self._write(frame, deadline)
             reply = self._read_frame(deadline)
         except _Gone:
             raise self._fail(op, self._death_message(op)) from None
         except _Late:
-            raise self._fail(op, f"worker process {self.proc.pid} did not answer {op} within {self.timeout_s:g} s; killed it") from None
+            raise self._fail(op, f"worker process {self.proc.pid} did not answer {op} within {limit:g} s; killed it") from None
         except (OSError, pickle.UnpicklingError, EOFError) as e:
             raise self._fail(op, f"worker process {self.proc.pid} broke the protocol during {op}: {e}") from e
         except BaseException:
@@ -279,6 +291,7 @@ class _Connection:
     # -- arenas ----------------------------------------------------------------
 
     def ensure_arena(self, slot: str, nbytes: int) -> SharedBuffer:
+        self.require_open("run")
         arena = self.arenas[slot]
         fresh = arena.ensure(nbytes)
         if fresh is not None:
@@ -347,8 +360,12 @@ class WorkerOwner:
         conn = _Connection(identity, self.python, float(timeout_s), env)
         self._conn = conn
         self._finalizer = weakref.finalize(self, conn.shutdown)
-        inner = owner if owner in OWNER_CLASSES else owner.rpartition(":")[2]
-        info = conn.call("init", {"owner": owner, "identity": f"{identity}/{inner}", "kwargs": owner_kwargs})
+        inner = f"{owner}:0" if owner in OWNER_CLASSES else owner.rpartition(":")[2]
+        try:
+            info = conn.call("init", {"owner": owner, "identity": f"{identity}/{inner}", "kwargs": owner_kwargs})
+        except BaseException:
+            conn.shutdown(graceful=False)
+            raise
         self.inner_identity: str = info["identity"]
         self.pid: int = info["pid"]
 
@@ -367,6 +384,7 @@ class WorkerOwner:
             "rows": stack.rows, "cols": stack.cols, "expert_ids": tuple(int(e) for e in stack.expert_ids),
             "shape": data.shape,
         }
+        self._conn.require_open("add_stack")
         if data.nbytes == 0:
             self._call("add_stack", meta)
             return
