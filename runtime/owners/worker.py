@@ -340,6 +340,9 @@ class WorkerOwner:
     owner: the hosted owner, a registry name ("cpu") or "pkg.mod:Class".
     python: the child's interpreter (default: this one).
     timeout_s: the longest any one call may take before the child is killed.
+    start_timeout_s: the same for starting the child and constructing its
+        owner (imports of numba, torch or ROCm can take many seconds);
+        default max(timeout_s, 60).
     env: variables added to the child's environment (e.g. HIP_VISIBLE_DEVICES).
     owner_kwargs: passed to the hosted owner's constructor (pickled).
 
@@ -350,9 +353,11 @@ class WorkerOwner:
     """
 
     def __init__(self, identity: str = "worker:0", owner: str = "cpu", python: str | None = None,
-                 timeout_s: float = 60.0, env: dict | None = None, **owner_kwargs):
-        if not timeout_s > 0:
-            raise BadInputError(f"timeout_s must be positive, got {timeout_s!r}", where=identity)
+                 timeout_s: float = 60.0, start_timeout_s: float | None = None, env: dict | None = None,
+                 **owner_kwargs):
+        start_timeout_s = max(timeout_s, 60.0) if start_timeout_s is None else start_timeout_s
+        if not (timeout_s > 0 and start_timeout_s > 0):
+            raise BadInputError(f"timeouts must be positive, got {timeout_s!r} and {start_timeout_s!r}", where=identity)
         self.identity = identity
         self.owner = owner
         self.python = python or sys.executable
@@ -362,7 +367,8 @@ class WorkerOwner:
         self._finalizer = weakref.finalize(self, conn.shutdown)
         inner = f"{owner}:0" if owner in OWNER_CLASSES else owner.rpartition(":")[2]
         try:
-            info = conn.call("init", {"owner": owner, "identity": f"{identity}/{inner}", "kwargs": owner_kwargs})
+            info = conn.call("init", {"owner": owner, "identity": f"{identity}/{inner}", "kwargs": owner_kwargs},
+                             timeout_s=float(start_timeout_s))
         except BaseException:
             conn.shutdown(graceful=False)
             raise

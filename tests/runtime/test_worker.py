@@ -228,6 +228,13 @@ def test_a_hung_worker_times_out_and_is_killed():
     assert w._conn.proc.returncode == -signal.SIGKILL
 
 
+def test_a_slow_start_times_out():
+    # 10 ms is far less than an interpreter start plus the numpy import.
+    with pytest.raises(WorkerError, match=r"did not answer init within 0.01 s; killed it"):
+        WorkerOwner("worker:0", owner=FAKE, env=ENV, start_timeout_s=0.01)
+    assert own_segments() == []
+
+
 def test_constructor_errors_in_the_child_are_reported():
     with pytest.raises(WorkerError, match=r"init failed .*TypeError: .*unexpected keyword argument 'bogus'"):
         WorkerOwner("worker:0", owner=FAKE, env=ENV, timeout_s=5.0, bogus=1)
