@@ -32,7 +32,10 @@ class FakeOwner:
         self.stacks[(stack.layer, stack.proj)] = stack
 
     def register_books(self, tensor, expert_ids, entry) -> None:
-        self.books[tensor] = (tuple(expert_ids), entry)
+        ids = tuple(int(e) for e in expert_ids)
+        if entry.expert_ids is not None and ids != tuple(entry.expert_ids):
+            raise ValueError(f"{tensor}: ids {ids} != the entry's {entry.expert_ids}")
+        self.books[tensor] = (ids, entry)
 
     def experts(self, layer):
         sets = [set(self.stacks[(layer, p)].expert_ids) for p in ("gate", "up", "down") if (layer, p) in self.stacks]
@@ -62,7 +65,8 @@ class FakeOwner:
         return out
 
     def resident_bytes(self) -> int:
-        return sum(s.nbytes for s in self.stacks.values())
+        books = sum(e.books.nbytes + e.modes.nbytes for _, e in self.books.values())
+        return sum(s.nbytes for s in self.stacks.values()) + books
 
     def close(self) -> None:
         self.books.clear()

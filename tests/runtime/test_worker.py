@@ -154,6 +154,39 @@ def test_arenas_grow_on_a_bigger_batch_and_results_stay_correct():
     assert own_segments() == []
 
 
+def test_books_reach_the_hosted_owner():
+    from ds4quant.codebooks import CodebookEntry
+
+    books4 = np.array([[-1, -0.25, 0.25, 1], [-0.5, -0.125, 0.125, 0.5]], np.float32)
+    entry = CodebookEntry("blk.3.ffn_gate_exps.rocmfp2_mix.weight", "rocmfp2_mix", [1, 0],
+                          np.stack([books4, books4]), (4, 9), 16)
+    with fake_worker() as w:
+        before = w.resident_bytes()
+        w.register_books(entry.name, (4, 9), entry)
+        assert w.resident_bytes() == before + entry.books.nbytes + entry.modes.nbytes
+        with pytest.raises(WorkerError, match=r"register_books failed .*ValueError: .*ids \(4, 6\)"):
+            w.register_books(entry.name, (4, 6), entry)  # the hosted owner's refusal, in one line
+
+
+def test_threads_share_one_worker_safely():
+    local = FakeOwner()
+    for s in make_layer(LAYER, IDS, HIDDEN, FFN):
+        local.add_stack(s)
+    inputs = [batch(n, seed=n) for n in (1, 5, 40, 300, 2, 77)]  # 300 grows the arenas mid-run
+    want = [local.run_slots(LAYER, x, ids, "exact").tobytes() for x, ids in inputs]
+    got = [None] * len(inputs)
+    with fake_worker() as w:
+        def work(i):
+            got[i] = w.run_slots(LAYER, *inputs[i], "exact").tobytes()
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert got == want
+
+
 def test_empty_batch_and_bad_inputs():
     with fake_worker() as w:
         assert w.run_slots(LAYER, np.zeros((0, HIDDEN), np.float32), np.zeros(0, np.int64), "exact").shape == (0, HIDDEN)
