@@ -98,18 +98,13 @@ def test_shm_dir_is_dev_shm_on_linux():
 # -- identity with the in-process owner -------------------------------------------
 
 
-def _cpu_case():
-    cpu = pytest.importorskip("ds4quant.runtime.owners.cpu")
-    return "cpu", cpu.CpuOwner
-
-
 @pytest.mark.parametrize("spec", ["fake", "cpu"])
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_run_slots_bitwise_equal_to_in_process(spec, mode):
     if spec == "fake":
         name, cls, kw = FAKE, FakeOwner, {"noisy": True}  # stray prints must not corrupt frames
     else:
-        (name, cls), kw = _cpu_case(), {}
+        name, cls, kw = "cpu", pytest.importorskip("ds4quant.runtime.owners.cpu").CpuOwner, {}
     local = cls(**kw)
     stacks = make_layer(LAYER, IDS, HIDDEN, FFN)
     for s in stacks:
@@ -130,6 +125,50 @@ def test_run_slots_bitwise_equal_to_in_process(spec, mode):
             assert got.tobytes() == want.tobytes()
     local.close()
     assert own_segments() == []
+
+
+def _encoded_layer(qtype: str):
+    """gate/up/down stacks of IDS encoded as ``qtype`` (+ MIX entries), seeded."""
+    from ds4quant import formats
+    from ds4quant.codebooks import CodebookEntry
+    from ds4quant.runtime.owners.base import ExpertStack
+
+    rng = np.random.default_rng(7)
+    L = formats.QTYPES[qtype].codebook_levels if formats.QTYPES[qtype].is_mix else 0
+    stacks, books = [], []
+    for proj, rows, cols in (("gate", FFN, HIDDEN), ("up", FFN, HIDDEN), ("down", HIDDEN, FFN)):
+        name = f"blk.{LAYER}.ffn_{proj}_exps.{qtype}.weight"
+        kw, per = {}, []
+        if L:
+            bk = formats.bf16_round(np.sort(rng.uniform(-1, 1, (len(IDS), 2, L)), axis=-1).astype(np.float32))
+            modes = np.array([1, 0, 1, 1][: len(IDS)], np.uint8)
+            books.append((name, IDS, CodebookEntry(name, qtype, modes, bk, IDS, 16)))
+        for k, _e in enumerate(IDS):
+            w = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+            if L:
+                kw = {"codebooks": books[-1][2].books[k], "mode": int(books[-1][2].modes[k])}
+            per.append(formats.encode(qtype, w, **kw))
+        stacks.append(ExpertStack(name, LAYER, proj, qtype, rows, cols, IDS, np.stack(per)))
+    return stacks, books
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "rocmfp2", "rocmfp2_mix"])
+def test_cpu_owner_through_the_worker_gives_in_process_bytes(qtype):
+    cpu = pytest.importorskip("ds4quant.runtime.owners.cpu")
+    stacks, books = _encoded_layer(qtype)
+    local = cpu.CpuOwner("cpu:0")
+    with WorkerOwner("worker:0", owner="cpu", env=ENV, timeout_s=60.0) as w:
+        for o in (local, w):
+            for s in stacks:
+                o.add_stack(s)
+            for tensor, ids, entry in books:
+                o.register_books(tensor, ids, entry)
+        assert w.inner_identity == "worker:0/cpu:0"
+        assert w.resident_bytes() == local.resident_bytes()
+        for mode in ("exact", "fast"):
+            x, ids = batch(9, seed=3)
+            assert w.run_slots(LAYER, x, ids, mode).tobytes() == local.run_slots(LAYER, x, ids, mode).tobytes()
+    local.close()
 
 
 def test_arenas_grow_on_a_bigger_batch_and_results_stay_correct():
