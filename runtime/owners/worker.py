@@ -486,16 +486,15 @@ def measure_call_cost(owner: str, stacks: Sequence[ExpertStack], layer: int, *, 
         for batch in batches:
             x = rng.standard_normal((batch, hidden)).astype(np.float32)
             ids = experts[np.arange(batch) % len(experts)]
-            timings = {}
-            outs = {}
-            for name, o in (("local", local), ("worker", worker)):
-                outs[name] = o.run_slots(layer, x, ids, mode)  # warm-up (and arena growth)
-                ts = []
-                for _ in range(repeats):
+            pair = (("local", local), ("worker", worker))
+            outs = {name: o.run_slots(layer, x, ids, mode) for name, o in pair}  # warm-up, arena growth
+            ts: dict[str, list[float]] = {"local": [], "worker": []}
+            for _ in range(repeats):  # interleaved, so load on the host hits both alike
+                for name, o in pair:
                     t0 = time.perf_counter()
                     o.run_slots(layer, x, ids, mode)
-                    ts.append(time.perf_counter() - t0)
-                timings[name] = float(np.median(ts)) * 1e6
+                    ts[name].append(time.perf_counter() - t0)
+            timings = {name: float(np.median(v)) * 1e6 for name, v in ts.items()}
             costs.append(CallCost(batch, hidden, timings["local"], timings["worker"],
                                   timings["worker"] - timings["local"],
                                   outs["local"].tobytes() == outs["worker"].tobytes()))

@@ -128,7 +128,8 @@ def test_run_slots_bitwise_equal_to_in_process(spec, mode):
 
 
 def _encoded_layer(qtype: str):
-    """gate/up/down stacks of IDS encoded as ``qtype`` (+ MIX entries), seeded."""
+    """gate/up/down stacks of IDS encoded as ``qtype`` (+ MIX entries), seeded;
+    hidden = ffn = 128 (MIX rows need a multiple of 128)."""
     from ds4quant import formats
     from ds4quant.codebooks import CodebookEntry
     from ds4quant.runtime.owners.base import ExpertStack
@@ -136,7 +137,8 @@ def _encoded_layer(qtype: str):
     rng = np.random.default_rng(7)
     L = formats.QTYPES[qtype].codebook_levels if formats.QTYPES[qtype].is_mix else 0
     stacks, books = [], []
-    for proj, rows, cols in (("gate", FFN, HIDDEN), ("up", FFN, HIDDEN), ("down", HIDDEN, FFN)):
+    for proj in ("gate", "up", "down"):
+        rows = cols = 128
         name = f"blk.{LAYER}.ffn_{proj}_exps.{qtype}.weight"
         kw, per = {}, []
         if L:
@@ -166,7 +168,8 @@ def test_cpu_owner_through_the_worker_gives_in_process_bytes(qtype):
         assert w.inner_identity == "worker:0/cpu:0"
         assert w.resident_bytes() == local.resident_bytes()
         for mode in ("exact", "fast"):
-            x, ids = batch(9, seed=3)
+            x = np.random.default_rng(3).standard_normal((9, 128)).astype(np.float32)
+            ids = np.asarray(IDS, np.int64)[np.arange(9) % len(IDS)]
             assert w.run_slots(LAYER, x, ids, mode).tobytes() == local.run_slots(LAYER, x, ids, mode).tobytes()
     local.close()
 
