@@ -38,6 +38,13 @@ def own_segments(pid: int | None = None) -> list[Path]:
     return [p for p in leftover_segments() if p.name.startswith(tag)]
 
 
+def mapped_segments() -> list[str]:
+    """This process's live mappings of its own segments (nameless, so /proc
+    shows them as '... (deleted)'): what a leak would look like."""
+    tag = f"/{PREFIX}{os.getpid()}-"
+    return [ln for ln in Path("/proc/self/maps").read_text().splitlines() if tag in ln]
+
+
 def gone(pid: int) -> bool:
     """No such process, or only a zombie nobody will reap in a container."""
     try:
@@ -267,7 +274,7 @@ def test_worker_killed_mid_call_is_a_clear_error_and_the_caller_recovers():
     assert elapsed < 2.5, elapsed  # the death is seen, not the 10 s timeout nor the 3 s sleep
     assert f"worker process {pid} died during run" in msg and "SIGKILL" in msg and "\n" not in msg
     assert msg.startswith("worker:0: ")
-    assert w.closed and own_segments() == []
+    assert w.closed and own_segments() == [] and mapped_segments() == []
     _assert_reaped(w)
     with pytest.raises(WorkerError, match="closed worker"):
         w.experts(LAYER)
@@ -344,7 +351,9 @@ def test_interpreter_without_ds4quant_is_a_clear_error(tmp_path):
 def test_close_reaps_the_child_and_is_idempotent():
     w = fake_worker()
     w.run_slots(LAYER, *batch(2), "exact")
+    assert len(mapped_segments()) == 2  # the in and out arenas
     w.close()
+    assert mapped_segments() == []
     assert w._conn.proc.returncode == 0  # it exited on the close request, not by a kill
     _assert_reaped(w)
     w.close()
