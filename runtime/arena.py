@@ -137,6 +137,10 @@ class SharedBuffer:
 
     def close(self) -> None:
         self.close_fd()
+        self.unmap()
+
+    def unmap(self) -> None:
+        """Drop this side's mapping (the fd, if still open, keeps the segment)."""
         mm, self.mm = self.mm, None
         if mm is not None:
             try:

@@ -397,8 +397,7 @@ class WorkerOwner:
         blob = SharedBuffer.create(data.nbytes)
         try:
             blob.array(np.uint8, data.shape)[...] = data
-            mm, blob.mm = blob.mm, None
-            mm.close()  # the child keeps its own mapping; ours is not needed
+            blob.unmap()  # the child keeps its own mapping; ours is not needed
             self._call("add_stack", meta, fd=blob.fd)
         finally:
             blob.close()
