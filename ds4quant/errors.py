@@ -74,3 +74,27 @@ class BudgetError(BadInputError):
 
 class MissingDependencyError(Ds4quantError):
     """An optional package a command needs is not installed."""
+
+
+class WorkerError(Ds4quantError):
+    """A worker-process owner died, raised, or did not answer in time.
+
+    ``op`` is the call that failed, ``remote_type`` the exception class the
+    worker raised (None when it died or hung), ``remote_traceback`` the
+    worker's full traceback text (the message carries a one-line summary).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        where: str | None = None,
+        hint: str | None = None,
+        op: str | None = None,
+        remote_type: str | None = None,
+        remote_traceback: str | None = None,
+    ):
+        self.op = op
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+        super().__init__(message, where=where, hint=hint)
