@@ -142,7 +142,12 @@ def mix_artifact(strix: Path, out: Path, *, loose_gumix: bool = False, lucebox: 
     for key, kv in g.kv.items():
         if key.startswith(TAG_PREFIX) or key in RESERVED_KEYS or key.startswith("split.") or key == "general.alignment":
             continue
-        w.add_kv(key, kv.value, kv.type, kv.sub_type)
+        value = kv.value
+        if key == "ds4quant.runtimes":
+            # what the contents allow (artifact.runtimes.loadable_by): compact stacks load in ds4quant only,
+            # and Lucebox needs its blobs to cover every MIX tensor
+            value = ("ds4quant", "lucebox") if lucebox and not compact else ("ds4quant",)
+        w.add_kv(key, value, kv.type, kv.sub_type)
     w.add_blob("ds4quant.codebooks", write_table(table))
     full = CodebookTable(tuple(e for e in entries if e.expert_ids is None))
     dims = {e.name: (g.tensors[e.name].shape[1], g.tensors[e.name].shape[0]) for e in full.entries}
