@@ -211,9 +211,19 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
     src_gguf = gguf_of(folder)
     g = read_gguf_set(src_gguf)
     man = read_manifest(folder / "manifest.json")
-    kv = kv or {}
+    kv = dict(kv or {})
     qtypes = qtypes or {}
     payloads = payloads or {}
+    if qtypes and "ds4quant.runtimes" in g.kv and "ds4quant.runtimes" not in kv:
+        # retagging changes which runtimes can load it: keep the key true to the contents
+        from ds4quant.artifact.runtimes import loadable_by
+        from ds4quant.artifact.view import open_artifact
+        from ds4quant.names import parse_stack
+
+        books = open_artifact(folder).lucebox_books
+        rts = loadable_by([(qtypes.get(n, i.qtype), bool(parse_stack(n) and parse_stack(n).compact))
+                           for n, i in g.tensors.items()], books)
+        kv["ds4quant.runtimes"] = (list(rts), VT.ARRAY, VT.STRING)
     w = GGUFWriter(out / src_gguf.name, tags=tags)
     for key, v in g.kv.items():
         if key.startswith(TAG_PREFIX) or key in RESERVED_KEYS or key.startswith("split.") or key == "general.alignment":
