@@ -128,8 +128,9 @@ def inspect_artifact(path: "str | os.PathLike", *, variant_107: Optional[str] = 
     tables += [side.name for f in v.gguf_paths for suffix in _FILE_ORDER
                if (side := f.with_name(f.name + suffix)) in v.sidecars]
     manifest = v.manifest
-    if manifest is None and v.kind == "gguf" and (p.parent / "manifest.json").is_file():
-        manifest = read_manifest(p.parent / "manifest.json")  # a .gguf inside an artifact folder
+    sibling = p.parent / names.MANIFEST_NAME
+    if manifest is None and v.kind == "gguf" and sibling.is_file():
+        manifest = read_manifest(sibling)  # a .gguf inside an artifact folder
     kv = {k: _kv_summary(x) for k, x in v.kv.items()
           if not k.startswith((names.KEY_QTYPE_TAG_PREFIX, names.KEY_EXPERT_IDS_PREFIX)) and k != names.KEY_PLAN}
     if v.stored_runtimes is not None:

@@ -102,6 +102,12 @@ KEY_P4MIX = sidecar_key("p4mix")
 KEY_DMIX = sidecar_key("dmix")
 
 # ---------------------------------------------------------------------------
+# artifact folder files
+
+MANIFEST_NAME = "manifest.json"
+SUMS_NAME = "SHA256SUMS"
+
+# ---------------------------------------------------------------------------
 # GGUF keys: ds4quant's own
 
 KEY_FORMAT_VERSION = "ds4quant.format_version"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from ds4quant.artifact import atomic_write_bytes, publish_dir
-from ds4quant.checksums import SUMS_NAME, write_sums
+from ds4quant.artifact.sums import SUMS_NAME, write_sums
 from ds4quant.errors import BadInputError, Ds4quantError, IntegrityError
 from ds4quant.records import EXPERT_SURFACES, MANIFEST, VerifyReport
 from ds4quant.verify import verify
@@ -276,7 +276,9 @@ def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plot
           "raw = g.tensor_data(info.name)                        # uint8 memmap",
           "w = formats.decode(info.qtype, raw[: raw.size // info.shape[2]], info.shape[0])  # expert 0, float32",
           "```", ""]
-    mix = [t for t in rep.tensors if t.qtype.endswith("_mix")]
+    from ds4quant.formats import QTYPES
+
+    mix = [t for t in rep.tensors if t.qtype in QTYPES and QTYPES[t.qtype].is_mix]
     if mix:
         L += [f"{len(mix)} tensor(s) use MIX qtypes: their per-expert codebooks are in the GGUF KV "
               "`ds4quant.codebooks` (and, where Lucebox can load them, `deepseek4.*.sidecar`); pass "

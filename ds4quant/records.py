@@ -17,9 +17,9 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
 from ds4quant.metrics import ErrorFigures, finite_or_none
-from ds4quant.names import EXPERT_GROUPS, GROUPS
+from ds4quant.names import EXPERT_GROUPS, GROUPS, MANIFEST_NAME
 
-MANIFEST = "manifest.json"
+MANIFEST = MANIFEST_NAME
 # Groups ("surfaces") a tensor is summed under in per-layer tables and plots (names.Group values).
 SURFACES: tuple[str, ...] = tuple(g.value for g in GROUPS)
 EXPERT_SURFACES: tuple[str, ...] = tuple(g.value for g in EXPERT_GROUPS)

@@ -44,8 +44,8 @@ from ds4quant import names
 from ds4quant.errors import BadInputError, CodebookError, Ds4quantError
 from ds4quant.names import Proj
 
-MANIFEST = "manifest.json"
-SUMS = "SHA256SUMS"
+MANIFEST = names.MANIFEST_NAME
+SUMS = names.SUMS_NAME
 
 
 # ----------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class ArtifactView:
         self._problems: list[Problem] = []
         sums = None
         if layout.sums is not None:
-            from ds4quant.checksums import read_sums
+            from ds4quant.artifact.sums import read_sums
 
             sums = dict(read_sums(layout.sums))
         self.sums: Optional[Mapping[str, str]] = None if sums is None else MappingProxyType(sums)

@@ -209,7 +209,7 @@ def _errors_inconsistent(errors: Optional[Mapping[str, float]]) -> str:
 
 def _check_sums(ctx: Context) -> None:
     from ds4quant.artifact import sha256_file
-    from ds4quant.checksums import SUMS_NAME, list_files
+    from ds4quant.artifact.sums import SUMS_NAME, list_files
 
     run, folder, sums, file_sha = ctx, ctx.view.folder, ctx.view.sums, ctx.file_sha
 
