@@ -51,10 +51,7 @@ def run(out: Path) -> dict:
     for label, rep, secs in (("uniform rocmfp2-strix", strix, t_strix), ("adaptive (same size)", adaptive, t_adaptive)):
         report_dir = out / "reports" / rep.artifact.name
         report_dir.parent.mkdir(parents=True, exist_ok=True)
-        v = verify(rep.artifact, source=SAMPLE, imatrix=imatrix)
-        from ds4quant.report import write_report
-
-        write_report(v, report_dir)
+        v = verify(rep.artifact, source=SAMPLE, imatrix=imatrix, report_dir=report_dir)
         s = v.summary
         j = rep.to_json()
         rows.append({
