@@ -246,9 +246,10 @@ def inspect_cmd(artifact, variant_107, as_json):
     click.echo(f"files: {', '.join(p.name for p in ins.files)} ({ins.file_bytes:,} bytes)")
     click.echo(f"expert bpw: {bpw:.4f}" if bpw is not None else "expert bpw: no routed expert tensors")
     click.echo(f"codebook tables: {', '.join(ins.codebook_tables) or 'none'}")
-    rts = ins.kv.get("ds4quant.runtimes")
-    if rts:
-        click.echo(f"loadable by: {', '.join(rts)}")
+    click.echo(f"loadable by: {', '.join(ins.runtimes) or 'no known runtime'}")
+    if ins.stored_runtimes is not None and set(ins.stored_runtimes) != set(ins.runtimes):
+        click.echo(f"note: its ds4quant.runtimes key says {', '.join(ins.stored_runtimes) or 'none'}, "
+                   "which its contents do not allow (ds4quant verify fails it)")
     alloc = ((ins.manifest or {}).get("recipe") or {}).get("allocation")
     if alloc:
         click.echo(f"adaptive plan: {alloc['method']}, {alloc['allocated_bytes']:,} of {alloc['budget_bytes']:,} "
@@ -304,9 +305,18 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
     """
     from ds4quant.verify import verify
 
+    if report_dir is not None:
+        from ds4quant.report import check_report_dir
+
+        check_report_dir(report_dir, artifact)
     progress = _verify_progress(source is not None and not as_json and sys.stderr.isatty())
-    rep = verify(artifact, source=source, imatrix=imatrix, report_dir=report_dir, threshold_db=threshold_db,
-                 variant_107=variant_107, progress=progress)
+    rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
+                 progress=progress)
+    report_path = None
+    if report_dir is not None:
+        from ds4quant.report import write_report
+
+        report_path = write_report(rep, report_dir)
     if as_json:
         _emit_json(rep.to_json())
     else:
@@ -324,8 +334,8 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
             if s["numbers_from"]:
                 line += f" ({'decoded vs source' if s['numbers_from'] == 'source' else 'convert-time, from manifest.json'})"
             click.echo(line)
-        if rep.report_path is not None:
-            click.echo(f"report: {rep.report_path}")
+        if report_path is not None:
+            click.echo(f"report: {report_path}")
         n_bad = len(rep.failed)
         click.echo("sound" if rep.ok else f"NOT SOUND: {n_bad} check(s) failed")
     if not rep.ok:

@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ds4quant.errors import BadInputError
+from ds4quant import names
 
-EXPERT_SURFACES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-# KVs that carry out-of-band codebooks (spec rocmfpx-codecs.md §11) and ours.
-CODEBOOK_KVS = ("deepseek4.gumix.sidecar", "deepseek4.p4mix.sidecar", "deepseek4.dmix.sidecar",
-                "ds4quant.codebooks")
-CODEBOOK_FILES = (".gumix.bin", ".p4mix.bin", ".dmix.bin")
+# the order inspect lists codebook tables in: embedded KVs, then loose files per GGUF file
+_KV_ORDER = tuple(names.sidecar_key(k) for k in ("gumix", "p4mix", "dmix")) + (names.KEY_CODEBOOKS,)
+_FILE_ORDER = tuple(names.sidecar_suffix(k) for k in ("gumix", "p4mix", "dmix"))
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,7 @@ class TensorRow:
 
     @property
     def is_expert(self) -> bool:
-        return any(f".{s}." in f".{self.name}" for s in EXPERT_SURFACES) or self.name.split(".")[-2] in EXPERT_SURFACES
+        return names.parse_stack(self.name) is not None
 
     def to_json(self) -> dict:
         d = {"name": self.name, "qtype": self.qtype, "ggml_type": self.ggml_type, "variant": self.variant,
@@ -64,6 +62,8 @@ class Inspection:
     manifest: Optional[dict]
     kv: dict
     notes: tuple[str, ...]
+    runtimes: tuple[str, ...] = ()  # from the contents (ArtifactView.runtimes)
+    stored_runtimes: Optional[tuple[str, ...]] = None  # the ds4quant.runtimes key
 
     @property
     def total_bytes(self) -> int:
@@ -100,77 +100,53 @@ class Inspection:
             "codebook_tables": list(self.codebook_tables),
             "notes": list(self.notes),
             "recipe": _recipe_summary(self.manifest),
-            "runtimes": self.kv.get("ds4quant.runtimes"),
+            "runtimes": list(self.runtimes),
+            "stored_runtimes": None if self.stored_runtimes is None else list(self.stored_runtimes),
             "tensors": [t.to_json() for t in self.tensors],
         }
 
 
-def _find_gguf(path: Path) -> tuple[Path, Optional[Path]]:
-    """(first gguf of the artifact, manifest path or None)."""
-    if path.is_dir():
-        ggufs = sorted(p for p in path.iterdir() if p.suffix == ".gguf" and p.is_file())
-        if not ggufs:
-            raise BadInputError("no .gguf file in the folder", where=str(path))
-        stems = {_split_stem(p) for p in ggufs}
-        if len(stems) > 1:
-            raise BadInputError(f"several GGUF artifacts in one folder: {sorted(stems)}", where=str(path),
-                                hint="pass one .gguf file")
-        man = path / "manifest.json"
-        return ggufs[0], (man if man.is_file() else None)
-    if not path.exists():
-        raise BadInputError("no such file or folder", where=str(path))
-    man = path.parent / "manifest.json"
-    return path, (man if man.is_file() else None)
-
-
-def _split_stem(p: Path) -> str:
-    from ds4quant.artifact.gguf_writer import SPLIT_NAME
-
-    m = SPLIT_NAME.match(p.name)
-    return m.group("stem") if m else p.stem
-
-
 def inspect_artifact(path: "str | os.PathLike", *, variant_107: Optional[str] = None) -> Inspection:
-    """Read an artifact folder or a .gguf and describe every tensor."""
-    from ds4quant.artifact import read_gguf_set, read_manifest
+    """Read an artifact folder or a .gguf (through ``ArtifactView``) and describe every tensor."""
+    from ds4quant.artifact import read_manifest
+    from ds4quant.artifact.view import open_artifact
 
     p = Path(path)
-    first, man_path = _find_gguf(p)
-    g = read_gguf_set(first, variant_107=variant_107)
-    plan = _plan(g)
+    v = open_artifact(p, variant_107=variant_107)
+    plan = _plan(v.kv)
+    compact = {s.name: s.expert_ids for s in v.stacks if s.compact}
     rows = []
-    for name, info in g.tensors.items():
+    for name, info in v.tensors.items():
         n = 1
         for d in info.shape:
             n *= d
-        p = plan.get(name, {})
-        ids = p.get("experts")
+        c = plan.get(name, {})
         rows.append(TensorRow(name, info.qtype, info.ggml_type, info.variant, tuple(info.shape), info.nbytes, n,
-                              Path(info.path).name, p.get("rule"), p.get("predicted_error"),
-                              tuple(ids) if ids is not None else None))
-    tables = [k for k in CODEBOOK_KVS if k in g.kv]
-    for f in g.files:
-        for suffix in CODEBOOK_FILES:
-            side = f.with_name(f.name + suffix)
-            if side.is_file():
-                tables.append(side.name)
-    manifest = None
-    if man_path is not None:
-        manifest = read_manifest(man_path).to_json()
-    kv = {k: _kv_summary(v) for k, v in g.kv.items()
-          if not k.startswith(("ds4quant.qtype.", "ds4quant.expert_ids.")) and k != "ds4quant.plan"}
-    if "ds4quant.runtimes" in g.kv:
-        kv["ds4quant.runtimes"] = [str(x) for x in g.kv["ds4quant.runtimes"].value]
-    return Inspection(p, tuple(g.files), tuple(rows), tuple(tables), manifest, kv, tuple(g.notes))
+                              Path(info.path).name, c.get("rule"), c.get("predicted_error"), compact.get(name)))
+    found = set(v.codebook_tables)
+    tables = [k for k in _KV_ORDER if k in found or f"KV {k}" in found]
+    tables += [side.name for f in v.gguf_paths for suffix in _FILE_ORDER
+               if (side := f.with_name(f.name + suffix)) in v.sidecars]
+    manifest = v.manifest
+    sibling = p.parent / names.MANIFEST_NAME
+    if manifest is None and v.kind == "gguf" and sibling.is_file():
+        manifest = read_manifest(sibling)  # a .gguf inside an artifact folder
+    kv = {k: _kv_summary(x) for k, x in v.kv.items()
+          if not k.startswith((names.KEY_QTYPE_TAG_PREFIX, names.KEY_EXPERT_IDS_PREFIX)) and k != names.KEY_PLAN}
+    if v.stored_runtimes is not None:
+        kv[names.KEY_RUNTIMES] = list(v.stored_runtimes)
+    return Inspection(p, tuple(v.gguf_paths), tuple(rows), tuple(tables),
+                      manifest.to_json() if manifest is not None else None, kv, tuple(v.gguf.notes),
+                      v.runtimes, v.stored_runtimes)
 
 
-def _plan(g) -> dict:
-    """The plan convert stored in the GGUF (KV ds4quant.plan), by tensor name."""
-    kv = g.kv.get("ds4quant.plan")
-    if kv is None:
+def _plan(kv: dict) -> dict:
+    """The plan convert stored in the GGUF (KV ds4quant.plan), by tensor name: rule and predicted error."""
+    x = kv.get(names.KEY_PLAN)
+    if x is None:
         return {}
     try:
-        rows = json.loads(str(kv.value))
+        rows = json.loads(str(x.value))
         return {r["name"]: r for r in rows if isinstance(r, dict) and "name" in r}
     except (ValueError, TypeError):
         return {}  # a foreign or damaged plan is informational only; verify checks integrity

@@ -1,12 +1,29 @@
-"""Error sums between a source matrix and its decoded copy, in one pass.
+"""Error figures: one pass of sums, one record, one SQNR.
 
-float64 accumulators; rows are summed in parallel into per-row partials that
-are then added in row order, so the figures never depend on the thread count.
-Memory stays at the two input matrices (no float64 temporaries).
+``error_sums(x, y, w)``: float64 sums between a source matrix and its decoded
+copy; rows are summed in parallel into per-row partials that are then added
+in row order, so the figures never depend on the thread count. Memory stays at
+the two input matrices (no float64 temporaries).
+
+``sqnr_db(sse, ssx)``: the one SQNR formula, ``10 log10(ssx / sse)``, with one
+convention for the edge cases (everything else that prints an SQNR uses it):
+
+- non-finite ``sse`` or ``ssx`` (a decode gave NaN/Inf): ``nan``, undefined;
+- zero error (``sse == 0``, zero signal or not): ``+inf``, exact;
+- zero signal with some error (``ssx == 0 < sse``): ``-inf``;
+- otherwise the finite value.
+
+``ErrorFigures``: the error record of one tensor or group that verify,
+reports and publish read (``sqnr_db`` is None for a non-finite decode).
+
+    s = error_sums(x, y)
+    fig = ErrorFigures.of(s)
+    fig.sqnr_db, fig.rel_mse, fig.cosine
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +46,110 @@ class Sums:
     finite: bool
     wsse: Optional[float] = None
     wssx: Optional[float] = None
+
+    def plus(self, o: "Sums") -> "Sums":
+        """The sums of both parts (weighted sums only when both parts have them)."""
+        both = self.wsse is not None and o.wsse is not None
+        return Sums(self.n + o.n, self.sse + o.sse, self.ssx + o.ssx, self.ssy + o.ssy, self.dot + o.dot,
+                    max(self.max_abs, o.max_abs), self.finite and o.finite,
+                    self.wsse + o.wsse if both else None, self.wssx + o.wssx if both else None)
+
+
+def sqnr_db(sse: float, ssx: float) -> float:
+    """10 log10(ssx / sse) in dB; nan / +inf / -inf by the module's edge convention."""
+    if not (math.isfinite(sse) and math.isfinite(ssx)):
+        return math.nan
+    if sse <= 0:
+        return math.inf
+    if ssx <= 0:
+        return -math.inf
+    return 10.0 * math.log10(ssx / sse)
+
+
+def finite_or_none(v: Optional[float]) -> Optional[float]:
+    return v if v is not None and math.isfinite(v) else None
+
+
+@dataclass(frozen=True)
+class ErrorFigures:
+    """Error of one tensor or group (float64 sums over every weight).
+
+    origin: "source" (decoded and compared now) or "manifest" (convert-time
+    figures; no max abs / cosine). sse/ssx: sum of squared error / of squared
+    source values; ssy: of squared decoded values; dot: source . decoded;
+    wsse/wssx: the same weighted by importance (None without an imatrix).
+    expert_sqnr_db: per local expert of a stack (source origin only).
+    """
+
+    origin: str
+    n: int
+    sse: float
+    ssx: float
+    wsse: Optional[float] = None
+    wssx: Optional[float] = None
+    ssy: Optional[float] = None
+    dot: Optional[float] = None
+    max_abs: Optional[float] = None
+    finite: bool = True
+    expert_sqnr_db: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, s: Sums, expert_sqnr_db: tuple[float, ...] = ()) -> "ErrorFigures":
+        """Figures measured now (origin "source") from ``error_sums``."""
+        return cls("source", s.n, s.sse, s.ssx, s.wsse, s.wssx, s.ssy, s.dot, s.max_abs, s.finite,
+                   tuple(expert_sqnr_db))
+
+    @property
+    def exact(self) -> bool:
+        return self.finite and self.sse == 0.0 and (self.origin == "source" or self.ssx > 0)
+
+    @property
+    def rel_mse(self) -> Optional[float]:
+        if not self.finite:
+            return None
+        return self.sse / self.ssx if self.ssx > 0 else (0.0 if self.sse == 0 else math.inf)
+
+    @property
+    def sqnr_db(self) -> Optional[float]:
+        """inf when exact, None when undefined (non-finite decode)."""
+        return sqnr_db(self.sse, self.ssx) if self.finite else None
+
+    @property
+    def weighted_rel_error(self) -> Optional[float]:
+        if self.wsse is None or not self.wssx:
+            return None
+        return self.wsse / self.wssx
+
+    @property
+    def cosine(self) -> Optional[float]:
+        if self.dot is None or self.ssy is None or not self.finite:
+            return None
+        if self.ssx == 0 and self.ssy == 0:
+            return 1.0
+        if self.ssx == 0 or self.ssy == 0:
+            return 0.0
+        return self.dot / math.sqrt(self.ssx * self.ssy)
+
+    def plus(self, o: "ErrorFigures") -> "ErrorFigures":
+        def add(a, b):
+            return None if a is None or b is None else a + b
+
+        return ErrorFigures(
+            self.origin if self.origin == o.origin else "mixed", self.n + o.n, self.sse + o.sse, self.ssx + o.ssx,
+            add(self.wsse, o.wsse), add(self.wssx, o.wssx), add(self.ssy, o.ssy), add(self.dot, o.dot),
+            None if self.max_abs is None or o.max_abs is None else max(self.max_abs, o.max_abs),
+            self.finite and o.finite, self.expert_sqnr_db + o.expert_sqnr_db)
+
+    def to_json(self) -> dict:
+        sq = self.sqnr_db
+        return {
+            "origin": self.origin, "n": self.n, "exact": self.exact,
+            "rel_mse": finite_or_none(self.rel_mse), "sqnr_db": finite_or_none(sq),
+            "weighted_rel_error": finite_or_none(self.weighted_rel_error),
+            "max_abs_error": finite_or_none(self.max_abs), "cosine": finite_or_none(self.cosine), "finite": self.finite,
+            "sse": finite_or_none(self.sse), "ssx": finite_or_none(self.ssx),
+            "weighted_sse": finite_or_none(self.wsse), "weighted_ssx": finite_or_none(self.wssx),
+        }
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)

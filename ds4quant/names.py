@@ -49,6 +49,37 @@ KEY_HASH_LAYER_COUNT = f"{ARCH}.hash_layer_count"
 KEY_EXPERT_WEIGHTS_SCALE = f"{ARCH}.expert_weights_scale"
 KEY_SWIGLU_CLAMP = f"{ARCH}.swiglu_clamp_exp"
 
+# The one DS4 header table: every UINT32 ``deepseek4.*`` key convert writes, and
+# whether the Lucebox loader requires it (LOADER ``kRequiredU32Keys``, spec
+# ds4-and-lucebox.md §2). ``attention.value_length`` is written (newer loaders
+# read it) but the spec's loader list does not require it.
+DS4_U32_KEYS: tuple[tuple[str, bool], ...] = tuple((f"{ARCH}.{k}", req) for k, req in (
+    ("block_count", True),
+    ("embedding_length", True),
+    ("vocab_size", True),
+    ("attention.head_count", True),
+    ("attention.head_count_kv", True),
+    ("attention.key_length", True),
+    ("attention.q_lora_rank", True),
+    ("attention.output_lora_rank", True),
+    ("attention.output_group_count", True),
+    ("attention.sliding_window", True),
+    ("attention.indexer.head_count", True),
+    ("attention.indexer.key_length", True),
+    ("attention.indexer.top_k", True),
+    ("rope.dimension_count", True),
+    ("expert_count", True),
+    ("expert_used_count", True),
+    ("expert_shared_count", True),
+    ("expert_feed_forward_length", True),
+    ("hash_layer_count", True),
+    ("hyper_connection.count", True),
+    ("hyper_connection.sinkhorn_iterations", True),
+    ("attention.value_length", False),
+))
+LOADER_U32_KEYS: tuple[str, ...] = tuple(k for k, req in DS4_U32_KEYS if req)
+WRITTEN_U32_KEYS: tuple[str, ...] = tuple(k for k, _ in DS4_U32_KEYS)
+
 # Lucebox codebook blobs (embedded copies of the loose sidecar files)
 LUCEBOX_KINDS = ("p4mix", "gumix", "dmix")
 
@@ -69,6 +100,12 @@ def sidecar_suffix(kind: str) -> str:
 KEY_GUMIX = sidecar_key("gumix")
 KEY_P4MIX = sidecar_key("p4mix")
 KEY_DMIX = sidecar_key("dmix")
+
+# ---------------------------------------------------------------------------
+# artifact folder files
+
+MANIFEST_NAME = "manifest.json"
+SUMS_NAME = "SHA256SUMS"
 
 # ---------------------------------------------------------------------------
 # GGUF keys: ds4quant's own
@@ -101,6 +138,36 @@ def qtype_tag_key(tensor: str) -> str:
 _LAYER = re.compile(r"^blk\.(0|[1-9][0-9]*)\.")
 _STACK = re.compile(r"^blk\.(?P<layer>0|[1-9][0-9]*)\.ffn_(?P<proj>gate|up|down)_exps"
                     r"(?:\.(?P<qtype>[a-z0-9_]+))?\.weight$")
+
+
+class Group(str, Enum):
+    """The groups verify and the reports sum tensors under (per layer)."""
+
+    GATE_EXPS = "gate_exps"
+    UP_EXPS = "up_exps"
+    DOWN_EXPS = "down_exps"
+    SHEXP = "shexp"
+    ATTN = "attn"
+    OTHER = "other"
+
+
+GROUPS: tuple[Group, ...] = tuple(Group)
+EXPERT_GROUPS: tuple[Group, ...] = (Group.GATE_EXPS, Group.UP_EXPS, Group.DOWN_EXPS)
+
+
+def group_of(name: str) -> Group:
+    """The group of a GGUF tensor: its stack's projection, shared expert, attention, or other."""
+    s = parse_stack(name)
+    if s is not None:
+        return Group(f"{s.proj.value}_exps")
+    if layer_of(name) is None:
+        return Group.OTHER
+    stem = name.split(".", 2)[2]
+    if "_shexp" in stem:
+        return Group.SHEXP
+    if stem.startswith(("attn_", "indexer")):
+        return Group.ATTN
+    return Group.OTHER
 
 
 class StackName(NamedTuple):

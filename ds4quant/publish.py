@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Optional
 
 from ds4quant.artifact import atomic_write_bytes, publish_dir
-from ds4quant.checksums import SUMS_NAME, write_sums
+from ds4quant.artifact.sums import SUMS_NAME, write_sums
 from ds4quant.errors import BadInputError, Ds4quantError, IntegrityError
-from ds4quant.verify import EXPERT_SURFACES, MANIFEST, VerifyReport, verify
+from ds4quant.records import EXPERT_SURFACES, MANIFEST, VerifyReport
+from ds4quant.verify import verify
 
 REPORT_DIR = "report"
 README = "README.md"
@@ -176,32 +177,9 @@ def _why(e: BaseException) -> str:
 
 
 def runtimes(rep: VerifyReport) -> tuple[str, ...]:
-    """Runtimes that can load every tensor of the artifact, in registry order.
-
-    Starts from the intersection of each qtype's ``QType.runtimes``; Lucebox
-    builds also need Lucebox codebook blobs covering every MIX tensor, and
-    only the bundled runtime loads compact per-expert stacks.
-    """
-    from ds4quant.formats import QTYPES
-
-    order: list[str] = []
-    common: Optional[set] = None
-    for t in rep.tensors:
-        q = QTYPES.get(t.qtype)
-        rts = set(q.runtimes) if q is not None else set()
-        for r in (q.runtimes if q is not None else ()):
-            if r not in order:
-                order.append(r)
-        common = rts if common is None else common & rts
-    common = common or set()
-    mix = [t for t in rep.tensors if (QTYPES.get(t.qtype) is not None and QTYPES[t.qtype].is_mix)]
-    if mix and not rep.lucebox_mix:
-        common -= {"lucebox", "lucebox-affine"}
-    if mix or any(t.expert_ids is not None for t in rep.tensors):
-        common -= {"llama.cpp", "gguf-py"}
-    if any(t.expert_ids is not None for t in rep.tensors):
-        common &= {"ds4quant"}
-    return tuple(r for r in order if r in common)
+    """Runtimes that can load the artifact: the view's answer from its contents
+    (``artifact.runtimes.loadable_by``), which verify also holds the stored key to."""
+    return tuple(rep.runtimes)
 
 
 def _layer_qtype_table(rep: VerifyReport) -> list[str]:
@@ -298,7 +276,9 @@ def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plot
           "raw = g.tensor_data(info.name)                        # uint8 memmap",
           "w = formats.decode(info.qtype, raw[: raw.size // info.shape[2]], info.shape[0])  # expert 0, float32",
           "```", ""]
-    mix = [t for t in rep.tensors if t.qtype.endswith("_mix")]
+    from ds4quant.formats import QTYPES
+
+    mix = [t for t in rep.tensors if t.qtype in QTYPES and QTYPES[t.qtype].is_mix]
     if mix:
         L += [f"{len(mix)} tensor(s) use MIX qtypes: their per-expert codebooks are in the GGUF KV "
               "`ds4quant.codebooks` (and, where Lucebox can load them, `deepseek4.*.sidecar`); pass "

@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 
 from ds4quant.artifact import atomic_write_bytes, atomic_write_json
 from ds4quant.errors import BadInputError
-from ds4quant.verify import SURFACES, ErrorFigures, GroupRecord, VerifyReport
+from ds4quant.metrics import ErrorFigures
+from ds4quant.records import SURFACES, GroupRecord, VerifyReport
 
 REPORT_MD = "report.md"
 REPORT_JSON = "verify.json"
@@ -306,6 +307,18 @@ def render_markdown(rep: VerifyReport, plots: dict, runtime_section: Optional[st
 
     L += ["## Fidelity through the runtime", "", RUNTIME_BEGIN, runtime_section or RUNTIME_PLACEHOLDER, RUNTIME_END, ""]
     return "\n".join(L)
+
+
+def check_report_dir(out_dir: "str | os.PathLike", artifact: "str | os.PathLike") -> None:
+    """Refuse a report folder inside the artifact folder it describes (writing it
+    would change the artifact). Call it before verifying, to fail early."""
+    art = Path(artifact)
+    if not art.is_dir():
+        return  # a bare .gguf: its folder is not the artifact
+    rd, folder = Path(out_dir).resolve(), art.resolve()
+    if rd == folder or folder in rd.parents:
+        raise BadInputError("the report folder lies inside the artifact it checks; writing it would change "
+                            "the artifact", where=str(out_dir), hint="choose a folder outside it")
 
 
 def write_report(rep: VerifyReport, out_dir: "str | os.PathLike", *, runtime_section: Optional[str] = None,

@@ -142,7 +142,12 @@ def mix_artifact(strix: Path, out: Path, *, loose_gumix: bool = False, lucebox: 
     for key, kv in g.kv.items():
         if key.startswith(TAG_PREFIX) or key in RESERVED_KEYS or key.startswith("split.") or key == "general.alignment":
             continue
-        w.add_kv(key, kv.value, kv.type, kv.sub_type)
+        value = kv.value
+        if key == "ds4quant.runtimes":
+            # what the contents allow (artifact.runtimes.loadable_by): compact stacks load in ds4quant only,
+            # and Lucebox needs its blobs to cover every MIX tensor
+            value = ("ds4quant", "lucebox") if lucebox and not compact else ("ds4quant",)
+        w.add_kv(key, value, kv.type, kv.sub_type)
     w.add_blob("ds4quant.codebooks", write_table(table))
     full = CodebookTable(tuple(e for e in entries if e.expert_ids is None))
     dims = {e.name: (g.tensors[e.name].shape[1], g.tensors[e.name].shape[0]) for e in full.entries}
@@ -206,9 +211,19 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
     src_gguf = gguf_of(folder)
     g = read_gguf_set(src_gguf)
     man = read_manifest(folder / "manifest.json")
-    kv = kv or {}
+    kv = dict(kv or {})
     qtypes = qtypes or {}
     payloads = payloads or {}
+    if qtypes and "ds4quant.runtimes" in g.kv and "ds4quant.runtimes" not in kv:
+        # retagging changes which runtimes can load it: keep the key true to the contents
+        from ds4quant.artifact.runtimes import loadable_by
+        from ds4quant.artifact.view import open_artifact
+        from ds4quant.names import parse_stack
+
+        books = open_artifact(folder).lucebox_books
+        rts = loadable_by([(qtypes.get(n, i.qtype), bool(parse_stack(n) and parse_stack(n).compact))
+                           for n, i in g.tensors.items()], books)
+        kv["ds4quant.runtimes"] = (list(rts), VT.ARRAY, VT.STRING)
     w = GGUFWriter(out / src_gguf.name, tags=tags)
     for key, v in g.kv.items():
         if key.startswith(TAG_PREFIX) or key in RESERVED_KEYS or key.startswith("split.") or key == "general.alignment":

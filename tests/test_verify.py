@@ -18,7 +18,7 @@ from ds4quant.artifact import read_gguf_set, read_manifest
 from ds4quant.cli import cli
 from ds4quant.codebooks import read_table, write_table
 from ds4quant.errors import BadInputError, CorruptDataError, Ds4quantError
-from ds4quant.report import PLOT_BITS, PLOT_ERROR, PLOT_HIST, RUNTIME_BEGIN, RUNTIME_END, write_report
+from ds4quant.report import PLOT_BITS, PLOT_ERROR, PLOT_HIST, RUNTIME_BEGIN, RUNTIME_END, check_report_dir, write_report
 from ds4quant.sources.official import open_source
 from ds4quant.verify import QUALITY_FLOORS_DB, verify
 from tests._verify_util import MIX_IDS, SAMPLE, flip, gguf_of, mix_artifact, rewrite, strix_artifact
@@ -479,7 +479,7 @@ def test_untagged_107_needs_the_variant_and_reports_stay_outside_the_artifact(ar
     assert any(c["name"] == "ds4_keys" and not c["ok"] for c in checks)
     strix, _ = arts
     with pytest.raises(BadInputError, match="inside the artifact"):
-        verify(strix, report_dir=strix / "report")
+        check_report_dir(strix / "report", strix)
 
 
 def test_a_foreign_lucebox_style_gguf_decodes_with_its_sidecar_books(arts, tmp_path):

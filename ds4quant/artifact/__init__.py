@@ -19,13 +19,7 @@ from ds4quant.artifact.atomic import (
     json_bytes,
     publish_dir,
 )
-from ds4quant.artifact.ds4 import (
-    REQUIRED_U32_KEYS,
-    check_ds4_header,
-    expert_shape,
-    expert_tensor_name,
-    parse_expert_tensor,
-)
+from ds4quant.artifact.ds4 import REQUIRED_U32_KEYS, check_ds4_header, expert_shape
 from ds4quant.artifact.gguf_reader import GGUFFile, GGUFSet, TensorInfo, read_gguf, read_gguf_set
 from ds4quant.artifact.gguf_values import KV, make_kv
 from ds4quant.artifact.gguf_writer import (
@@ -54,7 +48,7 @@ from ds4quant.artifact.tags import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_VARIA
 __all__ = [
     "AtomicFile", "atomic_write", "atomic_write_bytes", "atomic_write_json", "fsync_dir", "json_bytes",
     "publish_dir",
-    "REQUIRED_U32_KEYS", "check_ds4_header", "expert_shape", "expert_tensor_name", "parse_expert_tensor",
+    "REQUIRED_U32_KEYS", "check_ds4_header", "expert_shape",
     "GGUFFile", "GGUFSet", "TensorInfo", "read_gguf", "read_gguf_set",
     "KV", "make_kv",
     "DEFAULT_ALIGNMENT", "GGUFPlan", "GGUFWriter", "PlannedFile", "PlannedTensor", "split_path",

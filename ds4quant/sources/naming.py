@@ -347,7 +347,7 @@ class GgufKv(NamedTuple):
 
 # Lucebox LOADER kRequiredU32Keys (the container's table) plus
 # attention.value_length, which newer loaders also require.
-REQUIRED_U32_KEYS = _LOADER_U32_KEYS + ("deepseek4.attention.value_length",)
+from ds4quant.names import WRITTEN_U32_KEYS as REQUIRED_U32_KEYS  # noqa: E402 (names.DS4_U32_KEYS: one table)
 
 
 def deepseek4_kvs(config: Ds4Config) -> list[GgufKv]:

@@ -9,10 +9,9 @@ from ds4quant.artifact import (
     GGUFWriter,
     check_ds4_header,
     expert_shape,
-    expert_tensor_name,
-    parse_expert_tensor,
     read_gguf,
 )
+from ds4quant.names import DS4_U32_KEYS, LOADER_U32_KEYS, WRITTEN_U32_KEYS, Proj, parse_stack, stack_name
 from ds4quant.errors import BadInputError
 
 
@@ -20,6 +19,14 @@ def test_required_keys_match_the_loader_list():
     assert len(REQUIRED_U32_KEYS) == 21 and len(set(REQUIRED_U32_KEYS)) == 21
     assert "deepseek4.attention.indexer.top_k" in REQUIRED_U32_KEYS
     assert "deepseek4.hyper_connection.sinkhorn_iterations" in REQUIRED_U32_KEYS
+
+
+def test_one_header_table_says_what_is_written_and_what_the_loader_requires():
+    from ds4quant.sources.naming import REQUIRED_U32_KEYS as WRITTEN_BY_CONVERT
+
+    assert REQUIRED_U32_KEYS == LOADER_U32_KEYS and WRITTEN_BY_CONVERT == WRITTEN_U32_KEYS
+    assert [k for k, req in DS4_U32_KEYS if not req] == ["deepseek4.attention.value_length"]
+    assert set(LOADER_U32_KEYS) < set(WRITTEN_U32_KEYS)
 
 
 def test_header_check_lists_every_problem(tmp_path):
@@ -42,11 +49,11 @@ def test_header_check_lists_every_problem(tmp_path):
 
 
 def test_expert_names_and_shapes():
-    assert expert_tensor_name(42, "down") == "blk.42.ffn_down_exps.weight"
-    assert parse_expert_tensor("blk.42.ffn_down_exps.weight") == (42, "down")
-    assert parse_expert_tensor("blk.0.ffn_gate_up_exps.weight") is None  # DS4 has no fused gate_up
-    assert parse_expert_tensor("blk.1.ffn_down_shexp.weight") is None
+    assert stack_name(42, "down") == "blk.42.ffn_down_exps.weight"
+    assert parse_stack("blk.42.ffn_down_exps.weight") == (42, Proj.DOWN, None)
+    assert parse_stack("blk.0.ffn_gate_up_exps.weight") is None  # DS4 has no fused gate_up
+    assert parse_stack("blk.1.ffn_down_shexp.weight") is None
     assert expert_shape("gate", 4096, 2048, 256) == (4096, 2048, 256)
     assert expert_shape("down", 4096, 2048, 256) == (2048, 4096, 256)
     with pytest.raises(BadInputError):
-        expert_tensor_name(0, "gate_up")
+        stack_name(0, "gate_up")

@@ -1,0 +1,152 @@
+"""`ds4quant verify`: is an artifact sound, and how faithful is it to its source?
+
+``verify(ARTIFACT)`` takes an artifact folder (GGUF set + ``manifest.json``), a
+release folder (the same plus ``SHA256SUMS``, model card and report), or a
+bare ``.gguf`` (structure checks only), and returns a ``VerifyReport``
+(``ds4quant.records``). Writing the human report is the caller's
+(``ds4quant.report.write_report``; the CLI and ``publish`` do it).
+
+Two kinds of failure, kept apart on purpose:
+
+- **unusable input** raises a ``Ds4quantError`` (the CLI exits 2): the path
+  is missing, the GGUF set, ``manifest.json`` or ``SHA256SUMS`` cannot be
+  parsed (truncated, malformed, wrong magic). Nothing can be checked then.
+- **a failed check** is a ``Check`` with ``ok=False`` (the CLI exits 1): the
+  containers parse, but something inside disagrees: a hash, a tag, a shape,
+  codebook coverage, the DS4 keys, the runtimes key, a tensor below its
+  quality floor. Every offender is collected, each naming its file and/or tensor.
+
+The artifact is read through ``ArtifactView`` (``ds4quant.artifact.view``),
+whose rules report stacks, ids and codebook problems; verify is the list of
+its stages (``STAGES``), one module each, run in order:
+
+1. ``structure``: qtypes and tags, row rules and stack shapes, the
+   ``deepseek4.*`` keys the loader needs, compact stacks covering every expert
+   of every layer exactly once;
+2. ``codebooks``: own table and Lucebox blobs valid, covering every resident
+   MIX tensor exactly once, agreeing; then ``ds4quant.runtimes`` against what
+   the contents allow (``artifact.runtimes.loadable_by``);
+3. ``manifest``: per-tensor and per-file sha256 (one read of each file)
+   against ``manifest.json``, its fields against the GGUF, ``SHA256SUMS``;
+4. ``numbers`` (``source=``): every tensor decoded and compared with the
+   source (relative MSE, SQNR dB, importance-weighted error with
+   ``imatrix=``, max abs error, cosine, finiteness), floors per qtype;
+5. ``fidelity``: the place of the runtime's measurements (not yet measured).
+
+    rep = verify("out/tiny-strix", source="samples/ds4-tiny")
+    rep.ok, rep.summary["expert_sqnr_db"]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ds4quant import names
+from ds4quant.errors import BadInputError
+from ds4quant.metrics import ErrorFigures
+from ds4quant.names import base_name, layer_of
+from ds4quant.records import (
+    EXPERT_SURFACES,
+    MANIFEST,
+    SURFACES,
+    Check,
+    GroupRecord,
+    TensorRecord,
+    VerifyReport,
+    group_records,
+)
+from ds4quant.verify._run import Context, Options
+from ds4quant.verify.codebooks import codebooks
+from ds4quant.verify.fidelity import fidelity
+from ds4quant.verify.manifest import hashes, manifest_and_sums
+from ds4quant.verify.numbers import QUALITY_FLOORS_DB, below, numbers
+from ds4quant.verify.structure import structure
+
+__all__ = [
+    "verify", "STAGES", "VerifyReport", "Check", "TensorRecord", "GroupRecord", "ErrorFigures",
+    "QUALITY_FLOORS_DB", "SURFACES", "EXPERT_SURFACES", "MANIFEST", "surface_of", "layer_of", "base_name",
+]
+
+# verify's stages, in order; each reads and extends the Context.
+STAGES: tuple[Callable[[Context], None], ...] = (structure, codebooks, hashes, manifest_and_sums, numbers, fidelity)
+
+
+def surface_of(name: str) -> str:
+    """The surface (``names.Group`` value) a GGUF tensor is grouped under."""
+    return names.group_of(name).value
+
+
+def verify(
+    artifact: "str | os.PathLike",
+    *,
+    source: "str | os.PathLike | None" = None,
+    imatrix: "str | os.PathLike | None" = None,
+    threshold_db: Optional[float] = None,
+    variant_107: Optional[str] = None,
+    progress: Optional[Callable[[dict], None]] = None,
+) -> VerifyReport:
+    """Check an artifact folder, release folder or bare GGUF (see module doc).
+
+    source: the checkpoint folder it was made from (decode-vs-source numbers).
+    imatrix: importance matrix for the weighted error (needs ``source``).
+    threshold_db: one SQNR floor for every lossy tensor instead of the table.
+    progress: called with one dict per decoded tensor (index, total, name, qtype, sqnr_db, seconds).
+    Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
+    """
+    from ds4quant.artifact.tags import check_variant_107
+    from ds4quant.artifact.view import ArtifactView, locate
+
+    t0 = time.perf_counter()
+    check_variant_107(variant_107)
+    if threshold_db is not None and (isinstance(threshold_db, bool) or not math.isfinite(float(threshold_db))):
+        raise BadInputError(f"must be a finite number of dB, got {threshold_db!r}", where="threshold_db")
+    if imatrix is not None and source is None:
+        raise BadInputError("an importance matrix weights the error against the source; pass the source too",
+                            where="--imatrix", hint="add --source SRC")
+    lay = locate(artifact)
+    if lay.kind != "gguf" and lay.manifest is None:
+        raise BadInputError(f"no {MANIFEST} in the folder", where=str(lay.path),
+                            hint="pass the .gguf file itself for structure checks only")
+    view = ArtifactView(lay, variant_107)
+    ctx = Context(view, Options(None if source is None else Path(source), None if imatrix is None else Path(imatrix),
+                                threshold_db, progress))
+    for stage in STAGES:
+        stage(ctx)
+    return _report(ctx, time.perf_counter() - t0)
+
+
+def _report(ctx: Context, seconds: float) -> VerifyReport:
+    v = ctx.view
+    stacks = {s.name: s for s in v.stacks}
+    records = []
+    for name, info in v.tensors.items():
+        st = stacks.get(name)
+        fl = ctx.floors.get(name)
+        e = ctx.numbers.get(name)
+        flagged = bool(ctx.numbers_from == "source" and e is not None and fl is not None and below(e, fl))
+        records.append(TensorRecord(name, info.qtype, info.variant, info.ggml_type, tuple(info.shape), info.nbytes,
+                                    Path(info.path).name, layer_of(name), surface_of(name),
+                                    st.expert_ids if st is not None and st.compact else None, e, fl, flagged))
+    kv = {k: _kv_plain(x) for k, x in v.kv.items() if not k.startswith(names.KEY_QTYPE_TAG_PREFIX)}
+    fp = (ctx.source_fingerprint or (v.manifest.source.get("fingerprint") if v.manifest is not None else None)
+          or kv.get(names.KEY_SOURCE_FINGERPRINT))
+    return VerifyReport(v.layout.path, v.kind, tuple(v.gguf_paths) + tuple(v.sidecars), tuple(ctx.checks),
+                        tuple(records), group_records(records), ctx.numbers_from, v.manifest, MappingProxyType(kv),
+                        fp, tuple(v.codebook_tables), v.lucebox_books, v.runtimes, v.stored_runtimes,
+                        MappingProxyType(dict(ctx.fidelity)), seconds)
+
+
+def _kv_plain(kv) -> Any:
+    v = kv.value
+    if isinstance(v, np.ndarray):
+        return f"<{v.size} x {kv.sub_type.name}>" if v.size > 16 else v.tolist()
+    if isinstance(v, tuple):
+        return f"<{len(v)} strings>" if len(v) > 16 else list(v)
+    return v

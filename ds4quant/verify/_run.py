@@ -1,0 +1,68 @@
+"""What verify's stages share: the options, the opened artifact, the checks collected so far.
+
+A stage is a function ``stage(ctx) -> None`` that reads ``ctx`` and appends
+checks (and, for the numbers stage, figures) to it; ``verify()`` runs them in
+order. Every offender is its own failed check; a check that found nothing
+wrong is recorded once as passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ds4quant.artifact.view import ArtifactView, Problem
+from ds4quant.records import Check
+
+
+@dataclass(frozen=True)
+class Options:
+    """verify()'s arguments, checked."""
+
+    source: Optional[Path] = None
+    imatrix: Optional[Path] = None
+    threshold_db: Optional[float] = None
+    progress: Optional[Callable[[dict], None]] = None
+    fidelity: bool = False
+
+
+@dataclass
+class Context:
+    """The state the stages pass along (mutable on purpose: the stages fill it in order)."""
+
+    view: ArtifactView
+    options: Options
+    checks: list[Check] = field(default_factory=list)
+    file_sha: dict[str, str] = field(default_factory=dict)  # folder-relative name -> sha256
+    tensor_sha: dict[str, str] = field(default_factory=dict)  # tensor -> payload sha256
+    numbers: dict[str, Any] = field(default_factory=dict)  # tensor -> ErrorFigures
+    floors: dict[str, Optional[float]] = field(default_factory=dict)
+    numbers_from: Optional[str] = None
+    source_fingerprint: Optional[str] = None
+    fidelity: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def first(self) -> str:
+        """The first GGUF's folder-relative name (where header checks are reported)."""
+        return self.view.first_file
+
+    def ok(self, name: str, detail: str, file: Optional[str] = None) -> None:
+        self.checks.append(Check(name, True, detail, file))
+
+    def fail(self, name: str, detail: str, file: Optional[str] = None, tensor: Optional[str] = None) -> None:
+        self.checks.append(Check(name, False, detail, file, tensor))
+
+    def failed(self, name: str) -> bool:
+        return any(c.name == name and not c.ok for c in self.checks)
+
+    def passed_if_clean(self, name: str, detail: str, file: Optional[str] = None) -> None:
+        if not self.failed(name):
+            self.ok(name, detail, file)
+
+    def fail_problems(self, check: str) -> list[Problem]:
+        """Turn the view's problems of ``check`` into failed checks; returns them."""
+        found = [p for p in self.view.problems() if p.check == check]
+        for p in found:
+            self.fail(p.check, p.detail, p.file, p.tensor)
+        return found

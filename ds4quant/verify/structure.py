@@ -1,0 +1,96 @@
+"""Verify stage 1, structure: qtypes and tags, shapes, the DS4 keys, the expert
+stacks (from the view), and the runtimes key against the contents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ds4quant import names
+from ds4quant.verify._run import Context
+
+
+def check_types(ctx: Context) -> None:
+    g = ctx.view.gguf
+    n = len(g.tensors)
+    if g.format_version is None:
+        if ctx.view.manifest is not None:
+            ctx.fail("types", "the GGUF carries no ds4quant qtype tags; an artifact tags every tensor "
+                              "(ggml ids alone are ambiguous: 107 has three codecs)", ctx.first)
+            return
+        ctx.ok("types", f"{n} tensors; untagged file: qtypes read from ggml type ids"
+                        + (f" ({len(g.notes)} note(s): {g.notes[0]})" if g.notes else ""), ctx.first)
+        return
+    ctx.ok("types", f"{n} tensors, every qtype tag known and matching its ggml type id "
+                    f"(ds4quant format version {g.format_version})", ctx.first)
+
+
+def check_shapes(ctx: Context) -> None:
+    from ds4quant.artifact.ds4 import expert_shape
+    from ds4quant.formats import QTYPES
+
+    v = ctx.view
+    H, inter, E, L = v.header.hidden, v.header.expert_ffn, v.header.n_expert, v.header.n_layer
+    for name, info in v.tensors.items():
+        f = Path(info.path).name
+        qt = QTYPES.get(info.qtype)
+        if qt is not None:
+            need = max(qt.block_size, qt.row_multiple)
+            if info.shape[0] % need:
+                ctx.fail("shapes", f"ne[0] = {info.shape[0]} is not a multiple of {need}, which {qt.name} rows need",
+                         f, name)
+        sn = names.parse_stack(name)
+        layer = names.layer_of(name)
+        if L is not None and layer is not None and layer >= L:
+            ctx.fail("shapes", f"layer {layer} but {names.KEY_BLOCK_COUNT} = {L}", f, name)
+        if sn is None:
+            continue
+        if sn.compact and sn.qtype != info.qtype:
+            ctx.fail("shapes", f"compact stack named for qtype {sn.qtype!r} holds {info.qtype}", f, name)
+        if len(info.shape) != 3:
+            ctx.fail("shapes", f"an expert stack is [in, out, n_expert], got shape {list(info.shape)}", f, name)
+            continue
+        if H is not None and inter is not None:
+            want = expert_shape(sn.proj, H, inter, 0)[:2]
+            if tuple(info.shape[:2]) != want:
+                ctx.fail("shapes", f"[in, out] = {list(info.shape[:2])}, but the deepseek4 keys say {list(want)}",
+                         f, name)
+        if not sn.compact and E is not None and info.shape[2] != E:
+            ctx.fail("shapes", f"a full stack holds {info.shape[2]} experts, {names.KEY_EXPERT_COUNT} = {E}", f, name)
+    ctx.passed_if_clean("shapes", f"{len(v.tensors)} tensors: row rules and expert-stack shapes hold", ctx.first)
+
+
+def check_ds4_keys(ctx: Context) -> None:
+    from ds4quant.artifact.ds4 import check_ds4_header
+
+    problems = check_ds4_header(ctx.view.kv)
+    for p in problems:
+        ctx.fail("ds4_keys", p, ctx.first)
+    if not problems:
+        ctx.ok("ds4_keys", f"{names.KEY_ARCH} = {names.ARCH} and every key the DS4 loader requires is a UINT32",
+               ctx.first)
+
+
+def check_experts(ctx: Context) -> None:
+    ctx.fail_problems("experts")
+    stacks = ctx.view.stacks
+    if stacks:
+        n_compact = sum(s.compact for s in stacks)
+        ctx.passed_if_clean("experts", f"{len(stacks)} expert stacks ({n_compact} compact) cover every expert of "
+                                       "every layer exactly once", ctx.first)
+
+
+def check_runtimes(ctx: Context) -> None:
+    """The stored ``ds4quant.runtimes`` must name exactly the runtimes the contents allow."""
+    bad = ctx.fail_problems("runtimes")
+    v = ctx.view
+    if v.stored_runtimes is not None and not bad:
+        ctx.ok("runtimes", f"{names.KEY_RUNTIMES} = [{', '.join(v.stored_runtimes)}], what the contents allow",
+               ctx.first)
+
+
+def structure(ctx: Context) -> None:
+    """Stage: types, shapes, DS4 keys, expert stacks."""
+    check_types(ctx)
+    check_shapes(ctx)
+    check_ds4_keys(ctx)
+    check_experts(ctx)
