@@ -5,9 +5,9 @@ Layers, bottom up:
     leaf       ds4quant/__init__.py, errors.py, names.py, metrics.py (imports nothing of ours above)
     formats    formats/        (ds4quant.formats)
     codebooks  codebooks/      (ds4quant.codebooks)
-    artifact   ds4quant/artifact/, ds4quant/sources/, and the readers/writers they and the
-               runtime share: routing.py (routing profiles), imatrix.py (imatrix GGUF),
-               checksums.py (SHA256SUMS)
+    artifact   ds4quant/artifact/, ds4quant/sources/, and the readers, writers and records
+               they and the runtime share: routing.py (routing profiles), imatrix.py
+               (imatrix GGUF), checksums.py (SHA256SUMS), records.py (verify's results)
     runtime    runtime/        (ds4quant.runtime)
     pipeline   verify, convert, publish, adaptive, allocate, recipes, calibrate, report,
                inspection, place, progress
@@ -21,6 +21,8 @@ the test: put a new module in a layer by adding a row.
 
 metrics.py is a leaf: pure numpy error sums that verify, adaptive and the
 runtime's fidelity stage all consume, so it must sit below the runtime.
+records.py (the records verify returns and report/publish read) sits with
+the artifact: below the runtime, whose fidelity stage fills some of them.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ PLACEMENT = (
     ("ds4quant/routing.py", "artifact"),
     ("ds4quant/imatrix.py", "artifact"),
     ("ds4quant/checksums.py", "artifact"),
+    ("ds4quant/records.py", "artifact"),
     ("runtime/**", "runtime"),
     ("ds4quant/verify.py", "pipeline"),
     ("ds4quant/verify/**", "pipeline"),
@@ -158,7 +161,7 @@ def problems(sources: dict[str, str], modules: dict[str, str]) -> list[str]:
         if layer is None:
             out.append(f"{path}: not placed in a layer; add a row to PLACEMENT in tests/test_layers.py")
             continue
-        for imp in imports_of(source, path, modules):
+        for imp in sorted(set(imports_of(source, path, modules)), key=lambda i: (i.line, i.target)):
             target_path = modules.get(imp.target)
             if target_path is None:
                 out.append(f"{path}:{imp.line}: imports {imp.target}, which is no module of the repository")
