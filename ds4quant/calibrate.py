@@ -2,8 +2,9 @@
 
 Runs token sequences through the transformers DeepSeek-V4 reference model
 (``DeepseekV4ForCausalLM`` on the exactly dequantized source weights, fp32,
-``experts_implementation="eager"``; spec ds4-reference-model.md) and records,
-with forward pre-hooks:
+``experts_implementation="eager"``; spec ds4-reference-model.md; loaded and
+hooked through ``ds4quant.runtime.reference``) and records, with forward
+pre-hooks:
 
 - routed experts (``model.model.layers[L].mlp.experts``, called as
   ``experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k])``): per layer,
