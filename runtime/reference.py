@@ -35,7 +35,7 @@ from ds4quant.errors import BadInputError, CorruptDataError, MissingDependencyEr
 
 __all__ = [
     "ExpertCall", "ExpertCapture", "capture_experts", "check_dependencies", "expert_rows", "load_reference",
-    "moe_blocks", "swap_experts", "torch_threads",
+    "moe_blocks", "quiet_transformers", "swap_experts", "torch_threads",
 ]
 
 _INSTALL_HINT = "pip install 'ds4quant[reference]'"
