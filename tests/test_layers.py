@@ -17,7 +17,9 @@ Every module of the four packages is parsed (ast, never imported) and every
 import is checked, at any depth (inside functions too), plus
 ``importlib.import_module("...")`` with a literal name. A module can import
 its own layer and those below. A module that ``PLACEMENT`` does not place fails
-the test: put a new module in a layer by adding a row.
+the test: put a new module in a layer by adding a row. A separate test fails an
+import of a ds4quant module that does not exist (unless it is guarded by
+``except ImportError``): the direction of such an import cannot be checked.
 
 metrics.py is a leaf: pure numpy error sums that verify, adaptive and the
 runtime's fidelity stage all consume, so it must sit below the runtime.
@@ -115,6 +117,22 @@ def repo_modules(root: Path = ROOT) -> dict[str, str]:
 class Import:
     line: int
     target: str  # dotted module name, as resolved against the repository's modules
+    optional: bool = False  # inside ``try:`` with an ``except ImportError`` (may be absent)
+
+
+def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    t = handler.type
+    names = t.elts if isinstance(t, ast.Tuple) else [t]
+    return any(isinstance(n, ast.Name) and n.id in ("ImportError", "ModuleNotFoundError") for n in names)
+
+
+def _guarded_nodes(tree: ast.AST) -> set:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(_catches_import_error(h) for h in node.handlers):
+            for stmt in node.body:
+                out.update(id(n) for n in ast.walk(stmt))
+    return out
 
 
 def imports_of(source: str, path: str, modules: dict[str, str]) -> list[Import]:
@@ -125,15 +143,17 @@ def imports_of(source: str, path: str, modules: dict[str, str]) -> list[Import]:
     own = module_name(path)
     package = own if path.endswith("/__init__.py") else own.rpartition(".")[0]
     found: list[Import] = []
+    tree = ast.parse(source, filename=path)
+    guarded = _guarded_nodes(tree)
 
-    def add(line: int, name: str) -> None:
+    def add(node: ast.AST, name: str) -> None:
         if name == "ds4quant" or name.startswith("ds4quant."):
-            found.append(Import(line, name))
+            found.append(Import(node.lineno, name, id(node) in guarded))
 
-    for node in ast.walk(ast.parse(source, filename=path)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                add(node.lineno, alias.name)
+                add(node, alias.name)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -143,18 +163,18 @@ def imports_of(source: str, path: str, modules: dict[str, str]) -> list[Import]:
                 mod = node.module or ""
             for alias in node.names:
                 sub = f"{mod}.{alias.name}"
-                add(node.lineno, sub if sub in modules else mod)
+                add(node, sub if sub in modules else mod)
         elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
               and isinstance(node.args[0].value, str)):
             f = node.func
             fname = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
             if fname in ("import_module", "__import__"):
-                add(node.lineno, node.args[0].value)
+                add(node, node.args[0].value)
     return found
 
 
 def problems(sources: dict[str, str], modules: dict[str, str]) -> list[str]:
-    """Every unplaced module, unresolvable import and upward import, as lines."""
+    """Every unplaced module and upward import, as lines."""
     out = []
     for path, source in sorted(sources.items()):
         layer = layer_of(path)
@@ -164,13 +184,23 @@ def problems(sources: dict[str, str], modules: dict[str, str]) -> list[str]:
         for imp in sorted(set(imports_of(source, path, modules)), key=lambda i: (i.line, i.target)):
             target_path = modules.get(imp.target)
             if target_path is None:
-                out.append(f"{path}:{imp.line}: imports {imp.target}, which is no module of the repository")
-                continue
+                continue  # unresolved_imports reports it
             target_layer = layer_of(target_path)
             if target_layer is None:
                 continue  # reported as unplaced on its own line
             if LAYERS.index(target_layer) > LAYERS.index(layer):
                 out.append(f"{path}:{imp.line} ({layer}) imports {imp.target} ({target_layer}): an upward import")
+    return out
+
+
+def unresolved_imports(sources: dict[str, str], modules: dict[str, str]) -> list[str]:
+    """Imports of a ds4quant name that is no module of the repository (a typo, or a
+    module another branch adds), except those guarded by ``except ImportError``."""
+    out = []
+    for path, source in sorted(sources.items()):
+        for imp in sorted(set(imports_of(source, path, modules)), key=lambda i: (i.line, i.target)):
+            if imp.target not in modules and not imp.optional:
+                out.append(f"{path}:{imp.line}: imports {imp.target}, which is no module of the repository")
     return out
 
 
@@ -184,6 +214,11 @@ def _repo_sources() -> dict[str, str]:
 def test_no_upward_imports_and_every_module_placed():
     found = problems(_repo_sources(), repo_modules())
     assert not found, "layer violations:\n" + "\n".join(found)
+
+
+def test_every_ds4quant_import_names_a_module():
+    found = unresolved_imports(_repo_sources(), repo_modules())
+    assert not found, "imports of missing modules:\n" + "\n".join(found)
 
 
 def test_the_checker_sees_the_repository():
@@ -222,8 +257,11 @@ SYNTHETIC = {
     "runtime/evil.py": "import importlib\nm = importlib.import_module('ds4quant.verify')\n",
     # downward imports only: no finding
     "ds4quant/cli_ok_probe.py": "from ds4quant.formats import QTYPES\nimport ds4quant.runtime.reference\n",
-    # an import of something that does not exist
-    "ds4quant/artifact/evil.py": "from ds4quant.artifact.nothing_here import x\n",
+    # an import of something that does not exist, and one guarded by except ImportError
+    "ds4quant/artifact/evil.py": ("from ds4quant.artifact.nothing_here import x\n"
+                                  "try:\n    from ds4quant.artifact.maybe import y\nexcept ImportError:\n    y = None\n"),
+    # a guarded import is still checked for its direction when the module exists
+    "formats/guarded.py": "try:\n    import ds4quant.cli\nexcept (ModuleNotFoundError, OSError):\n    pass\n",
 }
 
 
@@ -234,10 +272,13 @@ def test_the_checker_catches_synthetic_violations():
     got = problems(SYNTHETIC, mods)
     assert got == [
         "codebooks/evil.py:1 (codebooks) imports ds4quant.cli (cli): an upward import",
-        "ds4quant/artifact/evil.py:1: imports ds4quant.artifact.nothing_here, which is no module of the repository",
         "ds4quant/cli_ok_probe.py: not placed in a layer; add a row to PLACEMENT in tests/test_layers.py",
         "formats/evil.py:4 (formats) imports ds4quant.runtime.reference (runtime): an upward import",
+        "formats/guarded.py:2 (formats) imports ds4quant.cli (cli): an upward import",
         "runtime/evil.py:2 (runtime) imports ds4quant.verify (pipeline): an upward import",
+    ]
+    assert unresolved_imports(SYNTHETIC, mods) == [
+        "ds4quant/artifact/evil.py:1: imports ds4quant.artifact.nothing_here, which is no module of the repository",
     ]
     # the same downward imports from a placed module are fine
     assert problems({"ds4quant/cli.py": SYNTHETIC["ds4quant/cli_ok_probe.py"]}, mods) == []
