@@ -29,7 +29,6 @@ _ZERO_HALF_MASS = 16.0  # a zero half adds 16.0 to population 0, bin 2048 (§10 
 _PEAKY_RATIO = 0.52  # rms/max below this -> population 0
 LLOYD_ITERATIONS = 24
 _REF_ROWS = 256  # rows per numpy-reference chunk
-REPAIR_TAG = "bf16-epsilon-v1"
 
 # coord(b) as float32 (exact: 2b/4096 and the subtraction are exact).
 COORDS = (np.float32(-1.0) + (np.float32(2.0) * np.arange(BINS, dtype=np.float32)) / np.float32(4096.0)).astype(

@@ -2,8 +2,9 @@
 
 Runs token sequences through the transformers DeepSeek-V4 reference model
 (``DeepseekV4ForCausalLM`` on the exactly dequantized source weights, fp32,
-``experts_implementation="eager"``; spec ds4-reference-model.md) and records,
-with forward pre-hooks:
+``experts_implementation="eager"``; spec ds4-reference-model.md; loaded and
+hooked through ``ds4quant.runtime.reference``) and records, with forward
+pre-hooks:
 
 - routed experts (``model.model.layers[L].mlp.experts``, called as
   ``experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k])``): per layer,
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -52,7 +52,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ds4quant.errors import BadInputError, CorruptDataError, MissingDependencyError
+from ds4quant.errors import BadInputError
+from ds4quant.runtime.reference import capture_experts, check_dependencies, expert_rows, load_reference, torch_threads
 
 __all__ = ["CalibrationReport", "calibrate", "read_tokens", "REPORT_SCHEMA", "REPORT_VERSION"]
 
@@ -172,59 +173,7 @@ def _tokens_sha256(seqs: Sequence[Sequence[int]]) -> str:
 
 
 # --------------------------------------------------------------------------
-# the reference model
-
-
-def _need(module: str, what: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise MissingDependencyError(f"calibrate needs {module} ({what})",
-                                     hint="pip install 'ds4quant[reference]'")
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """Silence transformers' warnings and progress bars while loading (library
-    code never prints); the previous settings come back afterwards."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def _load_model(source_dir: str):
-    """transformers DeepseekV4ForCausalLM on the exactly dequantized weights:
-    fp32, eager experts, eval mode. Refuses missing or mismatched weights."""
-    import torch
-    from transformers import DeepseekV4ForCausalLM
-
-    with _quiet_transformers():
-        try:
-            model, info = DeepseekV4ForCausalLM.from_pretrained(
-                source_dir, dtype=torch.float32, experts_implementation="eager", output_loading_info=True
-            )
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CorruptDataError(f"transformers could not load the checkpoint: {first[:300]}",
-                                   where=source_dir) from None
-    for key in ("missing_keys", "mismatched_keys"):
-        bad = sorted(str(k) for k in (info.get(key) or ()))
-        if bad:
-            raise CorruptDataError(f"the reference model has {len(bad)} {key.replace('_', ' ')} "
-                                   f"(first: {bad[0]}); the checkpoint is incomplete or has the wrong shapes",
-                                   where=source_dir)
-    model.eval()
-    return model
+# per-sequence sums (the model itself: ds4quant.runtime.reference)
 
 
 @dataclass
@@ -244,25 +193,6 @@ def _sum_sq(x) -> np.ndarray:
     return np.square(a).sum(axis=0)
 
 
-def expert_rows(experts, hidden, idx_t, e: int):
-    """The rows routed to expert ``e`` and its down-projection input, exactly as
-    the eager ``DeepseekV4Experts.forward`` computes them.
-
-    hidden: float32 [T, H]; idx_t: int64 [k, T] (top_k_index transposed, the
-    layout of eager's one-hot mask[e]). Returns (top_k_pos [n], token_idx [n],
-    x = hidden[token_idx] [n, H], act [n, I]) with rows in eager's order and
-    act = silu(clamp(gate, max=limit)) * clamp(up, -limit, limit).
-    """
-    import torch
-    import torch.nn.functional as F
-
-    pos, tok = torch.where(idx_t == e)
-    x = hidden[tok]
-    gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    act = experts.act_fn(gate.clamp(max=experts.limit)) * up.clamp(min=-experts.limit, max=experts.limit)
-    return pos, tok, x, act
-
-
 class _Collector:
     """Hooks on one loaded model; ``run(ids)`` returns that sequence's _Partial."""
 
@@ -273,10 +203,10 @@ class _Collector:
         self.n_expert = int(cfg.n_routed_experts)
         self._part: Optional[_Partial] = None
         self._handles = []
+        self._hooks = contextlib.ExitStack()
+        self._hooks.enter_context(capture_experts(model, self._on_experts))
         self.dense_names: list[str] = []
         for layer_idx, layer in enumerate(model.model.layers):
-            experts = layer.mlp.experts
-            self._handles.append(experts.register_forward_pre_hook(self._experts_hook(layer_idx), with_kwargs=True))
             for path, stem in _DENSE_MODULES:
                 try:
                     mod = layer.get_submodule(path)
@@ -298,33 +228,28 @@ class _Collector:
         self._handles.append(mod.register_forward_pre_hook(hook))
         self.dense_names.append(name)
 
-    def _experts_hook(self, layer_idx: int):
+    def _on_experts(self, layer_idx: int, module, hidden, idx, _weights) -> None:
         import torch
 
-        def hook(module, args, kwargs):
-            if self._part is None:
-                return
-            hidden = args[0] if len(args) > 0 else kwargs["hidden_states"]
-            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            n_exp = module.num_experts
-            with torch.no_grad():
-                flat = idx.reshape(-1)
-                # The eager forward skips index n_expert (an expert-parallel
-                # placeholder); anything else out of range would have failed there.
-                self._part.slots[layer_idx] += torch.bincount(flat[flat < n_exp], minlength=n_exp).numpy()
-                idx_t = idx.transpose(0, 1)  # [k, T]: the eager forward's mask[e] layout
-                for e in torch.unique(flat).tolist():
-                    if e >= n_exp:
-                        continue
-                    _pos, tok, x, act = expert_rows(module, hidden, idx_t, e)
-                    slot = self._part.experts.get((layer_idx, e))
-                    if slot is None:
-                        slot = self._part.experts[(layer_idx, e)] = [0, 0.0, 0.0]
-                    slot[0] += int(tok.shape[0])
-                    slot[1] = slot[1] + _sum_sq(x)
-                    slot[2] = slot[2] + _sum_sq(act)
-
-        return hook
+        if self._part is None:
+            return
+        n_exp = module.num_experts
+        with torch.no_grad():
+            flat = idx.reshape(-1)
+            # The eager forward skips index n_expert (an expert-parallel
+            # placeholder); anything else out of range would have failed there.
+            self._part.slots[layer_idx] += torch.bincount(flat[flat < n_exp], minlength=n_exp).numpy()
+            idx_t = idx.transpose(0, 1)  # [k, T]: the eager forward's mask[e] layout
+            for e in torch.unique(flat).tolist():
+                if e >= n_exp:
+                    continue
+                _pos, tok, x, act = expert_rows(module, hidden, idx_t, e)
+                slot = self._part.experts.get((layer_idx, e))
+                if slot is None:
+                    slot = self._part.experts[(layer_idx, e)] = [0, 0.0, 0.0]
+                slot[0] += int(tok.shape[0])
+                slot[1] = slot[1] + _sum_sq(x)
+                slot[2] = slot[2] + _sum_sq(act)
 
     def run(self, ids: Sequence[int]) -> _Partial:
         import torch
@@ -341,32 +266,16 @@ class _Collector:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+        self._hooks.close()
 
 
 # worker processes (spawned): one model each, one torch thread each
 _WORKER: Optional[_Collector] = None
 
 
-def _worker_init(source_dir: str, shape: tuple[int, int, int, int], hash_layers: tuple[int, ...]) -> None:
+def _worker_init(source_dir: str) -> None:
     global _WORKER
-    import torch
-
-    torch.set_num_threads(1)
-    model = _load_model(source_dir)
-    _check_model(model, shape, hash_layers, source_dir)
-    _WORKER = _Collector(model)
+    _WORKER = _Collector(load_reference(source_dir, threads=1))
 
 
 def _worker_run(ids: tuple[int, ...]) -> _Partial:
@@ -534,24 +443,18 @@ def calibrate(
         if not seqs:
             raise BadInputError("no token sequences given", where="tokens")
         tokens_file = "<in-memory>"
-    _need("torch", "the reference model")
-    _need("transformers", "the DeepSeek-V4 reference model")
-    if cfg.expert_dtype is not None or cfg.fp8_block is not None:
-        _need("accelerate", "transformers dequantizes FP8/FP4 checkpoints on load through it")
+    check_dependencies(cfg.expert_dtype is not None or cfg.fp8_block is not None, needed_by="calibrate")
     out.mkdir(exist_ok=True)
 
     n_layer, n_expert, k = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok
     hash_layers = tuple(i for i, t in enumerate(cfg.mlp_layer_types) if t == HASH_MOE)
-    shape = (n_layer, n_expert, cfg.moe_intermediate_size, cfg.hidden_size)
     tot = _Totals(n_layer, n_expert, cfg.hidden_size, cfg.moe_intermediate_size)
     workers = min(threads, len(seqs))
     t0 = time.monotonic()
     done_tokens = 0
     if workers == 1:
-        with _torch_threads(1):
-            model = _load_model(str(src_path))
-            _check_model(model, shape, hash_layers, str(src_path))
-            collector = _Collector(model)
+        with torch_threads(1):
+            collector = _Collector(load_reference(src_path))
             try:
                 for i, ids in enumerate(seqs):
                     tot.add(collector.run(ids))
@@ -570,7 +473,7 @@ def calibrate(
         ctx = multiprocessing.get_context("spawn")
         try:
             with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                     initargs=(str(src_path), shape, hash_layers)) as pool:
+                                     initargs=(str(src_path),)) as pool:
                 for i, part in enumerate(pool.map(_worker_run, seqs)):
                     tot.add(part)  # map yields in sequence order: the fold order is fixed
                     done_tokens += part.tokens
@@ -618,27 +521,3 @@ def calibrate(
     atomic_write_json(out / REPORT_FILE, report.to_json())
     return report
 
-
-def _check_model(model, shape: tuple[int, int, int, int], hash_layers: tuple[int, ...], where: str) -> None:
-    """The loaded model must have config.json's MoE shape (n_layer, n_expert,
-    moe_intermediate, hidden), and every tid2eid entry must name an expert:
-    the hooks and the slot bookkeeping rely on both."""
-    n_layer, n_expert, inter, hidden = shape
-    layers = model.model.layers
-    if len(layers) != n_layer:
-        raise CorruptDataError(f"reference model has {len(layers)} layers, config.json says {n_layer}", where=where)
-    for i, layer in enumerate(layers):
-        ex = layer.mlp.experts
-        if tuple(ex.gate_up_proj.shape) != (n_expert, 2 * inter, hidden):
-            raise CorruptDataError(f"layer {i}: experts gate_up_proj {tuple(ex.gate_up_proj.shape)}, "
-                                   f"expected {(n_expert, 2 * inter, hidden)}", where=where)
-        if i in hash_layers:
-            t = layer.mlp.gate.tid2eid
-            lo, hi = int(t.min()), int(t.max())
-            if lo < 0 or hi >= n_expert:
-                bad = lo if lo < 0 else hi
-                raise CorruptDataError(f"layers.{i}.ffn.gate.tid2eid holds expert id {bad}, outside 0..{n_expert - 1}",
-                                       where=where)
-    impl = getattr(model.config, "_experts_implementation", "eager")
-    if impl != "eager":
-        raise RuntimeError(f"reference model runs experts with {impl!r}, not 'eager'")  # a bug, not user input

@@ -19,7 +19,6 @@ import make_ds4_tiny as tiny  # noqa: E402
 import make_synthetic as ms  # noqa: E402
 
 from ds4quant.convert import convert  # noqa: E402
-from ds4quant.errors import Ds4quantError  # noqa: E402
 from ds4quant.sources.official import ENC_FP4, ENC_FP8, open_source  # noqa: E402
 
 TINY = ms.preset("tiny")

@@ -1,11 +1,13 @@
-"""The main job on the shipped sample (``bash scripts/demo.sh``).
+"""The main job on the shipped sample (``bash scripts/demo.sh`` runs this).
 
 Converts samples/ds4-tiny uniform (rocmfp2-strix) and adaptive at the same
 expert size (with the sample's calibration imatrix and routing profile),
 verifies both against the source, publishes the adaptive one, and prints a
 side-by-side table with the paths of the reports.
 
-    python -m ds4quant.demo [--out DIR] [--json]
+    python scripts/demo.py [--out DIR] [--json]
+
+A script, not part of the library: it prints and sets the exit status.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _fmt(v, spec: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ds4quant.demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="scripts/demo.py", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "out" / "demo"), help="output folder (default out/demo)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
