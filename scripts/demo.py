@@ -28,6 +28,7 @@ def run(out: Path) -> dict:
     from ds4quant.adaptive import AdaptiveOptions
     from ds4quant.convert import convert
     from ds4quant.publish import publish
+    from ds4quant.report import write_report
     from ds4quant.verify import verify
 
     imatrix = CALIB / "imatrix.gguf"
@@ -53,7 +54,8 @@ def run(out: Path) -> dict:
     for label, rep, secs in (("uniform rocmfp2-strix", strix, t_strix), ("adaptive (same size)", adaptive, t_adaptive)):
         report_dir = out / "reports" / rep.artifact.name
         report_dir.parent.mkdir(parents=True, exist_ok=True)
-        v = verify(rep.artifact, source=SAMPLE, imatrix=imatrix, report_dir=report_dir)
+        v = verify(rep.artifact, source=SAMPLE, imatrix=imatrix)
+        write_report(v, report_dir)
         s = v.summary
         j = rep.to_json()
         rows.append({
