@@ -74,3 +74,8 @@ class BudgetError(BadInputError):
 
 class MissingDependencyError(Ds4quantError):
     """An optional package a command needs is not installed."""
+
+
+class UnregisteredTableError(CodebookError):
+    """A MIX tensor's decode table is not registered with the owner that asks
+    (never registered, unregistered, or registered with another owner)."""
