@@ -120,7 +120,7 @@ class Components:
         tab = np.repeat(self.table, self.group, axis=1)
         lv = self.levels[tab, self.codes]
         s = np.repeat(self.scale, self.group, axis=1)
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf scales decode as such
             y = (lv * s).astype(np.float32)
             if self.offset is not None:
                 y = (y - np.repeat(self.offset, self.group, axis=1)).astype(np.float32)

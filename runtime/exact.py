@@ -356,9 +356,17 @@ def swiglu_nb(g, u, limit, out):
 # drivers
 
 
+def readonly(a: np.ndarray, dtype=None) -> np.ndarray:
+    """A read-only C-contiguous view: one numba signature for memmaps, copies
+    and views alike (each distinct signature costs a compile)."""
+    v = np.ascontiguousarray(a, dtype=dtype).view()
+    v.setflags(write=False)
+    return v
+
+
 def quantize_rows(x: np.ndarray, what: str = "activations"):
     """Q of float32 x (T, cols): (a float64 (T, cols), s int64 (T, nb), ahi, alo)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = readonly(x, np.float32)
     T, cols = x.shape
     if cols % BLOCK:
         raise BadInputError(f"exact mode needs {BLOCK}-multiple rows, got {cols}", where=what)
@@ -380,6 +388,7 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, books
     for the fallback (defaults to ``decode_row_nb``).
     """
     a, s, hi, lo = quant
+    data, books, a = readonly(data), readonly(books, np.float32), readonly(a)
     rows = data.shape[0]
     T = a.shape[0]
     out = np.zeros((T, rows), np.float32)
@@ -393,7 +402,7 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, books
     if flags.any():
         w = np.empty(cols, np.float32)
         qi = np.rint(np.ldexp(a, -np.repeat(s, BLOCK, axis=1))).astype(np.int64)
-        for j in np.flatnonzero(flags.any(axis=0)):
+        for j in np.flatnonzero(flags.any(axis=0)):  # rare: adversarial exponent spreads
             decode_row_nb(kind, p0, p1, data[j], cols, books, mode, w, w.view(np.uint32))
             for t in np.flatnonzero(flags[:, j]):
                 out[t, j] = exact_dot_fallback(w, qi[t], s[t])
@@ -403,5 +412,5 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, books
 def swiglu(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
     out = np.empty(g.shape, np.float32)
     if g.size:
-        swiglu_nb(np.ascontiguousarray(g, np.float32), np.ascontiguousarray(u, np.float32), float(limit), out)
+        swiglu_nb(readonly(g, np.float32), readonly(u, np.float32), float(limit), out)
     return out

@@ -27,6 +27,9 @@ def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, books, mode, out):
 def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, books: np.ndarray, mode: int,
                 x: np.ndarray) -> np.ndarray:
     """x float32 (T, cols) @ decode(data).T -> float32 (T, rows), tile by tile."""
+    from ds4quant.runtime.exact import readonly
+
+    data, books = readonly(data), readonly(books, np.float32)
     rows = data.shape[0]
     T = x.shape[0]
     out = np.empty((T, rows), np.float32)

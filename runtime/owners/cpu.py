@@ -41,13 +41,6 @@ _NO_BOOKS = np.zeros((2, 4), np.float32)
 _NO_BOOKS.setflags(write=False)
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    # One numba signature for memmaps, copies and views alike.
-    v = np.ascontiguousarray(a).view()
-    v.setflags(write=False)
-    return v
-
-
 class CpuOwner:
     """A CPU owner (see the module docstring). identity: "cpu" / "cpu:N"."""
 
@@ -128,7 +121,7 @@ class CpuOwner:
             all_books, modes = self.registry.lookup(self.identity, stack.tensor)  # raises when unregistered
             books = all_books[hit[1]]
             mode = int(modes[hit[1]])
-        return kind, p0, p1, _readonly(stack.data[hit[1]]), stack.cols, books, mode, stack
+        return kind, p0, p1, X.readonly(stack.data[hit[1]]), stack.cols, books, mode, stack
 
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
         if mode not in MODES:
