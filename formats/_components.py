@@ -206,74 +206,167 @@ def components(qtype: str, data: Any, cols: int, codebooks: Any = None, modes: A
 
 
 # --------------------------------------------------------------------------
-# numba: one row decoder for every family
+# numba: one row decoder for every family, driven by per-byte level tables
+#
+# A block's codes are read in *chunks* of ``per`` codes (``cb`` = per * bits
+# stream bits): 2-bit codes 4 per byte, 3-bit 4 per 12 bits, 6-bit 2 per 12
+# bits, 8-bit 1 per byte; 4-bit split nibbles (§8, MXFP4) give byte j the
+# codes j and j + 16. ``row_lut`` maps each chunk value to its ``per`` levels
+# (float32 (books, 2^cb, per)), so decoding is one table row times the scale:
+# no per-code shifts or gathers, and the same float32 product as ``decode``.
+
+_FIXED_NB2 = _FIXED[2]
+_FIXED_NB3 = _FIXED[3]
+_CHUNK = {2: (4, 8), 3: (4, 12), 6: (2, 12), 8: (1, 8), 4: (2, 8)}  # bits -> (per, cb)
+
+
+def _chunk_lut(table: np.ndarray, bits: int) -> np.ndarray:
+    """float32 (2^cb, per): the levels of every chunk value of a code table."""
+    per, cb = _CHUNK[bits]
+    idx = np.arange(1 << cb)
+    if bits == 4:
+        return np.stack([table[idx & 15], table[idx >> 4]], axis=1).astype(np.float32)
+    mask = (1 << bits) - 1
+    return np.stack([table[(idx >> (bits * m)) & mask] for m in range(per)], axis=1).astype(np.float32)
+
+
+_LUT_CACHE: dict = {}
+
+
+def row_lut(qtype: str, books: Optional[np.ndarray] = None, mode: int = 1) -> np.ndarray:
+    """The level table ``decode_row_nb`` needs: float32 (2, 2^cb, per), read-only.
+
+    MIX: from the expert's books (2, L) (mode 1) or the fixed levels (mode 0).
+    """
+    kind, p0, _ = row_kind(qtype)
+    if kind == K_MIX:
+        bits = p0
+        if mode == 1:
+            tabs = [np.asarray(books, np.float32)[b] for b in range(2)]
+        else:
+            tabs = [_FIXED[bits]] * 2
+        lut = np.stack([_chunk_lut(t, bits) for t in tabs])
+        lut.setflags(write=False)
+        return lut
+    hit = _LUT_CACHE.get(qtype)
+    if hit is None:
+        if kind == K_SCALE:
+            lut = _chunk_lut(ss.LEVELS[p0], int(ss.BITS[p0]))
+        elif kind == K_AFFINE:
+            lut = _chunk_lut(np.arange(4, dtype=np.float32), 2)
+        elif kind == K_MXFP4:
+            lut = _chunk_lut(_MXFP4_KV, 4)
+        else:
+            lut = np.zeros((256, 1), np.float32)
+        hit = np.ascontiguousarray(np.stack([lut, lut]))
+        hit.setflags(write=False)
+        _LUT_CACHE[qtype] = hit
+    return hit
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _chunk_nb(row, o, c, cb):
+    """Chunk c of the block's code stream at row[o:] (cb = 8 or 12 bits)."""
+    if cb == 8:
+        return np.int64(row[o + c])
+    pos = 12 * c
+    w = np.int64(row[o + (pos >> 3)]) | (np.int64(row[o + (pos >> 3) + 1]) << 8)
+    return (w >> (pos & 7)) & 0xFFF
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _group_nb(lut, bk, row, o, bits, g0, n, s, out, base):
+    """Decode weights g0 .. g0+n-1 of the block at row[o:] as lut level * s
+    (the scale second: ``decode``'s order for every family but MXFP4/Q8_0,
+    whose products are commutative anyway)."""
+    if bits == 4:  # split nibbles: weight g is nibble g >> 4 of byte g & 15
+        for g in range(g0, g0 + n):
+            out[base + g] = lut[bk, np.int64(row[o + (g & 15)]), g >> 4] * s
+        return
+    per = 4 if (bits == 2 or bits == 3) else (2 if bits == 6 else 1)
+    cb = 8 if (bits == 2 or bits == 8) else 12
+    for c in range(g0 // per, (g0 + n) // per):
+        v = _chunk_nb(row, o, c, cb)
+        for m in range(per):
+            out[base + c * per + m] = lut[bk, v, m] * s
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _scale_blocks_nb(lut, row, nb, sc, bits, group, out):
+    qsb = 4 * bits
+    nsc = 32 // group
+    bb = qsb + nsc
+    for b in range(nb):
+        o = b * bb
+        for h in range(nsc):
+            _group_nb(lut, 0, row, o, bits, h * group, group, sc[row[o + qsb + h]], out, b * 32)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _group_any_nb(lut, bk, row, o, bits, g0, n, s, out, base):
+    # Literal widths, so each inlined copy of _group_nb has constant chunk
+    # sizes that LLVM unrolls and vectorises.
+    if bits == 2:
+        _group_nb(lut, bk, row, o, 2, g0, n, s, out, base)
+    elif bits == 3:
+        _group_nb(lut, bk, row, o, 3, g0, n, s, out, base)
+    elif bits == 4:
+        _group_nb(lut, bk, row, o, 4, g0, n, s, out, base)
+    elif bits == 6:
+        _group_nb(lut, bk, row, o, 6, g0, n, s, out, base)
+    else:
+        _group_nb(lut, bk, row, o, 8, g0, n, s, out, base)
 
 
 @numba.njit(cache=True, nogil=True)
-def decode_row_nb(kind, p0, p1, row, cols, books, mode, out, out_bits):
+def decode_row_nb(kind, p0, p1, row, cols, lut, mode, out, out_bits):
     """Decode one encoded row into out float32 (cols,) (out_bits: its uint32 view).
 
-    kind/p0/p1 from ``row_kind``; books float32 (2, L) and mode (0/1) are the
-    row's expert's MIX table (ignored otherwise). Bitwise equal to ``decode``.
+    kind/p0/p1 from ``row_kind``; lut from ``row_lut`` (for MIX: the row's
+    expert's books and mode, which is passed again). Bitwise equal to ``decode``.
     """
     nb = cols // 32
     if kind == K_SCALE:
-        lv = ss.LEVELS[p0]
         sc = ss.SCALES[p0]
         bits = ss.BITS[p0]
-        nsc = 32 // p1
-        qsb = 4 * bits
-        bb = qsb + nsc
-        mask = (1 << bits) - 1
-        for b in range(nb):
-            o = b * bb
-            for i in range(32):
-                if bits == 4:
-                    c = np.int64(row[o + (i & 15)])
-                    code = (c & 15) if i < 16 else (c >> 4)
-                else:
-                    pos = bits * i
-                    w = np.int64(row[o + (pos >> 3)])
-                    if (pos & 7) + bits > 8:
-                        w |= np.int64(row[o + (pos >> 3) + 1]) << 8
-                    code = (w >> (pos & 7)) & mask
-                out[b * 32 + i] = lv[code] * sc[row[o + qsb + i // p1]]
+        if bits == 2:  # literal (width, group) pairs: constant loops after inlining
+            _scale_blocks_nb(lut, row, nb, sc, 2, 16, out)
+        elif bits == 3:
+            _scale_blocks_nb(lut, row, nb, sc, 3, 16, out)
+        elif bits == 4 and p1 == 16:
+            _scale_blocks_nb(lut, row, nb, sc, 4, 16, out)
+        elif bits == 4:
+            _scale_blocks_nb(lut, row, nb, sc, 4, 32, out)
+        elif bits == 6:
+            _scale_blocks_nb(lut, row, nb, sc, 6, 16, out)
+        else:
+            _scale_blocks_nb(lut, row, nb, sc, 8, 32, out)
     elif kind == K_AFFINE:
         for b in range(nb):
             o = b * 10
             s = UE4M3[row[o + 8]]
             off = UE4M3[row[o + 9]]
-            for i in range(32):
-                code = (np.int64(row[o + (i >> 2)]) >> (2 * (i & 3))) & 3
-                y = np.float32(code) * s
-                out[b * 32 + i] = y - off
+            _group_nb(lut, 0, row, o, 2, 0, 32, s, out, b * 32)
+            for i in range(b * 32, b * 32 + 32):
+                out[i] = out[i] - off  # (code * s) - o: two roundings (§4)
     elif kind == K_MIX:
         bits = p0
         qsb = 4 * bits
         bb = qsb + 2
-        mask = (1 << bits) - 1
-        fixed = _FIXED_NB2 if bits == 2 else _FIXED_NB3
         for b in range(nb):
             o = b * bb
-            for i in range(32):
-                pos = bits * i
-                w = np.int64(row[o + (pos >> 3)])
-                if (pos & 7) + bits > 8:
-                    w |= np.int64(row[o + (pos >> 3) + 1]) << 8
-                code = (w >> (pos & 7)) & mask
-                meta = np.int64(row[o + qsb + i // 16])
+            for h in range(2):
+                meta = np.int64(row[o + qsb + h])
                 if mode == 1:
-                    out[b * 32 + i] = UE4M3[meta & 0x7F] * books[meta >> 7, code]
-                else:
-                    out[b * 32 + i] = fixed[code] * UE4M3[meta]
+                    _group_any_nb(lut, meta >> 7, row, o, bits, 16 * h, 16, UE4M3[meta & 0x7F], out, b * 32)
+                else:  # mode 0: fixed levels, the whole byte is the scale (§9.3)
+                    _group_any_nb(lut, 0, row, o, bits, 16 * h, 16, UE4M3[meta], out, b * 32)
     elif kind == K_MXFP4:
         for b in range(nb):
             o = b * 17
             d = E8M0_HALF[row[o]]
-            for j in range(16):
-                q = np.int64(row[o + 1 + j])
-                out[b * 32 + j] = d * _MXFP4_KV[q & 15]
-                out[b * 32 + 16 + j] = d * _MXFP4_KV[q >> 4]
+            _group_nb(lut, 0, row, o + 1, 4, 0, 16, d, out, b * 32)
+            _group_nb(lut, 0, row, o + 1, 4, 16, 16, d, out, b * 32)
     elif kind == K_Q8_0:
         for b in range(nb):
             o = b * 34
@@ -291,7 +384,3 @@ def decode_row_nb(kind, p0, p1, row, cols, books, mode, out, out_bits):
             o = 4 * i
             out_bits[i] = (np.uint32(row[o]) | (np.uint32(row[o + 1]) << 8) | (np.uint32(row[o + 2]) << 16)
                            | (np.uint32(row[o + 3]) << 24))
-
-
-_FIXED_NB2 = _FIXED[2]
-_FIXED_NB3 = _FIXED[3]

@@ -295,7 +295,7 @@ def _dot_f64(w, a, t, cols):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def exact_matmul_nb(kind, p0, p1, data, cols, books, mode, a, tok_hi, tok_lo, log2c, out, flags, bad_rows):
+def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, tok_hi, tok_lo, log2c, out, flags, bad_rows):
     """out[t, j] = D(W_j, a_t) for the encoded rows data uint8 (rows, row_bytes).
 
     Decodes each row once into a scratch row (never a whole matrix), checks
@@ -311,7 +311,7 @@ def exact_matmul_nb(kind, p0, p1, data, cols, books, mode, a, tok_hi, tok_lo, lo
         w = np.empty(cols, np.float32)
         wb = w.view(np.uint32)
         for j in range(c * chunk, min(rows, c * chunk + chunk)):
-            decode_row_nb(kind, p0, p1, data[j], cols, books, mode, w, wb)
+            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
             whi, wlo, finite = row_span_nb(w, wb)
             if not finite:
                 bad_rows[j] = 1
@@ -380,15 +380,15 @@ def quantize_rows(x: np.ndarray, what: str = "activations"):
     return a, s, hi, lo
 
 
-def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, books: np.ndarray, mode: int,
-                 x: np.ndarray, quant, *, what: str, decode_row=None) -> np.ndarray:
+def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.ndarray, mode: int,
+                 x: np.ndarray, quant, *, what: str) -> np.ndarray:
     """D of every row of x against one expert's encoded rows: float32 (T, rows).
 
-    quant: ``quantize_rows(x)``. decode_row(j) -> float32 (cols,) decodes row j
-    for the fallback (defaults to ``decode_row_nb``).
+    kind/p0/p1: ``formats._components.row_kind``; lut/mode: ``row_lut`` and the
+    MIX expert's mode. quant: ``quantize_rows(x)``.
     """
     a, s, hi, lo = quant
-    data, books, a = readonly(data), readonly(books, np.float32), readonly(a)
+    data, lut, a = readonly(data), readonly(lut, np.float32), readonly(a)
     rows = data.shape[0]
     T = a.shape[0]
     out = np.zeros((T, rows), np.float32)
@@ -396,14 +396,14 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, books
     bad = np.zeros(rows, np.uint8)
     if T and rows:
         log2c = int(math.ceil(math.log2(cols)))
-        exact_matmul_nb(kind, p0, p1, data, cols, books, mode, a, hi, lo, log2c, out, flags, bad)
+        exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, hi, lo, log2c, out, flags, bad)
     if bad.any():
         raise BadInputError(f"exact mode: weight row {int(np.argmax(bad))} has a NaN or Inf value", where=what)
     if flags.any():
         w = np.empty(cols, np.float32)
         qi = np.rint(np.ldexp(a, -np.repeat(s, BLOCK, axis=1))).astype(np.int64)
         for j in np.flatnonzero(flags.any(axis=0)):  # rare: adversarial exponent spreads
-            decode_row_nb(kind, p0, p1, data[j], cols, books, mode, w, w.view(np.uint32))
+            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, w.view(np.uint32))
             for t in np.flatnonzero(flags[:, j]):
                 out[t, j] = exact_dot_fallback(w, qi[t], s[t])
     return out

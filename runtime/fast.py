@@ -18,18 +18,18 @@ TILE_BYTES = 1 << 20  # scratch tile: about 1 MiB of float32, cache sized
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, books, mode, out):
+def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, out):
     """Decode rows r0..r1-1 of data uint8 (rows, row_bytes) into out float32 (r1 - r0, cols)."""
     for j in numba.prange(r1 - r0):
-        decode_row_nb(kind, p0, p1, data[r0 + j], cols, books, mode, out[j], out[j].view(np.uint32))
+        decode_row_nb(kind, p0, p1, data[r0 + j], cols, lut, mode, out[j], out[j].view(np.uint32))
 
 
-def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, books: np.ndarray, mode: int,
+def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.ndarray, mode: int,
                 x: np.ndarray) -> np.ndarray:
     """x float32 (T, cols) @ decode(data).T -> float32 (T, rows), tile by tile."""
     from ds4quant.runtime.exact import readonly
 
-    data, books = readonly(data), readonly(books, np.float32)
+    data, lut = readonly(data), readonly(lut, np.float32)
     rows = data.shape[0]
     T = x.shape[0]
     out = np.empty((T, rows), np.float32)
@@ -38,7 +38,7 @@ def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, books:
     for r0 in range(0, rows, tile):
         r1 = min(rows, r0 + tile)
         w = scratch[: r1 - r0]
-        decode_tile_nb(kind, p0, p1, data, r0, r1, cols, books, mode, w)
+        decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, w)
         np.matmul(x, w.T, out=out[:, r0:r1])
     return out
 

@@ -30,15 +30,13 @@ import numpy as np
 
 from ds4quant.errors import BadInputError, ShapeError
 from ds4quant.formats import QTYPES, numba_threads
-from ds4quant.formats._components import row_kind
+from ds4quant.formats._components import row_kind, row_lut
 from ds4quant.runtime import exact as X
 from ds4quant.runtime.fast import fast_matmul, swiglu_fast
 from ds4quant.runtime.owners.base import MODES, ExpertStack
 from ds4quant.runtime.registry import DecodeTableRegistry
 
 _PROJS = ("gate", "up", "down")
-_NO_BOOKS = np.zeros((2, 4), np.float32)
-_NO_BOOKS.setflags(write=False)
 
 
 class CpuOwner:
@@ -109,19 +107,20 @@ class CpuOwner:
     # ---------------------------------------------------------------- compute
 
     def _operand(self, layer: int, proj: str, expert: int):
-        """(kind, p0, p1, data (rows, row_bytes), cols, books (2, L), mode, stack)."""
+        """(kind, p0, p1, data (rows, row_bytes), cols, lut, mode, stack): decode_row_nb's arguments."""
         hit = self._where.get((layer, proj, expert))
         if hit is None:
             raise BadInputError(f"expert {expert} of layer {layer} has no resident {proj} weights",
                                 where=self.identity)
         stack = self._stacks[hit[0]]
         kind, p0, p1 = row_kind(stack.qtype)
-        books, mode = _NO_BOOKS, 1
         if QTYPES[stack.qtype].is_mix:
             all_books, modes = self.registry.lookup(self.identity, stack.tensor)  # raises when unregistered
-            books = all_books[hit[1]]
             mode = int(modes[hit[1]])
-        return kind, p0, p1, X.readonly(stack.data[hit[1]]), stack.cols, books, mode, stack
+            lut = row_lut(stack.qtype, all_books[hit[1]], mode)
+        else:
+            lut, mode = row_lut(stack.qtype), 1
+        return kind, p0, p1, X.readonly(stack.data[hit[1]]), stack.cols, lut, mode, stack
 
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
         if mode not in MODES:

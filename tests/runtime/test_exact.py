@@ -10,7 +10,7 @@ import pytest
 
 from ds4quant import formats
 from ds4quant.errors import BadInputError
-from ds4quant.formats._components import row_kind
+from ds4quant.formats._components import row_kind, row_lut
 from ds4quant.runtime import exact as X
 from tests.runtime import _synth as S
 
@@ -120,7 +120,8 @@ def test_constants():
 
 def _matmul(name, data, cols, books, mode, x):
     kind, p0, p1 = row_kind(name)
-    return X.exact_matmul(kind, p0, p1, data, cols, books, mode, x, X.quantize_rows(x), what=name)
+    lut = row_lut(name, books, mode)
+    return X.exact_matmul(kind, p0, p1, data, cols, lut, mode, x, X.quantize_rows(x), what=name)
 
 
 @pytest.mark.parametrize("name", S.EXACT_QTYPES)
@@ -175,7 +176,7 @@ def test_fallback_on_an_adversarial_exponent_spread():
     out = np.zeros((1, 1), np.float32)
     flags = np.zeros((1, 1), np.uint8)
     bad = np.zeros(1, np.uint8)
-    X.exact_matmul_nb(kind, p0, p1, X.readonly(data), 64, X.readonly(np.zeros((2, 4), np.float32)), 1,
+    X.exact_matmul_nb(kind, p0, p1, X.readonly(data), 64, row_lut("bf16"), 1,
                       X.readonly(quant[0]), quant[2], quant[3], 6, out, flags, bad)
     assert flags[0, 0] == 1  # the span check refused the float64 path
     got = _matmul("bf16", data, 64, np.zeros((2, 4), np.float32), 1, x)
