@@ -295,14 +295,16 @@ def _dot_f64(w, a, t, cols):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, tok_hi, tok_lo, log2c, out, flags, bad_rows):
+def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, aT, tok_hi, tok_lo, log2c, out, flags, bad_rows):
     """out[t, j] = D(W_j, a_t) for the encoded rows data uint8 (rows, row_bytes).
 
-    Decodes each row once into a scratch row (never a whole matrix), checks
-    the span bound per (row, token) and sets flags[t, j] = 1 where the float64
-    sum is not provably exact (out is then left for the fallback). A row with
-    NaN/Inf weights sets bad_rows[j] = 1. Rows run in parallel; every output
-    is computed alone, so the thread count never changes a bit.
+    a float64 (T, cols) and aT, its transpose (cols, T) (used when T > 1:
+    the token loop is innermost, so it vectorises without reassociating any
+    token's sum). Decodes each row once into a scratch row (never a whole
+    matrix), checks the span bound per (row, token) and sets flags[t, j] = 1
+    where the float64 sum is not provably exact (out is then left for the
+    fallback). A row with NaN/Inf weights sets bad_rows[j] = 1. Rows run in
+    parallel; every output is computed alone, so threads never change a bit.
     """
     rows = data.shape[0]
     T = a.shape[0]
@@ -310,17 +312,28 @@ def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, tok_hi, tok_lo, log2
     for c in numba.prange((rows + chunk - 1) // chunk):
         w = np.empty(cols, np.float32)
         wb = w.view(np.uint32)
+        acc = np.empty(T, np.float64)
         for j in range(c * chunk, min(rows, c * chunk + chunk)):
             decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
             whi, wlo, finite = row_span_nb(w, wb)
             if not finite:
                 bad_rows[j] = 1
                 continue
+            if T == 1:
+                acc[0] = _dot_f64(w, a, 0, cols)
+            else:
+                for t in range(T):
+                    acc[t] = 0.0
+                for i in range(cols):
+                    wi = np.float64(w[i])
+                    if wi != 0.0:
+                        for t in range(T):
+                            acc[t] += wi * aT[i, t]
             for t in range(T):
                 if whi + tok_hi[t] + log2c - (wlo + tok_lo[t]) > _SPAN_BITS:
                     flags[t, j] = 1
-                    continue
-                out[t, j] = np.float32(_dot_f64(w, a, t, cols))
+                else:
+                    out[t, j] = np.float32(acc[t])
 
 
 @numba.njit(**_NB)
@@ -396,7 +409,7 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
     bad = np.zeros(rows, np.uint8)
     if T and rows:
         log2c = int(math.ceil(math.log2(cols)))
-        exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, hi, lo, log2c, out, flags, bad)
+        exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, readonly(a.T), hi, lo, log2c, out, flags, bad)
     if bad.any():
         raise BadInputError(f"exact mode: weight row {int(np.argmax(bad))} has a NaN or Inf value", where=what)
     if flags.any():

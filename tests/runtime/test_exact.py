@@ -177,7 +177,7 @@ def test_fallback_on_an_adversarial_exponent_spread():
     flags = np.zeros((1, 1), np.uint8)
     bad = np.zeros(1, np.uint8)
     X.exact_matmul_nb(kind, p0, p1, X.readonly(data), 64, row_lut("bf16"), 1,
-                      X.readonly(quant[0]), quant[2], quant[3], 6, out, flags, bad)
+                      X.readonly(quant[0]), X.readonly(quant[0].T), quant[2], quant[3], 6, out, flags, bad)
     assert flags[0, 0] == 1  # the span check refused the float64 path
     got = _matmul("bf16", data, 64, np.zeros((2, 4), np.float32), 1, x)
     assert got[0, 0] == np.float32(2.0**24 + 2)
