@@ -98,3 +98,8 @@ class WorkerError(Ds4quantError):
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
         super().__init__(message, where=where, hint=hint)
+
+
+class UnregisteredTableError(CodebookError):
+    """A MIX tensor's decode table is not registered with the owner that asks
+    (never registered, unregistered, or registered with another owner)."""

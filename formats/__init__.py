@@ -6,6 +6,8 @@ Public surface::
     encode(qtype, x, importance=None, codebooks=None, **options)
     decode(qtype, data, cols, codebooks=None, modes=None)
     decode_torch(qtype, data, cols, codebooks=None, modes=None)
+    components(qtype, data, cols, codebooks=None, modes=None) -> Components
+    exact_parts(values) -> (mant, exp)   float32 as odd integer x 2^exp
 
 Example::
 
@@ -64,6 +66,9 @@ __all__ = [
     "qtypes_for_ggml_type",
     "check_codebooks",
     "bf16_round",
+    "components",
+    "Components",
+    "exact_parts",
 ]
 
 
@@ -334,3 +339,7 @@ def decode_torch(
     per = _split_experts(t.shape[0], n, f"{qt.name} decode")
     parts = [codec.decode_torch(t[i * per:(i + 1) * per], cols, books[i], int(m[i])) for i in range(n)]
     return torch.cat(parts) if parts else torch.empty((0, cols), dtype=torch.float32, device=t.device)
+
+
+# Imported last: the components module reads the codec tables registered above.
+from ds4quant.formats._components import Components, components, exact_parts  # noqa: E402

@@ -1,0 +1,157 @@
+"""The CPU owner: numba kernels that decode inside the products, every qtype.
+
+It holds ``ExpertStack``s (several per (layer, proj): expert granularity
+gives one compact stack per qtype, and an owner may hold any subset of a
+stack's experts), its ``DecodeTableRegistry``, and runs the routed-expert
+FFN on the slots routed to it::
+
+    exact: runtime/exact.py's definition (Q, exact D, fixed SWIGLU, one rounding)
+    fast:  float32: a decoded tile of rows times BLAS, numpy exp SwiGLU
+
+Slots are grouped by expert, so each weight row is decoded once per call.
+A MIX stack is unusable until its books are registered: ``run_slots`` on an
+unregistered MIX expert raises ``UnregisteredTableError``; nothing falls back
+to fixed levels. Threads (numba prange over rows) never change exact bytes:
+every output is computed alone.
+
+Example::
+
+    owner = CpuOwner("cpu:0")
+    owner.add_stack(stack)                      # gate, up, down of layer 3
+    owner.register_books(stack.tensor, stack.expert_ids, entry)   # MIX only
+    y = owner.run_slots(3, x, ids, "exact")     # float32 (n, hidden)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ds4quant.errors import BadInputError, ShapeError
+from ds4quant.formats import QTYPES, numba_threads
+from ds4quant.formats._components import row_kind, row_lut
+from ds4quant.runtime import exact as X
+from ds4quant.runtime.fast import fast_matmul, swiglu_fast
+from ds4quant.runtime.owners.base import MODES, ExpertStack
+from ds4quant.runtime.registry import DecodeTableRegistry
+
+_PROJS = ("gate", "up", "down")
+
+
+class CpuOwner:
+    """A CPU owner (see the module docstring). identity: "cpu" / "cpu:N"."""
+
+    def __init__(self, identity: str = "cpu:0", threads: Optional[int] = None, swiglu_limit: float = 10.0):
+        self.identity = identity
+        self.threads = threads
+        self.swiglu_limit = float(swiglu_limit)
+        self.registry = DecodeTableRegistry(identity)
+        self._stacks: dict[str, ExpertStack] = {}
+        self._where: dict[tuple[int, str, int], tuple[str, int]] = {}  # (layer, proj, expert) -> (tensor, local)
+
+    # ---------------------------------------------------------------- residency
+
+    def add_stack(self, stack: ExpertStack) -> None:
+        where = f"{self.identity}: stack {stack.tensor!r}"
+        if stack.tensor in self._stacks:
+            raise BadInputError("tensor is already resident", where=where)
+        if stack.proj not in _PROJS:
+            raise BadInputError(f"proj must be one of {_PROJS}, got {stack.proj!r}", where=where)
+        qt = QTYPES.get(stack.qtype)
+        if qt is None:
+            raise BadInputError(f"unknown qtype {stack.qtype!r}", where=where)
+        row_kind(qt.name)  # refuses qtypes that are not expert weight formats
+        ids = tuple(int(i) for i in stack.expert_ids)
+        if not ids or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0:
+            raise BadInputError(f"expert ids must be non-empty and strictly increasing, got {ids[:8]}", where=where)
+        want = (len(ids), stack.rows, qt.row_bytes(stack.cols))
+        if stack.data.dtype != np.uint8 or tuple(stack.data.shape) != want:
+            raise ShapeError(f"data must be uint8 {want}, got {stack.data.dtype} {tuple(stack.data.shape)}", where=where)
+        if stack.cols % 32:
+            raise ShapeError(f"input features {stack.cols} are not a multiple of 32", where=where)
+        clash = [e for e in ids if (stack.layer, stack.proj, e) in self._where]
+        if clash:
+            other = self._where[(stack.layer, stack.proj, clash[0])][0]
+            raise BadInputError(f"experts {clash[:8]} are already resident from {other!r}", where=where)
+        self._stacks[stack.tensor] = stack
+        for k, e in enumerate(ids):
+            self._where[(stack.layer, stack.proj, e)] = (stack.tensor, k)
+
+    def register_books(self, tensor: str, expert_ids: Sequence[int], entry) -> None:
+        self.registry.register(tensor, self._stacks.get(tensor), expert_ids, entry)
+
+    def remove_stack(self, tensor: str) -> None:
+        """Unregister the tensor's decode table (if any), then free it."""
+        stack = self._stacks.get(tensor)
+        if stack is None:
+            raise BadInputError("tensor is not resident", where=f"{self.identity}: {tensor!r}")
+        if self.registry.expert_ids(tensor) is not None:
+            self.registry.unregister(tensor)
+        for e in stack.expert_ids:
+            del self._where[(stack.layer, stack.proj, e)]
+        del self._stacks[tensor]
+
+    def experts(self, layer: int) -> tuple[int, ...]:
+        sets = [{e for (l, p, e) in self._where if l == layer and p == proj} for proj in _PROJS]
+        return tuple(sorted(sets[0] & sets[1] & sets[2]))
+
+    def resident_bytes(self) -> int:
+        return sum(s.nbytes for s in self._stacks.values()) + self.registry.nbytes()
+
+    def close(self) -> None:
+        self.registry.unregister_all()  # tables first, then the tensors
+        self._stacks.clear()
+        self._where.clear()
+
+    # ---------------------------------------------------------------- compute
+
+    def _operand(self, layer: int, proj: str, expert: int):
+        """(kind, p0, p1, data (rows, row_bytes), cols, lut, mode, stack): decode_row_nb's arguments."""
+        hit = self._where.get((layer, proj, expert))
+        if hit is None:
+            raise BadInputError(f"expert {expert} of layer {layer} has no resident {proj} weights",
+                                where=self.identity)
+        stack = self._stacks[hit[0]]
+        kind, p0, p1 = row_kind(stack.qtype)
+        if QTYPES[stack.qtype].is_mix:
+            all_books, modes = self.registry.lookup(self.identity, stack.tensor)  # raises when unregistered
+            mode = int(modes[hit[1]])
+            lut = row_lut(stack.qtype, all_books[hit[1]], mode)
+        else:
+            lut, mode = row_lut(stack.qtype), 1
+        return kind, p0, p1, X.readonly(stack.data[hit[1]]), stack.cols, lut, mode, stack
+
+    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
+        if mode not in MODES:
+            raise BadInputError(f"mode must be one of {MODES}, got {mode!r}", where=self.identity)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+        if x.ndim != 2 or x.shape[0] != ids.shape[0]:
+            raise ShapeError(f"x must be (n, hidden) with n = len(expert_ids) = {ids.shape[0]}, got {x.shape}",
+                             where=self.identity)
+        ops = {int(e): [self._operand(layer, p, int(e)) for p in _PROJS] for e in np.unique(ids)}
+        hidden = x.shape[1]
+        for e, (g, u, d) in ops.items():
+            if g[4] != hidden or u[4] != hidden or g[7].rows != u[7].rows or d[4] != g[7].rows or d[7].rows != hidden:
+                raise ShapeError(f"expert {e} of layer {layer}: gate/up/down shapes do not chain with hidden {hidden}",
+                                 where=self.identity)
+        out = np.empty_like(x)
+        with numba_threads(self.threads):
+            quant = X.quantize_rows(x, f"{self.identity} layer {layer} input") if mode == "exact" else None
+            for e, (g, u, d) in ops.items():
+                rows = np.flatnonzero(ids == e)
+                out[rows] = self._expert(layer, e, g, u, d, x[rows], quant, rows, mode)
+        return out
+
+    def _expert(self, layer, e, g, u, d, xs, quant, rows, mode):
+        if mode == "fast":
+            gv = fast_matmul(*g[:7], xs)
+            uv = fast_matmul(*u[:7], xs)
+            return fast_matmul(*d[:7], swiglu_fast(gv, uv, self.swiglu_limit))
+        sub = tuple(q[rows] for q in quant)
+        gv = X.exact_matmul(*g[:7], xs, sub, what=g[7].tensor)
+        uv = X.exact_matmul(*u[:7], xs, sub, what=u[7].tensor)
+        h = X.swiglu(gv, uv, self.swiglu_limit)
+        hq = X.quantize_rows(h, f"{self.identity} layer {layer} expert {e} SwiGLU output")
+        return X.exact_matmul(*d[:7], h, hq, what=d[7].tensor)

@@ -1,0 +1,81 @@
+"""Small synthetic expert layers for the runtime tests (hidden 256, ffn 128).
+
+Seeds come from (qtype, layer, proj, expert), so every test builds the same
+bytes. ``layer_stacks`` returns gate/up/down ExpertStacks of some experts and
+the MIX codebook entries (mode 1 and mode 0 experts mixed) they need.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from ds4quant import formats
+from ds4quant.codebooks import CodebookEntry
+from ds4quant.names import Proj, stack_name
+from ds4quant.runtime.owners.base import ExpertStack
+
+HIDDEN, FFN = 256, 128
+EXACT_QTYPES = ("rocmfp2", "rocmfp2_affine", "rocmfp2_s40", "rocmfp3", "rocmfp4", "rocmfp4_fast",
+                "rocmfp6", "rocmfp8", "rocmfp2_mix", "rocmfp3_mix", "mxfp4", "q8_0", "bf16")
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def books_for(qtype: str, layer: int, expert: int) -> np.ndarray:
+    L = formats.QTYPES[qtype].codebook_levels
+    r = rng_for("books", qtype, layer, expert)
+    while True:
+        b = formats.bf16_round(np.sort(r.uniform(-1, 1, (2, L)), axis=-1).astype(np.float32))
+        if np.all(np.diff(b, axis=-1) > 0):
+            return b
+
+
+def mode_for(qtype: str, expert: int) -> int:
+    return 0 if expert % 3 == 2 else 1  # some fixed-level experts in every MIX stack
+
+
+def weights(qtype: str, layer: int, proj: str, expert: int, rows: int, cols: int) -> np.ndarray:
+    r = rng_for("w", qtype, layer, proj, expert)
+    return (r.standard_normal((rows, cols)) * 0.05 * (1 + (expert % 4))).astype(np.float32)
+
+
+def encode_expert(qtype: str, layer: int, proj: str, expert: int, rows: int, cols: int) -> np.ndarray:
+    w = weights(qtype, layer, proj, expert, rows, cols)
+    if formats.QTYPES[qtype].is_mix:
+        return formats.encode(qtype, w, codebooks=books_for(qtype, layer, expert), mode=mode_for(qtype, expert))
+    return formats.encode(qtype, w)
+
+
+def layer_stacks(qtype: str, layer: int, experts, *, tensor_suffix: str = ""):
+    """({proj: ExpertStack}, {tensor: CodebookEntry}) for the given global experts."""
+    experts = tuple(int(e) for e in experts)
+    stacks, entries = {}, {}
+    for proj in ("gate", "up", "down"):
+        rows, cols = (FFN, HIDDEN) if proj != "down" else (HIDDEN, FFN)
+        data = np.stack([encode_expert(qtype, layer, proj, e, rows, cols) for e in experts])
+        name = stack_name(layer, Proj(proj), qtype) + tensor_suffix
+        stacks[proj] = ExpertStack(name, layer, proj, qtype, rows, cols, experts, data)
+        if formats.QTYPES[qtype].is_mix:
+            entries[name] = CodebookEntry(
+                name, qtype, np.array([mode_for(qtype, e) for e in experts], np.uint8),
+                np.stack([books_for(qtype, layer, e) for e in experts]), expert_ids=experts, n_global=64)
+    return stacks, entries
+
+
+def decoded(stack: ExpertStack, local: int) -> np.ndarray:
+    """formats.decode of one resident expert (the independent path)."""
+    qt = formats.QTYPES[stack.qtype]
+    kw = {}
+    if qt.is_mix:
+        e = stack.expert_ids[local]
+        kw = dict(codebooks=books_for(stack.qtype, stack.layer, e), modes=mode_for(stack.qtype, e))
+    return formats.decode(stack.qtype, stack.data[local], stack.cols, **kw)
+
+
+def tokens(n: int, seed: int = 0, hidden: int = HIDDEN) -> np.ndarray:
+    r = rng_for("x", seed)
+    return (r.standard_normal((n, hidden)) * np.exp(r.standard_normal((n, 1)))).astype(np.float32)
