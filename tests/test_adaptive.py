@@ -186,8 +186,8 @@ def test_adaptive_conversion_resumes_to_identical_bytes(tmp_path, cache, strix_s
     seen = []
 
     def killer(ev):
-        if ev.get("stage") == "encode":
-            seen.append(ev["name"])
+        if ev.stage == "encode":
+            seen.append(ev.item)
             if len(seen) == 30:
                 raise _Kill()
 
