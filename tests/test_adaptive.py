@@ -20,9 +20,11 @@ from ds4quant.adaptive import AdaptiveOptions, expert_weights
 from ds4quant.artifact import read_gguf_set, sha256_file
 from ds4quant.cli import cli
 from ds4quant.codebooks import check_coverage, from_lucebox, read_table
-from ds4quant.convert import KEY_CODEBOOKS, KEY_EXPERT_IDS, KEY_GUMIX, KEY_P4MIX, WORK_DIR, convert
+from ds4quant.convert import WORK_DIR, convert
 from ds4quant.errors import BadInputError, BudgetError, Ds4quantError
 from ds4quant.imatrix import importance_for, read_imatrix
+from ds4quant.names import KEY_CODEBOOKS, KEY_GUMIX, KEY_P4MIX
+from ds4quant.names import KEY_EXPERT_IDS_PREFIX as KEY_EXPERT_IDS
 from ds4quant.routing import read_routing
 from ds4quant.sources.official import open_source
 

@@ -47,16 +47,13 @@ from ds4quant.convert.resume import (
 )
 from ds4quant.errors import BadInputError, Ds4quantError
 from ds4quant.formats import get_qtype, numba_threads
-from ds4quant.names import KEY_CODEBOOKS, KEY_EXPERT_IDS_PREFIX, KEY_GUMIX, KEY_P4MIX
 from ds4quant.progress import ProgressEvent, ProgressFn
 from ds4quant.recipes import Override, Recipe, get_recipe, plan_tensors
 
 MANIFEST = "manifest.json"
-# the prefix of a compact stack's expert-id KV (names.expert_ids_key)
-KEY_EXPERT_IDS = KEY_EXPERT_IDS_PREFIX
 
 __all__ = [
-    "FIXED", "KEY_CODEBOOKS", "KEY_EXPERT_IDS", "KEY_GUMIX", "KEY_P4MIX", "MANIFEST", "MAY_CHANGE", "WORK_DIR",
+    "FIXED", "MANIFEST", "MAY_CHANGE", "WORK_DIR",
     "ConvertReport", "ProgressEvent", "ProgressFn", "TensorResult", "convert", "mxfp4_payload", "parse_size",
 ]
 

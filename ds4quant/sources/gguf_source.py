@@ -60,7 +60,23 @@ from gguf import GGUFValueType as VT
 from ds4quant.artifact import read_gguf_set
 from ds4quant.artifact.qtypes import ROCMFPX_IDS
 from ds4quant.errors import BadInputError, CorruptDataError, Ds4quantError, ShapeError, UnsupportedFormatError
-from ds4quant.names import ARCH, KEY_ARCH, PROJS, layer_of, parse_stack, stack_name
+from ds4quant.names import (
+    ARCH,
+    KEY_ARCH,
+    KEY_BLOCK_COUNT,
+    KEY_EMBEDDING_LENGTH,
+    KEY_EXPERT_COUNT,
+    KEY_EXPERT_FFN_LENGTH,
+    KEY_EXPERT_USED_COUNT,
+    KEY_EXPERT_WEIGHTS_SCALE,
+    KEY_HASH_LAYER_COUNT,
+    KEY_SWIGLU_CLAMP,
+    KEY_VOCAB_SIZE,
+    PROJS,
+    layer_of,
+    parse_stack,
+    stack_name,
+)
 from ds4quant.formats import decode
 from ds4quant.formats.mxfp4 import e2m1_from_mxfp4
 from ds4quant.sources.config import CSA, HASH_MOE, HCA, SLIDING, Ds4Config, RopeScaling, parse_config
@@ -81,9 +97,9 @@ _WHICH = {"w1": "gate", "w3": "up", "w2": "down", "gate": "gate", "up": "up", "d
 # tests/sources/test_gguf_source.py checks the round trip key by key).
 _P = ARCH + "."
 _INT_KEYS = MappingProxyType({
-    "num_hidden_layers": _P + "block_count",
-    "hidden_size": _P + "embedding_length",
-    "vocab_size": _P + "vocab_size",
+    "num_hidden_layers": KEY_BLOCK_COUNT,
+    "hidden_size": KEY_EMBEDDING_LENGTH,
+    "vocab_size": KEY_VOCAB_SIZE,
     "num_attention_heads": _P + "attention.head_count",
     "num_key_value_heads": _P + "attention.head_count_kv",
     "head_dim": _P + "attention.key_length",
@@ -91,11 +107,11 @@ _INT_KEYS = MappingProxyType({
     "q_lora_rank": _P + "attention.q_lora_rank",
     "o_lora_rank": _P + "attention.output_lora_rank",
     "o_groups": _P + "attention.output_group_count",
-    "n_routed_experts": _P + "expert_count",
-    "num_experts_per_tok": _P + "expert_used_count",
+    "n_routed_experts": KEY_EXPERT_COUNT,
+    "num_experts_per_tok": KEY_EXPERT_USED_COUNT,
     "n_shared_experts": _P + "expert_shared_count",
-    "moe_intermediate_size": _P + "expert_feed_forward_length",
-    "num_hash_layers": _P + "hash_layer_count",
+    "moe_intermediate_size": KEY_EXPERT_FFN_LENGTH,
+    "num_hash_layers": KEY_HASH_LAYER_COUNT,
     "sliding_window": _P + "attention.sliding_window",
     "index_n_heads": _P + "attention.indexer.head_count",
     "index_head_dim": _P + "attention.indexer.key_length",
@@ -114,8 +130,8 @@ _FLOAT_KEYS = MappingProxyType({
     "compress_rope_theta": (_P + "attention.compress_rope_freq_base", 160000.0),
     "rms_norm_eps": (_P + "attention.layer_norm_rms_epsilon", 1e-6),
     "hc_eps": (_P + "hyper_connection.epsilon", 1e-6),
-    "routed_scaling_factor": (_P + "expert_weights_scale", 1.5),
-    "swiglu_limit": (_P + "swiglu_clamp_exp", 10.0),
+    "routed_scaling_factor": (KEY_EXPERT_WEIGHTS_SCALE, 1.5),
+    "swiglu_limit": (KEY_SWIGLU_CLAMP, 10.0),
 })
 _ROPE_FLOATS = {"beta_fast": (_P + "rope.scaling.yarn_beta_fast", 32.0),
                 "beta_slow": (_P + "rope.scaling.yarn_beta_slow", 1.0)}
