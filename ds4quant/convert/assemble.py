@@ -108,7 +108,9 @@ def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, spl
             for key, blob in ((KEY_GUMIX, blobs.gumix), (KEY_P4MIX, blobs.p4mix)):
                 if blob is not None:
                     w.add_blob(key, blob)
-    runtimes = loadable_by([(c.qtype, c.experts is not None) for c in plan], lucebox_books=blobs is not None)
+    # sorted: the order artifacts have always stored (loadable_by lists them in qtype order)
+    runtimes = tuple(sorted(loadable_by([(c.qtype, c.experts is not None) for c in plan],
+                                        lucebox_books=blobs is not None)))
     from gguf import GGUFValueType as VT
 
     w.add_array(KEY_RUNTIMES, list(runtimes), VT.STRING)
