@@ -245,8 +245,7 @@ class Runner:
         events = {"measure": [], "encode": []}
 
         def progress(ev):
-            events.setdefault(ev.get("stage"), []).append((time.perf_counter(), ev.get("elapsed", 0.0),
-                                                           time.process_time()))
+            events.setdefault(ev.stage, []).append((time.perf_counter(), ev.elapsed, time.process_time()))
 
         load0 = os.getloadavg()[0]
         c0 = time.process_time()

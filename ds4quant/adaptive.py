@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -36,6 +36,11 @@ from ds4quant.allocate import Allocation, Candidate, Item, allocate
 from ds4quant.errors import BadInputError, BudgetError, CodebookError, UnknownQTypeError
 from ds4quant.formats import decode, encode, get_qtype
 from ds4quant.metrics import error_sums
+from ds4quant.names import stack_name
+from ds4quant.progress import Meter, ProgressFn
+
+if TYPE_CHECKING:
+    from ds4quant.sources.base import Source
 
 DEFAULT_CANDIDATES = ("rocmfp2", "rocmfp2_mix", "rocmfp3", "rocmfp3_mix", "rocmfp4_fast", "rocmfp4")
 GRANULARITIES = ("tensor", "expert")
@@ -225,8 +230,8 @@ class Measurements:
     reused: int
 
 
-def measure(src, expert_tensors: Sequence[tuple], opts: AdaptiveOptions, imatrix, imatrix_sha: Optional[str],
-            routing, books: Books, progress: Optional[Callable[[dict], None]] = None) -> Measurements:
+def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOptions, imatrix,
+            imatrix_sha: Optional[str], routing, books: Books, progress: Optional[ProgressFn] = None) -> Measurements:
     """Measure every candidate on every expert of ``expert_tensors``.
 
     expert_tensors: (TensorChoice-like with .name/.layer/.surface, members)
@@ -244,8 +249,7 @@ def measure(src, expert_tensors: Sequence[tuple], opts: AdaptiveOptions, imatrix
     out: dict[tuple[str, int, str], Measure] = {}
     weights: dict[str, np.ndarray] = {}
     reused = 0
-    total = sum(len(m) for _, m in expert_tensors)
-    done = 0
+    meter = Meter("measure", sum(len(m) for _, m in expert_tensors), "expert")
     for choice, members in expert_tensors:
         n_exp = len(members)
         counts = None
@@ -253,7 +257,7 @@ def measure(src, expert_tensors: Sequence[tuple], opts: AdaptiveOptions, imatrix
             counts = routing.counts[choice.layer]
             if counts.shape[0] != n_exp:
                 raise BadInputError(f"routing profile has {counts.shape[0]} experts, the model {n_exp}",
-                                    where=str(getattr(routing, "path", "routing profile")))
+                                    where=str(opts.routing))
         weights[choice.name] = expert_weights(counts, n_exp)
         cols = choice.shape[0]
         imps = [importance_for(imatrix, choice.name, m.expert, cols=cols) if imatrix is not None else None
@@ -278,19 +282,16 @@ def measure(src, expert_tensors: Sequence[tuple], opts: AdaptiveOptions, imatrix
                     if bk is not None:
                         books.put(choice.name, m.expert, q, *bk)
                         fresh = True
-                release = getattr(src, "release", None)
-                if release is not None:
-                    release(m.name)
+                src.release(m.name)
             else:
                 reused += 1
             for q in fitting:
                 v = cache.data[f"{choice.name}|{m.expert}|{q}"]
                 out[(choice.name, m.expert, q)] = Measure(int(v[0]), *map(float, v[1:5]),
                                                           None if v[5] is None else float(v[5]))
-            done += 1
+            ev = meter.step(choice.name, expert=m.expert)
             if progress is not None:
-                progress({"stage": "measure", "index": done, "total": total, "name": choice.name,
-                          "expert": m.expert, "elapsed": time.perf_counter() - t0})
+                progress(ev)
         if fresh:
             _save_books(cache, choice.name, [m.expert for m in members], fitting, books)
         cache.save()
@@ -406,19 +407,17 @@ def weighted_error(expert_tensors: Sequence[tuple], meas: Measurements,
 # from measurements to a plan
 
 
-def _compact_name(base: str, qtype: str) -> str:
-    return base[: -len(".weight")] + f".{qtype}.weight"
-
-
 def _fits(qtype: str, cols: int) -> bool:
     qt = get_qtype(qtype)
     return cols % max(qt.block_size, qt.row_multiple) == 0
 
 
-def plan_adaptive(src, plan, members, opts: AdaptiveOptions, imatrix, imatrix_sha, books: Books, kvs,
-                  progress=None):
+def plan_adaptive(src: "Source", plan, members, opts: AdaptiveOptions, imatrix, imatrix_sha, books: Books,
+                  progress: Optional[ProgressFn] = None):
     """Replace the plan's "adaptive" routed-expert choices with measured,
-    budgeted qtypes. Returns (new plan, info dict for reports)."""
+    budgeted qtypes. Returns (new plan, info dict for reports, the measured
+    figures: (tensor, expert, qtype) -> Measure, which convert records for
+    the chosen encodings instead of decoding them again)."""
     from dataclasses import replace
 
     routing = None
@@ -478,10 +477,10 @@ def plan_adaptive(src, plan, members, opts: AdaptiveOptions, imatrix, imatrix_sh
                 continue
             ids = tuple(groups[q])
             err = float(sum(w[e] * meas.measures[(c.name, e, q)].wsse for e in ids))
-            new_plan.append(replace(c, name=_compact_name(c.name, q), qtype=q, rule=rule, experts=ids,
+            new_plan.append(replace(c, name=stack_name(c.layer, c.surface, q), qtype=q, rule=rule, experts=ids,
                                     shape=(c.shape[0], c.shape[1], len(ids)), predicted_error=err))
     info = _info(todo, meas, opts, alloc, budget, budget_what, fixed, expert_weights_total, decisions, imatrix)
-    return new_plan, info
+    return new_plan, info, meas.measures
 
 
 def _db(err: float, energy: float) -> Optional[float]:

@@ -53,6 +53,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant.errors import BadInputError
+from ds4quant.names import stack_name
+from ds4quant.progress import Meter, ProgressFn
 from ds4quant.runtime.reference import capture_experts, check_dependencies, expert_rows, load_reference, torch_threads
 
 __all__ = ["CalibrationReport", "calibrate", "read_tokens", "REPORT_SCHEMA", "REPORT_VERSION"]
@@ -89,8 +91,8 @@ _TOKEN_RE = re.compile(r"[0-9]+")
 
 
 def expert_tensor(layer: int, surface: str) -> str:
-    """GGUF name of a routed-expert stack, e.g. ``blk.3.ffn_down_exps.weight``."""
-    return f"blk.{layer}.ffn_{surface}_exps.weight"
+    """GGUF name of a routed-expert stack, e.g. ``blk.3.ffn_down_exps.weight`` (names.stack_name)."""
+    return stack_name(layer, surface)
 
 
 # --------------------------------------------------------------------------
@@ -397,7 +399,7 @@ def calibrate(
     out_dir: "str | os.PathLike[str]",
     *,
     threads: Optional[int] = None,
-    progress: Optional[Callable[[int, int, int], None]] = None,
+    progress: Optional[ProgressFn] = None,
 ) -> CalibrationReport:
     """Run ``tokens`` through the reference model of ``source_dir`` and write the
     imatrix, routing profile (CSV + JSON) and report into ``out_dir``.
@@ -405,8 +407,9 @@ def calibrate(
     source_dir: an official-layout DeepSeek-V4 checkpoint folder (FP8/FP4 or
     BF16/F32). tokens: a token file (see ``read_tokens``) or a list of id
     sequences. threads: worker processes (default 1: in this process); output
-    bytes do not depend on it. progress(done_sequences, total_sequences,
-    tokens_done) is called after each sequence. ``out_dir`` is created if its
+    bytes do not depend on it. progress gets a ProgressEvent (stage
+    "calibrate", unit "sequence", detail ``tokens``: tokens done) after each
+    sequence. ``out_dir`` is created if its
     parent exists; the four files in it are each replaced atomically.
 
         rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "calib")
@@ -452,6 +455,7 @@ def calibrate(
     workers = min(threads, len(seqs))
     t0 = time.monotonic()
     done_tokens = 0
+    meter = Meter("calibrate", len(seqs), "sequence", total_work=sum(len(s) for s in seqs))
     if workers == 1:
         with torch_threads(1):
             collector = _Collector(load_reference(src_path))
@@ -459,8 +463,9 @@ def calibrate(
                 for i, ids in enumerate(seqs):
                     tot.add(collector.run(ids))
                     done_tokens += len(ids)
+                    ev = meter.step(f"sequence {i}", work=len(ids), tokens=done_tokens)
                     if progress is not None:
-                        progress(i + 1, len(seqs), done_tokens)
+                        progress(ev)
             finally:
                 collector.close()
     else:
@@ -477,8 +482,9 @@ def calibrate(
                 for i, part in enumerate(pool.map(_worker_run, seqs)):
                     tot.add(part)  # map yields in sequence order: the fold order is fixed
                     done_tokens += part.tokens
+                    ev = meter.step(f"sequence {i}", work=part.tokens, tokens=done_tokens)
                     if progress is not None:
-                        progress(i + 1, len(seqs), done_tokens)
+                        progress(ev)
         except BrokenProcessPool:
             raise RuntimeError("a calibration worker process died; rerun with threads=1 to see why") from None
     seconds = time.monotonic() - t0

@@ -91,27 +91,27 @@ def formats_cmd(as_json: bool) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
 
 
+def _eta(ev) -> str:
+    return "ETA  warm-up" if ev.warming_up else f"ETA {ev.eta:6.0f}s" if ev.eta is not None else "ETA      ?"
+
+
 def _progress_printer(enabled: bool):
-    """One line per tensor on stderr, with ETA and source MB/s (TTY only)."""
+    """One line per ProgressEvent on stderr, with ETA (moving window) and source MB/s (TTY only)."""
     if not enabled:
         return None
 
-    def show(ev: dict) -> None:
-        if ev.get("stage") == "measure":
-            el = ev["elapsed"]
-            eta = el / ev["index"] * (ev["total"] - ev["index"]) if ev["index"] else 0.0
-            click.echo(f"[measure {ev['index']:>5}/{ev['total']}] {ev['name']} expert {ev['expert']:<4} "
-                       f"{el:7.1f}s  ETA {eta:6.0f}s", err=True)
+    def show(ev) -> None:
+        d = ev.detail
+        if ev.stage == "measure":
+            click.echo(f"[measure {ev.done:>5}/{ev.total}] {ev.item} expert {d['expert']:<4} "
+                       f"{ev.elapsed:7.1f}s  {_eta(ev)}", err=True)
             return
-        done, total, el = ev["source_done"], ev["source_total"], ev["elapsed"]
-        rate = done / el / 1e6 if el > 0 else 0.0
-        eta = (total - done) / (done / el) if done and el > 0 else 0.0
-        sq = ev.get("sqnr_db")
+        sq = d.get("sqnr_db")
         sqs = f"{sq:6.2f} dB" if isinstance(sq, float) and sq != float("inf") else "   exact "
-        tag = " (resumed)" if ev.get("reused") else ""
+        tag = " (resumed)" if d.get("reused") else ""
         click.echo(
-            f"[{ev['index']:>4}/{ev['total']}] {ev['name']:<36} {ev['qtype']:<13} {sqs} "
-            f"{ev['seconds']:6.2f}s  {rate:7.1f} MB/s  ETA {eta:6.0f}s{tag}",
+            f"[{ev.done:>4}/{ev.total}] {ev.item:<36} {d['qtype']:<13} {sqs} "
+            f"{d['seconds']:6.2f}s  {_eta(ev)}{tag}",
             err=True,
         )
 
@@ -176,12 +176,12 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
       ds4quant convert ckpt/ out/ --recipe rocmfp3 --imatrix imatrix.gguf --tensor-type 'blk\\.0\\..*exps=rocmfp4'
     """
     from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
-    from ds4quant.convert import _parse_size, convert
+    from ds4quant.convert import convert, parse_size
 
     adaptive = None
     if recipe == "adaptive" or target_bpw is not None or max_bytes is not None:
         adaptive = AdaptiveOptions(
-            target_bpw=target_bpw, max_bytes=_parse_size(max_bytes, "--max-bytes"),
+            target_bpw=target_bpw, max_bytes=parse_size(max_bytes, "--max-bytes"),
             candidates=tuple(c.strip() for c in candidates.split(",") if c.strip()) if candidates else DEFAULT_CANDIDATES,
             granularity=granularity, fitter=fitter, routing=routing, cache_dir=cache_dir, lucebox=not no_lucebox,
             **_fit_effort(fit_effort),
@@ -396,20 +396,16 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, as_json:
       ds4quant calibrate samples/ds4-tiny --tokens samples/tokens.txt --out calib
       ds4quant calibrate ckpt/ --tokens toks.json --out calib --threads 4 --json
     """
-    import time
-
     from ds4quant.calibrate import calibrate
 
     progress = None
     if not as_json and sys.stderr.isatty():
-        start = time.monotonic()
 
-        def progress(done: int, total: int, tokens: int) -> None:
-            spent = time.monotonic() - start
-            rate = tokens / spent if spent > 0 else 0.0
-            eta = spent / done * (total - done)
-            click.echo(f"\rcalibrate: {done}/{total} sequences, {tokens} tokens, {rate:.0f} tok/s, "
-                       f"ETA {eta:.0f} s ", err=True, nl=done == total)
+        def progress(ev) -> None:
+            tokens = ev.detail["tokens"]
+            rate = tokens / ev.elapsed if ev.elapsed > 0 else 0.0
+            click.echo(f"\rcalibrate: {ev.done}/{ev.total} sequences, {tokens} tokens, {rate:.0f} tok/s, "
+                       f"{_eta(ev)} ", err=True, nl=ev.done == ev.total)
 
     rep = calibrate(source, tokens_file, out_dir, threads=threads, progress=progress)
     if as_json:

@@ -20,6 +20,7 @@ from typing import Iterable, Mapping, Optional
 
 from ds4quant.errors import BadInputError, ShapeError, UnknownQTypeError
 from ds4quant.formats import get_qtype
+from ds4quant.names import base_name
 
 SURFACES = ("gate", "up", "down")
 
@@ -169,11 +170,7 @@ class TensorChoice:
     @property
     def base(self) -> str:
         """The layer tensor a compact stack belongs to (its own name otherwise)."""
-        if self.experts is None:
-            return self.name
-        stem, _, _ = self.name.rpartition(".")  # drop ".weight"
-        stem, _, _ = stem.rpartition(".")  # drop ".<qtype>"
-        return stem + ".weight"
+        return self.name if self.experts is None else base_name(self.name)
 
     def to_json(self) -> dict:
         d = {

@@ -20,9 +20,11 @@ from ds4quant.adaptive import AdaptiveOptions, expert_weights
 from ds4quant.artifact import read_gguf_set, sha256_file
 from ds4quant.cli import cli
 from ds4quant.codebooks import check_coverage, from_lucebox, read_table
-from ds4quant.convert import KEY_CODEBOOKS, KEY_EXPERT_IDS, KEY_GUMIX, KEY_P4MIX, WORK_DIR, convert
+from ds4quant.convert import WORK_DIR, convert
 from ds4quant.errors import BadInputError, BudgetError, Ds4quantError
 from ds4quant.imatrix import importance_for, read_imatrix
+from ds4quant.names import KEY_CODEBOOKS, KEY_GUMIX, KEY_P4MIX
+from ds4quant.names import KEY_EXPERT_IDS_PREFIX as KEY_EXPERT_IDS
 from ds4quant.routing import read_routing
 from ds4quant.sources.official import open_source
 
@@ -186,8 +188,8 @@ def test_adaptive_conversion_resumes_to_identical_bytes(tmp_path, cache, strix_s
     seen = []
 
     def killer(ev):
-        if ev.get("stage") == "encode":
-            seen.append(ev["name"])
+        if ev.stage == "encode":
+            seen.append(ev.item)
             if len(seen) == 30:
                 raise _Kill()
 
@@ -283,3 +285,53 @@ def test_experts_calibration_never_reached_get_codes_and_are_listed(tmp_path, ca
         y = formats.decode(t.qtype, data[5], 256)
     assert np.all(np.isfinite(y))
     assert 10 * np.log10(np.sum(x.astype(np.float64) ** 2) / np.sum((x - y).astype(np.float64) ** 2)) > 5.0
+
+
+def test_expert_granularity_without_mix_says_ds4quant_only_and_reuses_measured_figures(tmp_path, cache,
+                                                                                       monkeypatch):
+    # the defect of issue 8: compact stacks were stored as loadable by lucebox too
+    import importlib
+
+    from ds4quant.artifact import read_manifest
+    from ds4quant.names import KEY_RUNTIMES
+
+    enc = importlib.import_module("ds4quant.convert.encode")
+
+    real = enc.decode
+
+    def no_decode(qtype, *a, **k):
+        # dense tensors (bf16) are still measured here; the routed experts were measured by adaptive
+        if qtype in ("rocmfp2", "rocmfp3", "rocmfp4"):
+            raise AssertionError("the encode stage decoded an expert adaptive had measured")
+        return real(qtype, *a, **k)
+
+    monkeypatch.setattr(enc, "decode", no_decode)
+    out = tmp_path / "nomix"
+    rep = convert(SAMPLE, out, "adaptive", adaptive=_opts(cache, target_bpw=3.0, granularity="expert",
+                                                          candidates=("rocmfp2", "rocmfp3", "rocmfp4")))
+    assert any(c.experts is not None for c in rep.plan)  # compact stacks, so the rule applies
+    assert rep.runtimes == ("ds4quant",)
+    g = read_gguf_set(_gguf(out))
+    assert [str(x) for x in g.kv[KEY_RUNTIMES].value] == ["ds4quant"]
+    man = read_manifest(out / "manifest.json")
+    assert list(man.recipe["runtimes"]) == ["ds4quant"]
+    # the recorded figures are the measured ones: an independent decode of the artifact agrees
+    src = open_source(SAMPLE)
+    try:
+        for t in man.tensors:
+            if "_exps." not in t.name:
+                continue
+            info = g.tensors[t.name]
+            ids = list(g.kv[KEY_EXPERT_IDS + t.name].value) if KEY_EXPERT_IDS + t.name in g.kv \
+                else list(range(info.shape[2]))
+            data = np.asarray(g.tensor_data(t.name)).reshape(len(ids), -1)
+            layer, proj = int(t.name.split(".")[1]), t.name.split("_")[1]
+            w = {"gate": "w1", "up": "w3", "down": "w2"}[proj]
+            sse = 0.0
+            for k, e in enumerate(ids):
+                x = src.read_dequantized(f"layers.{layer}.ffn.experts.{e}.{w}.weight")
+                y = formats.decode(t.qtype, data[k].reshape(x.shape[0], -1), x.shape[1]).reshape(x.shape)
+                sse += float(((x.astype(np.float64) - y) ** 2).sum())
+            assert t.errors["sse"] == pytest.approx(sse, rel=1e-9), t.name
+    finally:
+        src.close()

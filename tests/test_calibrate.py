@@ -120,7 +120,7 @@ def tokens_file(tmp_path_factory) -> Path:
 def run1(ckpt, tokens_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("calib") / "out"
     seen = []
-    rep = calibrate(ckpt, tokens_file, out, progress=lambda *a: seen.append(a))
+    rep = calibrate(ckpt, tokens_file, out, progress=lambda ev: seen.append((ev.done, ev.total, ev.detail["tokens"])))
     return rep, out, seen
 
 

@@ -161,7 +161,7 @@ def test_interrupted_run_resumes_to_identical_bytes(tmp_path, strix):
     seen = []
 
     def killer(ev):
-        seen.append(ev["name"])
+        seen.append(ev.item)
         if len(seen) == 40:
             raise _Kill()
 

@@ -5,9 +5,10 @@
     src = open_any_source("ds4-tiny-mxfp4.gguf")     # a DeepSeek-V4 GGUF (or any file of a split set)
     for name, w in src.iter_tensors(dequantize=True): ...
 
-Both kinds share one interface (``config``, ``names``, ``info``, ``read``,
-``read_dequantized``, ``release``, ``expert_fp4``, ``fingerprint``,
-``close``, ``path``). ``naming`` maps official names to GGUF names and tensor
+Both kinds implement the ``Source`` protocol (``sources.base``: ``config``,
+``names``, ``info``, ``read``, ``read_dequantized``, ``payload_qtype``,
+``release``, ``expert_fp4``, ``fingerprint``, ``close``, ``path``, ``name``,
+``format``). ``naming`` maps official names to GGUF names and tensor
 classes (and back) and computes the deepseek4.* GGUF keys;
 ``safetensors_file`` is the validating safetensors reader.
 """
@@ -18,18 +19,21 @@ import os
 from pathlib import Path
 
 from ds4quant.errors import BadInputError
+from ds4quant.sources.base import Source, SourceTensor
 from ds4quant.sources.config import Ds4Config, parse_config
 from ds4quant.sources.gguf_source import GgufSource, open_gguf_source
 from ds4quant.sources.naming import Kind, deepseek4_kvs, map_name, map_names, official_name
-from ds4quant.sources.official import CONFIG, Source, TensorInfo, open_source
+from ds4quant.sources.official import CONFIG, OfficialSource, TensorInfo, open_source
 from ds4quant.sources.safetensors_file import SafetensorsFile
 
 __all__ = [
     "Ds4Config",
     "GgufSource",
     "Kind",
+    "OfficialSource",
     "SafetensorsFile",
     "Source",
+    "SourceTensor",
     "TensorInfo",
     "deepseek4_kvs",
     "map_name",
@@ -43,7 +47,7 @@ __all__ = [
 ]
 
 
-def open_any_source(path: "str | os.PathLike") -> "Source | GgufSource":
+def open_any_source(path: "str | os.PathLike") -> Source:
     """Open a conversion source by what ``path`` is: a folder with
     config.json -> the official layout (``open_source``); a ``.gguf`` file
     (any file of a split set) -> ``open_gguf_source``. Anything else is a
@@ -62,7 +66,7 @@ def open_any_source(path: "str | os.PathLike") -> "Source | GgufSource":
                         where=str(p))
 
 
-def open_official_source(path: "str | os.PathLike", why: str) -> Source:
+def open_official_source(path: "str | os.PathLike", why: str) -> OfficialSource:
     """``open_source`` for callers that need the official layout (``why`` says
     what for); a GGUF is refused with that reason rather than a layout error."""
     p = Path(path)

@@ -103,9 +103,6 @@ class Ds4Config:
         n = self.num_hash_layers
         return all(t == HASH_MOE for t in self.mlp_layer_types[:n])
 
-    def compress_ratio(self, layer: int) -> int:
-        return self.compress_ratios[layer]
-
 
 def _int(cfg: Mapping, key: str, where: str, default: Optional[int] = None, minimum: int = 1) -> int:
     v = cfg.get(key, default)

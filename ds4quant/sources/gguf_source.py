@@ -51,7 +51,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import MappingProxyType, SimpleNamespace
+from types import MappingProxyType
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
@@ -60,32 +60,46 @@ from gguf import GGUFValueType as VT
 from ds4quant.artifact import read_gguf_set
 from ds4quant.artifact.qtypes import ROCMFPX_IDS
 from ds4quant.errors import BadInputError, CorruptDataError, Ds4quantError, ShapeError, UnsupportedFormatError
+from ds4quant.names import (
+    ARCH,
+    KEY_ARCH,
+    KEY_BLOCK_COUNT,
+    KEY_EMBEDDING_LENGTH,
+    KEY_EXPERT_COUNT,
+    KEY_EXPERT_FFN_LENGTH,
+    KEY_EXPERT_USED_COUNT,
+    KEY_EXPERT_WEIGHTS_SCALE,
+    KEY_HASH_LAYER_COUNT,
+    KEY_SWIGLU_CLAMP,
+    KEY_VOCAB_SIZE,
+    PROJS,
+    layer_of,
+    parse_stack,
+    stack_name,
+)
 from ds4quant.formats import decode
 from ds4quant.formats.mxfp4 import e2m1_from_mxfp4
 from ds4quant.sources.config import CSA, HASH_MOE, HCA, SLIDING, Ds4Config, RopeScaling, parse_config
 from ds4quant.sources.naming import Kind, Mapped, NameMap, Skipped, map_name, official_name
-from ds4quant.sources.official import Source as _OfficialSource
+from ds4quant.sources.official import expected_shape
 
 FINGERPRINT_VERSION = "ds4quant-gguf-source-fingerprint/1"
 FINGERPRINT_PREFIX = "gguf:"  # official fingerprints are bare hex
 EXPERT_SEP = "#"
-ARCH = "deepseek4"
 
 # ds4quant qtype of the stored bytes -> TensorInfo.dtype (what recipes keep)
 SOURCE_TYPES = MappingProxyType({"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "mxfp4": "MXFP4",
                                  "i32": "I32"})
 _RAW_VIEW = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "i32": "<i4"}  # plain types: element words
 _WHICH = {"w1": "gate", "w3": "up", "w2": "down", "gate": "gate", "up": "up", "down": "down"}
-_STACK_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.ffn_(gate|up|down)_exps\.weight$")
-_INDEXER_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.indexer[._]")
 
 # Ds4Config field <- deepseek4.* integer key (inverse of naming.deepseek4_kvs;
 # tests/sources/test_gguf_source.py checks the round trip key by key).
-_P = "deepseek4."
+_P = ARCH + "."
 _INT_KEYS = MappingProxyType({
-    "num_hidden_layers": _P + "block_count",
-    "hidden_size": _P + "embedding_length",
-    "vocab_size": _P + "vocab_size",
+    "num_hidden_layers": KEY_BLOCK_COUNT,
+    "hidden_size": KEY_EMBEDDING_LENGTH,
+    "vocab_size": KEY_VOCAB_SIZE,
     "num_attention_heads": _P + "attention.head_count",
     "num_key_value_heads": _P + "attention.head_count_kv",
     "head_dim": _P + "attention.key_length",
@@ -93,11 +107,11 @@ _INT_KEYS = MappingProxyType({
     "q_lora_rank": _P + "attention.q_lora_rank",
     "o_lora_rank": _P + "attention.output_lora_rank",
     "o_groups": _P + "attention.output_group_count",
-    "n_routed_experts": _P + "expert_count",
-    "num_experts_per_tok": _P + "expert_used_count",
+    "n_routed_experts": KEY_EXPERT_COUNT,
+    "num_experts_per_tok": KEY_EXPERT_USED_COUNT,
     "n_shared_experts": _P + "expert_shared_count",
-    "moe_intermediate_size": _P + "expert_feed_forward_length",
-    "num_hash_layers": _P + "hash_layer_count",
+    "moe_intermediate_size": KEY_EXPERT_FFN_LENGTH,
+    "num_hash_layers": KEY_HASH_LAYER_COUNT,
     "sliding_window": _P + "attention.sliding_window",
     "index_n_heads": _P + "attention.indexer.head_count",
     "index_head_dim": _P + "attention.indexer.key_length",
@@ -116,8 +130,8 @@ _FLOAT_KEYS = MappingProxyType({
     "compress_rope_theta": (_P + "attention.compress_rope_freq_base", 160000.0),
     "rms_norm_eps": (_P + "attention.layer_norm_rms_epsilon", 1e-6),
     "hc_eps": (_P + "hyper_connection.epsilon", 1e-6),
-    "routed_scaling_factor": (_P + "expert_weights_scale", 1.5),
-    "swiglu_limit": (_P + "swiglu_clamp_exp", 10.0),
+    "routed_scaling_factor": (KEY_EXPERT_WEIGHTS_SCALE, 1.5),
+    "swiglu_limit": (KEY_SWIGLU_CLAMP, 10.0),
 })
 _ROPE_FLOATS = {"beta_fast": (_P + "rope.scaling.yarn_beta_fast", 32.0),
                 "beta_slow": (_P + "rope.scaling.yarn_beta_slow", 1.0)}
@@ -164,10 +178,12 @@ def _explain_keys(text: str) -> str:
     return re.sub(r"[a-z][a-z_]+[a-z]", lambda m: _KEY_OF.get(m.group(0), m.group(0)), text)
 
 
-def _expected_shape(config: Ds4Config, official: Mapped) -> Optional[tuple[tuple[int, ...], str]]:
-    # One shape table for both sources: official.Source._expected reads only
-    # ``self.config``. (Lifting it to a module function would remove this shim.)
-    return _OfficialSource._expected(SimpleNamespace(config=config), official)
+def _indexed_layer(tensor: str) -> Optional[int]:
+    """The layer of a ``blk.L.indexer.*`` / ``blk.L.indexer_*`` tensor (a CSA layer), else None."""
+    layer = layer_of(tensor)
+    if layer is None or not tensor.split(".", 2)[2].startswith(("indexer.", "indexer_")):
+        return None
+    return layer
 
 
 # ---------------------------------------------------------------------------
@@ -206,7 +222,7 @@ def config_from_kvs(g, tensor_names: Iterable[str], where: str) -> Ds4Config:
 
     tensor_names tell CSA layers (with indexer tensors) from HCA layers.
     """
-    arch = g.kv.get("general.architecture")
+    arch = g.kv.get(KEY_ARCH)
     if arch is None:
         raise BadInputError("no KV 'general.architecture'; not a DeepSeek-V4 GGUF", where=where)
     if arch.type != VT.STRING or arch.value != ARCH:
@@ -232,7 +248,7 @@ def config_from_kvs(g, tensor_names: Iterable[str], where: str) -> Ds4Config:
     if len(ratios) != n or min(ratios, default=0) < 0:
         raise BadInputError(f"KV {KEY_RATIOS!r} must hold {n} rates >= 0 (one per block), got {ratios}",
                             where=where)
-    indexed = {int(m.group(1)) for t in tensor_names if (m := _INDEXER_RE.match(t))}
+    indexed = {layer for t in tensor_names if (layer := _indexed_layer(t)) is not None}
     types, rates = [], {CSA: set(), HCA: set()}
     for layer, r in enumerate(ratios):
         if r == 0:
@@ -330,8 +346,8 @@ class GgufSource:
         skipped: list[Skipped] = []
         problems: list[tuple[str, str]] = []
         for t in sorted(self._g.tensors.values(), key=lambda t: _natural_key(t.name)):
-            stack = _STACK_RE.match(t.name)
-            if stack:
+            stack = parse_stack(t.name)
+            if stack is not None and not stack.compact:
                 if len(t.shape) != 3:
                     problems.append((t.name, f"expert stack must be 3-D [in, out, n_expert], got {list(t.shape)}"))
                     continue
@@ -399,7 +415,7 @@ class GgufSource:
                                        f"{c.num_hash_layers}"))
             if m.stacked:
                 stacks.setdefault(m.layer, set()).add(m.which)
-            exp = _expected_shape(c, map_name(official_name(gguf, m.expert)))
+            exp = expected_shape(c, map_name(official_name(gguf, m.expert)))
             if exp is None:
                 continue
             want, keys = exp
@@ -409,9 +425,9 @@ class GgufSource:
                 problems.append((gguf, f"GGUF shape {list(t.shape)} does not match the deepseek4.* keys: expected "
                                        f"{ne} from {_explain_keys(keys)}"))
         for layer in range(c.num_hidden_layers):
-            for which in ("gate", "up", "down"):
-                if which not in stacks.get(layer, set()):
-                    problems.append((f"blk.{layer}.ffn_{which}_exps.weight",
+            for proj in PROJS:
+                if proj.value not in stacks.get(layer, set()):
+                    problems.append((stack_name(layer, proj),
                                      f"missing: {_INT_KEYS['num_hidden_layers']} = {c.num_hidden_layers} needs "
                                      "gate, up and down expert stacks in every block"))
         if problems:
@@ -500,7 +516,7 @@ class GgufSource:
         which: gate/up/down or w1/w3/w2."""
         if which not in _WHICH:
             raise BadInputError(f"which must be one of {sorted(_WHICH)}, got {which!r}")
-        name = member_name(f"blk.{layer}.ffn_{_WHICH[which]}_exps.weight", expert)
+        name = member_name(stack_name(layer, _WHICH[which]), expert)
         info = self.info(name)
         if info.qtype != "mxfp4":
             raise UnsupportedFormatError(f"is stored as {info.dtype}, not MXFP4; only MXFP4 experts repack "

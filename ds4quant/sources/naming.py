@@ -26,6 +26,7 @@ from typing import Any, Iterable, NamedTuple, Optional
 
 from ds4quant.artifact.ds4 import REQUIRED_U32_KEYS as _LOADER_U32_KEYS
 from ds4quant.errors import BadInputError, UnsupportedFormatError
+from ds4quant.names import layer_of, parse_stack, stack_name
 from ds4quant.sources.config import Ds4Config
 
 
@@ -146,7 +147,7 @@ def map_name(name: str) -> "Mapped | Skipped":
     if e:
         which = _EXPERT_WHICH[e.group(2)]
         role = "weight" if e.group(3) == "weight" else "scale"
-        return Mapped(name, f"blk.{layer}.ffn_{which}_exps.weight", Kind.ROUTED_EXPERT, role, layer,
+        return Mapped(name, stack_name(layer, which), Kind.ROUTED_EXPERT, role, layer,
                       int(e.group(1)), which)
     if rest in _LAYER_PARAMS:
         gguf, kind = _LAYER_PARAMS[rest]
@@ -195,9 +196,6 @@ class NameMap:
         """GGUF name -> its official weight tensors (expert stacks sorted by expert)."""
         return self._by_gguf
 
-    def kind_of(self, gguf: str) -> Kind:
-        return self._by_gguf[gguf][0].kind
-
 
 def map_names(names: Iterable[str]) -> NameMap:
     """Map many names; a GGUF name claimed twice by non-expert tensors is refused."""
@@ -220,8 +218,6 @@ def map_names(names: Iterable[str]) -> NameMap:
 # tables (the forward map stays the single source of truth; every answer is
 # checked by mapping it forward again).
 
-_GGUF_LAYER_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.(.+)$")
-_GGUF_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)_exps\.weight$")
 _WHICH_W = {which: w for w, which in _EXPERT_WHICH.items()}
 _GLOBAL_BY_GGUF = {g: name for name, (g, _) in _GLOBAL.items()}
 _LAYER_BY_GGUF = {**{f"{stem}.weight": f"{module}.weight" for module, (stem, _) in _LAYER_MODULES.items()},
@@ -238,14 +234,14 @@ def official_name(gguf: str, expert: Optional[int] = None) -> Optional[str]:
     if gguf in _GLOBAL_BY_GGUF:
         cand = _GLOBAL_BY_GGUF[gguf] if expert is None else None
     else:
-        m = _GGUF_LAYER_RE.match(gguf)
-        if not m:
+        layer = layer_of(gguf)
+        if layer is None:
             return None
-        layer, rest = m.group(1), m.group(2)
-        e = _GGUF_EXPERT_RE.match(rest)
-        if e:
+        rest = gguf.split(".", 2)[2]
+        stack = parse_stack(gguf)
+        if stack is not None and not stack.compact:
             ok = isinstance(expert, int) and not isinstance(expert, bool) and expert >= 0
-            cand = f"layers.{layer}.ffn.experts.{expert}.{_WHICH_W[e.group(1)]}.weight" if ok else None
+            cand = f"layers.{layer}.ffn.experts.{expert}.{_WHICH_W[stack.proj.value]}.weight" if ok else None
         else:
             cand = f"layers.{layer}.{_LAYER_BY_GGUF[rest]}" if expert is None and rest in _LAYER_BY_GGUF else None
     if cand is None:

@@ -106,8 +106,74 @@ def _read_json(path: Path, what: str):
         raise CorruptDataError(f"{what} is not valid JSON ({e})", where=str(path)) from None
 
 
-class Source:
-    """An open, validated official checkpoint. Use ``open_source``."""
+def expected_shape(c: Ds4Config, m: Mapped) -> Optional[tuple[tuple[int, ...], str]]:
+    """Logical shape the config implies for a mapped weight, with the config keys used
+    (one table for both sources), or None for a tensor the table does not cover."""
+    H, V, I, E = c.hidden_size, c.vocab_size, c.moe_intermediate_size, c.n_routed_experts
+    hc, nh, hd = c.hc_mult, c.num_attention_heads, c.head_dim
+    rest = m.name.split(".", 2)[2] if m.layer is not None else m.name
+    rest = rest[: -len(".weight")] if rest.endswith(".weight") else rest
+    glob = {
+        "embed": ((V, H), "vocab_size, hidden_size"),
+        "head": ((V, H), "vocab_size, hidden_size"),
+        "norm": ((H,), "hidden_size"),
+        "hc_head_fn": ((hc, hc * H), "hc_mult, hidden_size"),
+        "hc_head_base": ((hc,), "hc_mult"),
+        "hc_head_scale": ((1,), ""),
+    }
+    if m.layer is None:
+        return glob.get(rest)
+    if m.kind is Kind.ROUTED_EXPERT:
+        shape = (H, I) if m.which == "down" else (I, H)
+        return shape, "hidden_size, moe_intermediate_size"
+    if m.kind is Kind.SHARED_EXPERT:
+        Is = I * c.n_shared_experts
+        return ((H, Is) if m.which == "down" else (Is, H)), "hidden_size, moe_intermediate_size x n_shared_experts"
+    nhc = (2 + hc) * hc
+    ltype = c.layer_types[m.layer] if m.layer < c.num_hidden_layers else None
+    coff = 2 if ltype == CSA else 1  # CSA windows overlap: kv/gate/ape are twice as wide
+    ratio = c.compress_ratios[m.layer] if m.layer < c.num_hidden_layers else 0
+    ihd = c.index_head_dim
+    table = {
+        "attn_norm": ((H,), "hidden_size"),
+        "ffn_norm": ((H,), "hidden_size"),
+        "hc_attn_fn": ((nhc, hc * H), "hc_mult, hidden_size"),
+        "hc_ffn_fn": ((nhc, hc * H), "hc_mult, hidden_size"),
+        "hc_attn_base": ((nhc,), "hc_mult"),
+        "hc_ffn_base": ((nhc,), "hc_mult"),
+        "hc_attn_scale": ((3,), ""),
+        "hc_ffn_scale": ((3,), ""),
+        "attn.wq_a": ((c.q_lora_rank, H), "q_lora_rank, hidden_size"),
+        "attn.q_norm": ((c.q_lora_rank,), "q_lora_rank"),
+        "attn.wq_b": ((nh * hd, c.q_lora_rank), "num_attention_heads x head_dim, q_lora_rank"),
+        "attn.wkv": ((hd, H), "head_dim, hidden_size"),
+        "attn.kv_norm": ((hd,), "head_dim"),
+        "attn.wo_a": ((c.o_groups * c.o_lora_rank, nh * hd // c.o_groups),
+                      "o_groups x o_lora_rank, num_attention_heads x head_dim / o_groups"),
+        "attn.wo_b": ((H, c.o_groups * c.o_lora_rank), "hidden_size, o_groups x o_lora_rank"),
+        "attn.attn_sink": ((nh,), "num_attention_heads"),
+        "attn.compressor.wkv": ((coff * hd, H), "head_dim (x2 for CSA), hidden_size"),
+        "attn.compressor.wgate": ((coff * hd, H), "head_dim (x2 for CSA), hidden_size"),
+        "attn.compressor.ape": ((ratio, coff * hd), "compress rate, head_dim (x2 for CSA)"),
+        "attn.compressor.norm": ((hd,), "head_dim"),
+        "attn.indexer.wq_b": ((c.index_n_heads * ihd, c.q_lora_rank),
+                              "index_n_heads x index_head_dim, q_lora_rank"),
+        "attn.indexer.weights_proj": ((c.index_n_heads, H), "index_n_heads, hidden_size"),
+        "attn.indexer.compressor.wkv": ((2 * ihd, H), "2 x index_head_dim, hidden_size"),
+        "attn.indexer.compressor.wgate": ((2 * ihd, H), "2 x index_head_dim, hidden_size"),
+        "attn.indexer.compressor.ape": ((ratio, 2 * ihd), "compress rate, 2 x index_head_dim"),
+        "attn.indexer.compressor.norm": ((ihd,), "index_head_dim"),
+        "ffn.gate": ((E, H), "n_routed_experts, hidden_size"),
+        "ffn.gate.bias": ((E,), "n_routed_experts"),
+        "ffn.gate.tid2eid": ((V, c.num_experts_per_tok), "vocab_size, num_experts_per_tok"),
+    }
+    return table.get(rest)
+
+
+class OfficialSource:
+    """An open, validated official checkpoint (implements ``sources.base.Source``). Use ``open_source``."""
+
+    format = "deepseek-v4-official"
 
     def __init__(self, path: Path, config: Ds4Config, files: dict[str, SafetensorsFile],
                  where: dict[str, str], fingerprint: str):
@@ -119,6 +185,11 @@ class Source:
         self._infos = self._classify()
         self.names: NameMap = map_names(self._infos)
         self._check_shapes()
+
+    @property
+    def name(self) -> str:
+        """The checkpoint folder's name."""
+        return self.path.resolve().name
 
     # -- structure -------------------------------------------------------------
 
@@ -180,69 +251,6 @@ class Source:
     def _tw(self, name: str) -> str:
         return f"{self.path / self._where.get(name, '?')}: tensor {name!r}"
 
-    def _expected(self, m: Mapped) -> Optional[tuple[tuple[int, ...], str]]:
-        """Logical shape config.json implies for a mapped weight, with the keys used."""
-        c = self.config
-        H, V, I, E = c.hidden_size, c.vocab_size, c.moe_intermediate_size, c.n_routed_experts
-        hc, nh, hd = c.hc_mult, c.num_attention_heads, c.head_dim
-        rest = m.name.split(".", 2)[2] if m.layer is not None else m.name
-        rest = rest[: -len(".weight")] if rest.endswith(".weight") else rest
-        glob = {
-            "embed": ((V, H), "vocab_size, hidden_size"),
-            "head": ((V, H), "vocab_size, hidden_size"),
-            "norm": ((H,), "hidden_size"),
-            "hc_head_fn": ((hc, hc * H), "hc_mult, hidden_size"),
-            "hc_head_base": ((hc,), "hc_mult"),
-            "hc_head_scale": ((1,), ""),
-        }
-        if m.layer is None:
-            return glob.get(rest)
-        if m.kind is Kind.ROUTED_EXPERT:
-            shape = (H, I) if m.which == "down" else (I, H)
-            return shape, "hidden_size, moe_intermediate_size"
-        if m.kind is Kind.SHARED_EXPERT:
-            Is = I * c.n_shared_experts
-            return ((H, Is) if m.which == "down" else (Is, H)), "hidden_size, moe_intermediate_size x n_shared_experts"
-        nhc = (2 + hc) * hc
-        ltype = c.layer_types[m.layer] if m.layer < c.num_hidden_layers else None
-        coff = 2 if ltype == CSA else 1  # CSA windows overlap: kv/gate/ape are twice as wide
-        ratio = c.compress_ratios[m.layer] if m.layer < c.num_hidden_layers else 0
-        ihd = c.index_head_dim
-        table = {
-            "attn_norm": ((H,), "hidden_size"),
-            "ffn_norm": ((H,), "hidden_size"),
-            "hc_attn_fn": ((nhc, hc * H), "hc_mult, hidden_size"),
-            "hc_ffn_fn": ((nhc, hc * H), "hc_mult, hidden_size"),
-            "hc_attn_base": ((nhc,), "hc_mult"),
-            "hc_ffn_base": ((nhc,), "hc_mult"),
-            "hc_attn_scale": ((3,), ""),
-            "hc_ffn_scale": ((3,), ""),
-            "attn.wq_a": ((c.q_lora_rank, H), "q_lora_rank, hidden_size"),
-            "attn.q_norm": ((c.q_lora_rank,), "q_lora_rank"),
-            "attn.wq_b": ((nh * hd, c.q_lora_rank), "num_attention_heads x head_dim, q_lora_rank"),
-            "attn.wkv": ((hd, H), "head_dim, hidden_size"),
-            "attn.kv_norm": ((hd,), "head_dim"),
-            "attn.wo_a": ((c.o_groups * c.o_lora_rank, nh * hd // c.o_groups),
-                          "o_groups x o_lora_rank, num_attention_heads x head_dim / o_groups"),
-            "attn.wo_b": ((H, c.o_groups * c.o_lora_rank), "hidden_size, o_groups x o_lora_rank"),
-            "attn.attn_sink": ((nh,), "num_attention_heads"),
-            "attn.compressor.wkv": ((coff * hd, H), "head_dim (x2 for CSA), hidden_size"),
-            "attn.compressor.wgate": ((coff * hd, H), "head_dim (x2 for CSA), hidden_size"),
-            "attn.compressor.ape": ((ratio, coff * hd), "compress rate, head_dim (x2 for CSA)"),
-            "attn.compressor.norm": ((hd,), "head_dim"),
-            "attn.indexer.wq_b": ((c.index_n_heads * ihd, c.q_lora_rank),
-                                  "index_n_heads x index_head_dim, q_lora_rank"),
-            "attn.indexer.weights_proj": ((c.index_n_heads, H), "index_n_heads, hidden_size"),
-            "attn.indexer.compressor.wkv": ((2 * ihd, H), "2 x index_head_dim, hidden_size"),
-            "attn.indexer.compressor.wgate": ((2 * ihd, H), "2 x index_head_dim, hidden_size"),
-            "attn.indexer.compressor.ape": ((ratio, 2 * ihd), "compress rate, 2 x index_head_dim"),
-            "attn.indexer.compressor.norm": ((ihd,), "index_head_dim"),
-            "ffn.gate": ((E, H), "n_routed_experts, hidden_size"),
-            "ffn.gate.bias": ((E,), "n_routed_experts"),
-            "ffn.gate.tid2eid": ((V, c.num_experts_per_tok), "vocab_size, num_experts_per_tok"),
-        }
-        return table.get(rest)
-
     def _check_shapes(self) -> None:
         c = self.config
         problems: list[tuple[str, str]] = []
@@ -260,7 +268,7 @@ class Source:
                 experts.setdefault(m.layer, set()).add((m.expert, m.which))
             if m.kind is Kind.HASH_TABLE and c.mlp_layer_types[m.layer] != HASH_MOE:
                 problems.append((m.name, f"hash table in layer {m.layer}, which config.json routes by score"))
-            exp = self._expected(m)
+            exp = expected_shape(c, m)
             if exp is None:
                 continue
             want, keys = exp
@@ -364,6 +372,11 @@ class Source:
                                          where=self._tw(name))
         return self.read(name).view(np.int8), self.read(info.scale)
 
+    def payload_qtype(self, name: str) -> None:
+        """None: official encodings (FP4 + E8M0, FP8 blocks) are no ds4quant qtype."""
+        self.info(name)
+        return None
+
     def release(self, name: str) -> None:
         """Let the OS drop a tensor's (and its scale's) pages after use."""
         info = self.info(name)
@@ -379,14 +392,14 @@ class Source:
         for f in self._files.values():
             f.close()
 
-    def __enter__(self) -> "Source":
+    def __enter__(self) -> "OfficialSource":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Source({str(self.path)!r}, {len(self._infos)} tensors, {len(self._files)} shard(s))"
+        return f"OfficialSource({str(self.path)!r}, {len(self._infos)} tensors, {len(self._files)} shard(s))"
 
 
 def _safe_shard_name(name, index_path: Path) -> str:
@@ -396,7 +409,7 @@ def _safe_shard_name(name, index_path: Path) -> str:
     return name
 
 
-def open_source(path: "str | os.PathLike") -> Source:
+def open_source(path: "str | os.PathLike") -> OfficialSource:
     """Open and validate an official DeepSeek-V4 checkpoint folder (see module doc)."""
     root = Path(path)
     if not root.exists():
@@ -450,4 +463,4 @@ def open_source(path: "str | os.PathLike") -> Source:
                    for s in sorted(files)],
     }
     fp = hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    return Source(root, config, files, where, fp)
+    return OfficialSource(root, config, files, where, fp)

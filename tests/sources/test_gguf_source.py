@@ -259,7 +259,9 @@ def test_bf16_gguf_converts_like_the_official_sample(built, official_strix):
 
 def test_keeping_a_block_quantized_source_copies_its_bytes(built, monkeypatch):
     # q8_0 is not idempotent under decode + encode in general: the copy must not re-encode
-    import ds4quant.convert as conv
+    import importlib
+
+    conv = importlib.import_module("ds4quant.convert.encode")
 
     calls = []
     real = conv.encode
@@ -386,3 +388,23 @@ def test_calibrate_refuses_a_gguf_source(built, tmp_path):
     with pytest.raises(BadInputError, match="is a GGUF; calibrate"):
         calibrate(built["mx"], [[1, 2, 3]], tmp_path / "cal")
     assert not (tmp_path / "cal").exists()
+
+
+def test_both_sources_implement_the_source_protocol(built):
+    import inspect
+
+    from ds4quant.sources import Source
+
+    members = [n for n in dir(Source) if not n.startswith("_")]
+    for path in (SAMPLE, built["bf16"]):
+        with open_any_source(path) as s:
+            assert isinstance(s, Source)
+            for n in members:
+                want = getattr(Source, n)
+                got = getattr(type(s), n, None)
+                assert got is not None, (type(s).__name__, n)
+                if inspect.isfunction(want):  # same parameters as the protocol states
+                    assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), n
+            m = s.names.mapped[0]
+            assert s.payload_qtype(m.name) in (None, *gs.SOURCE_TYPES)
+            assert s.name and s.format in ("deepseek-v4-official", "deepseek-v4-gguf")

@@ -1,0 +1,203 @@
+"""`ds4quant convert`: a DeepSeek-V4 checkpoint -> a ROCmFPX artifact folder.
+
+Stages (a job with a journal, so a killed run resumes), one module each:
+
+1. ``plan``: open + validate the source; build the plan (recipes.plan_tensors;
+   for the adaptive recipe, measure every candidate and allocate under the
+   budget, ds4quant.adaptive). Nothing is written until the plan is valid, so
+   bad input leaves OUTDIR untouched;
+2. ``resume``: the journal under ``OUTDIR/.ds4quant-work`` and the table of
+   options that may and may not change on ``--resume``;
+3. ``encode``: each output tensor into a piece file (atomic per piece),
+   recording its size, sha256 and error figures in the journal;
+4. ``assemble``: the GGUF (or splits) from the pieces with the codebook
+   tables, atomically, then ``manifest.json`` and ``SHA256SUMS`` last; the
+   work folder is removed.
+
+    rep = convert("samples/ds4-tiny", "out/tiny", "rocmfp2-strix")
+    rep.bpw_experts, rep.runtimes       # 2.8333..., ("ds4quant", "lucebox")
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ds4quant import __version__
+from ds4quant.adaptive import AdaptiveOptions, Books
+from ds4quant.artifact import sha256_file, write_manifest
+from ds4quant.convert.assemble import assemble, codebook_table, manifest
+from ds4quant.convert.encode import mxfp4_payload, run_encode
+from ds4quant.convert.plan import fit_fixed_mix_books, parse_size, plan_fingerprint, tensor_specs
+from ds4quant.convert.report import ConvertReport, TensorResult
+from ds4quant.convert.resume import (
+    FIXED,
+    JOURNAL,
+    MAY_CHANGE,
+    WORK_DIR,
+    Journal,
+    check_outdir,
+    check_resume,
+    resume_options,
+)
+from ds4quant.errors import BadInputError, Ds4quantError
+from ds4quant.formats import get_qtype, numba_threads
+from ds4quant.progress import ProgressEvent, ProgressFn
+from ds4quant.recipes import Override, Recipe, get_recipe, plan_tensors
+
+MANIFEST = "manifest.json"
+
+__all__ = [
+    "FIXED", "MANIFEST", "MAY_CHANGE", "WORK_DIR",
+    "ConvertReport", "ProgressEvent", "ProgressFn", "TensorResult", "convert", "mxfp4_payload", "parse_size",
+]
+
+
+def convert(
+    source: "str | os.PathLike",
+    outdir: "str | os.PathLike",
+    recipe: str = "rocmfp2-strix",
+    *,
+    threads: Optional[int] = None,
+    imatrix: "str | os.PathLike | None" = None,
+    tensor_types: Sequence[str] = (),
+    dense_qtype: Optional[str] = None,
+    name: Optional[str] = None,
+    split_max_size: Optional[str] = None,
+    adaptive: Optional[AdaptiveOptions] = None,
+    loose_sidecars: bool = False,
+    resume: bool = False,
+    force: bool = False,
+    command: Optional[Sequence[str]] = None,
+    progress: Optional[ProgressFn] = None,
+) -> ConvertReport:
+    """Convert a DeepSeek-V4 checkpoint (official folder or GGUF) into an artifact folder.
+
+    ``adaptive`` (an AdaptiveOptions) is required by the ``adaptive`` recipe.
+    ``progress`` gets a ProgressEvent per measured expert (stage "measure") and
+    per encoded tensor (stage "encode"). Returns a ConvertReport; raises a
+    Ds4quantError for bad input, leaving no artifact in ``outdir``. The bytes
+    never depend on ``threads``.
+    """
+    from ds4quant.sources import open_any_source
+    from ds4quant.sources.naming import deepseek4_kvs
+
+    t_start = time.perf_counter()
+    out = Path(outdir)
+    rec = get_recipe(recipe)
+    if dense_qtype is not None:
+        get_qtype(dense_qtype)
+        rec = Recipe(rec.name, rec.description, rec.experts, dense_qtype, rec.adaptive)
+    if rec.adaptive:
+        if adaptive is None:
+            raise BadInputError("the adaptive recipe needs --target-bpw or --max-bytes")
+        adaptive.validate()
+    elif adaptive is not None and (adaptive.target_bpw is not None or adaptive.max_bytes is not None):
+        raise BadInputError(f"--target-bpw/--max-bytes only apply to --recipe adaptive, not {rec.name}")
+    overrides = [Override.parse(t) for t in tensor_types]
+    split_bytes = parse_size(split_max_size)
+    if threads is not None and threads < 1:
+        raise BadInputError(f"must be >= 1, got {threads}", where="--threads")
+
+    src = open_any_source(source)
+    try:
+        imx = imx_sha = None
+        if imatrix is not None:
+            from ds4quant.imatrix import read_imatrix
+
+            imx = read_imatrix(imatrix)
+            imx_sha = sha256_file(imatrix)
+        specs = tensor_specs(src)
+        plan = plan_tensors(rec, [s for s, _ in specs], overrides)
+        members = {s.name: m for s, m in specs}
+        check_outdir(out, resume, force)
+        source_fp = src.fingerprint()
+        art_name = name or f"{src.name}-{rec.name}"
+        if "/" in art_name or art_name.startswith(".") or not art_name:
+            raise BadInputError(f"bad artifact name {art_name!r}", where="--name")
+        routing_sha = None
+        if rec.adaptive and adaptive.routing is not None and Path(adaptive.routing).is_file():
+            routing_sha = sha256_file(adaptive.routing)
+        options = resume_options(
+            source_fingerprint=source_fp, tool_version=__version__, recipe=rec.name,
+            tensor_types=[o.pattern + "=" + o.qtype for o in overrides], dense_type=rec.dense_qtype,
+            imatrix_sha=imx_sha, routing_sha=routing_sha, adaptive=adaptive if rec.adaptive else None)
+        journal_path = out / WORK_DIR / JOURNAL
+        # refuse a mismatched resume before the (long) adaptive measurement
+        old = Journal.load(journal_path) if resume and journal_path.exists() else None
+        if old is not None:
+            check_resume(old, options, old.plan_fingerprint)
+
+        books = Books()
+        adaptive_info = figures = None
+        with numba_threads(threads):
+            if rec.adaptive:
+                from ds4quant.adaptive import plan_adaptive
+
+                plan, adaptive_info, figures = plan_adaptive(src, plan, members, adaptive, imx, imx_sha, books,
+                                                             progress)
+            else:
+                fit_fixed_mix_books(plan, members, src, imx, books)
+        plan_fp = plan_fingerprint(rec, plan, imx_sha, adaptive.key() if rec.adaptive else None)
+
+        created_out = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        work = out / WORK_DIR
+        pieces = work / "pieces"
+        if old is not None:
+            check_resume(old, options, plan_fp)
+            journal = old
+        else:
+            if force and out.exists():
+                for p in out.iterdir():
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+            journal = Journal(journal_path, options, plan_fp)
+        pieces.mkdir(parents=True, exist_ok=True)
+        journal.save()
+
+        results: list[TensorResult] = []
+        try:
+            results = run_encode(src, plan, members, imx, books, pieces, journal, threads, progress, figures)
+            table = codebook_table(plan, books, src.config.n_routed_experts)
+            files, cb_bytes, runtimes = assemble(out, art_name, rec, plan, deepseek4_kvs(src.config), pieces,
+                                                 split_bytes, source_fp, table, loose_sidecars, adaptive_info)
+        except Ds4quantError:
+            # bad input mid-run: leave no artifact and no half-made folder
+            shutil.rmtree(work, ignore_errors=True)
+            if created_out:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        man = manifest(out, files, src, rec, plan, results, overrides, imatrix, imx_sha, command, source_fp,
+                       runtimes, adaptive_info, table)
+        write_manifest(out / MANIFEST, man)
+        shutil.rmtree(work, ignore_errors=True)
+        from ds4quant.checksums import write_sums
+
+        # last: a folder with SHA256SUMS is complete, and every byte is covered
+        write_sums(out, known={f.name: f.sha256 for f in man.files})
+    finally:
+        src.close()
+
+    expert_bytes = sum(r.nbytes for r, c in zip(results, plan) if c.tensor_class == "routed_expert")
+    expert_weights = sum(int(np.prod(c.shape)) for c in plan if c.tensor_class == "routed_expert")
+    return ConvertReport(
+        artifact=out,
+        files=tuple(files),
+        bytes=sum(p.stat().st_size for p in files),
+        plan=tuple(plan),
+        results=tuple(results),
+        expert_bytes=expert_bytes,
+        expert_weights=expert_weights,
+        codebook_bytes=cb_bytes,
+        seconds=time.perf_counter() - t_start,
+        recipe=rec.to_json(),
+        source_fingerprint=source_fp,
+        runtimes=runtimes,
+        reused=sum(1 for r in results if r.reused),
+        adaptive=adaptive_info,
+    )

@@ -1,0 +1,160 @@
+"""Stage 4 of convert: the GGUF (or splits) from the pieces, the codebook tables, the manifest.
+
+The runtimes key comes from ``artifact.runtimes.loadable_by`` over the
+planned tensors, the same rule the artifact view applies when it reads the
+result, so convert, inspect, verify and the model card cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from ds4quant import __version__
+from ds4quant.adaptive import Books
+from ds4quant.artifact import FileEntry, GGUFWriter, Manifest, TensorEntry, atomic_write_bytes
+from ds4quant.artifact.runtimes import loadable_by
+from ds4quant.errors import UnsupportedFormatError
+from ds4quant.formats import QTYPES, get_qtype
+from ds4quant.names import (
+    KEY_CODEBOOKS,
+    KEY_GUMIX,
+    KEY_P4MIX,
+    KEY_PLAN,
+    KEY_RECIPE,
+    KEY_RUNTIMES,
+    KEY_SOURCE_FINGERPRINT,
+    KEY_TOOL_VERSION,
+    expert_ids_key,
+    sidecar_suffix,
+)
+from ds4quant.recipes import Recipe
+from ds4quant.sources.base import Source
+
+_CHUNK = 8 << 20
+
+
+def codebook_table(plan, books: Books, n_global: int):
+    """ds4quant's own table: one entry per resident MIX tensor (None if none)."""
+    from ds4quant.codebooks import CodebookEntry, CodebookTable
+
+    entries = []
+    for c in plan:
+        qt = get_qtype(c.qtype) if c.qtype in QTYPES else None
+        if qt is None or not qt.is_mix:
+            continue
+        ids = c.experts if c.experts is not None else tuple(range(c.shape[2]))
+        got = [books.get(c.base, e, qt.name) for e in ids]
+        entries.append(CodebookEntry(
+            c.name, qt.name,
+            modes=np.array([m for _, m in got], dtype=np.uint8),
+            books=np.stack([b for b, _ in got]).astype(np.float32),
+            expert_ids=c.experts, n_global=n_global if c.experts is not None else None,
+        ))
+    return CodebookTable(tuple(entries)) if entries else None
+
+
+def _lucebox_blobs(plan, table):
+    """Lucebox sidecars for the table, or None when there is no table or Lucebox cannot load it."""
+    from ds4quant.codebooks import to_lucebox
+
+    if table is None:
+        return None
+    dims = {c.name: (c.shape[1], c.shape[0]) for c in plan if c.tensor_class == "routed_expert"}
+    try:
+        return to_lucebox(table, dims)
+    except UnsupportedFormatError:
+        return None
+
+
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_CHUNK)
+            if not b:
+                return
+            yield b
+
+
+def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, split_bytes: Optional[int],
+             source_fp: str, table, loose_sidecars: bool, adaptive_info: Optional[dict]):
+    """Write the GGUF set (all splits or none) and loose sidecars; (files, codebook bytes, runtimes)."""
+    # Stale files of an earlier attempt under this name would confuse readers.
+    for p in list(out.glob(f"{art_name}*.gguf")) + list(out.glob(f"{art_name}*.gguf.*.bin")):
+        p.unlink()
+    w = GGUFWriter(out / f"{art_name}.gguf", split_max_bytes=split_bytes)
+    for kv in kvs:
+        w.add_kv(kv.key, kv.value, kv.type, kv.sub_type)
+    w.add_string("general.name", art_name)
+    w.add_uint32("general.quantization_version", 2)
+    w.add_string(KEY_TOOL_VERSION, __version__)
+    w.add_string(KEY_RECIPE, json.dumps(rec.to_json(), sort_keys=True))
+    w.add_string(KEY_SOURCE_FINGERPRINT, source_fp)
+    if adaptive_info is not None:
+        w.add_string(KEY_PLAN, json.dumps([c.to_json() for c in plan], sort_keys=True))
+    cb_bytes = 0
+    blobs = _lucebox_blobs(plan, table)
+    if table is not None:
+        from ds4quant.codebooks import write_table
+
+        raw = write_table(table)
+        w.add_blob(KEY_CODEBOOKS, raw)
+        cb_bytes += len(raw)
+        if blobs is not None:
+            for key, blob in ((KEY_GUMIX, blobs.gumix), (KEY_P4MIX, blobs.p4mix)):
+                if blob is not None:
+                    w.add_blob(key, blob)
+    # sorted: the order artifacts have always stored (loadable_by lists them in qtype order)
+    runtimes = tuple(sorted(loadable_by([(c.qtype, c.experts is not None) for c in plan],
+                                        lucebox_books=blobs is not None)))
+    from gguf import GGUFValueType as VT
+
+    w.add_array(KEY_RUNTIMES, list(runtimes), VT.STRING)
+    for c in plan:
+        if c.experts is not None:
+            w.add_array(expert_ids_key(c.name), list(c.experts), VT.UINT32)
+    for i, choice in enumerate(plan):
+        piece = pieces / f"{i:05d}.bin"
+        w.add_tensor(choice.name, choice.qtype, choice.shape, data=(lambda p=piece: _file_chunks(p)))
+    files = list(w.write())
+    if loose_sidecars and blobs is not None:
+        for kind, blob in (("gumix", blobs.gumix), ("p4mix", blobs.p4mix)):
+            if blob is not None:
+                side = files[0].with_name(files[0].name + sidecar_suffix(kind))
+                atomic_write_bytes(side, blob)
+                files.append(side)
+    return files, cb_bytes, runtimes
+
+
+def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, overrides, imatrix, imx_sha, command,
+             source_fp: str, runtimes, adaptive_info, table) -> Manifest:
+    """The manifest from the plan and the pieces: per-tensor payload hashes were taken while
+    encoding, so the finished GGUF is not read back for them."""
+    from ds4quant.artifact.qtypes import type_ref
+
+    mix_names = set(table.names) if table is not None else set()
+    entries = []
+    for choice, res in zip(plan, results):
+        ref = type_ref(choice.qtype)
+        entries.append(TensorEntry(choice.name, choice.qtype, ref.variant, ref.ggml_type,
+                                   tuple(choice.shape), res.nbytes, res.sha256,
+                                   KEY_CODEBOOKS if choice.name in mix_names else None, res.errors_json()))
+    recipe = dict(rec.to_json())
+    recipe["tensor_types"] = [o.pattern + "=" + o.qtype for o in overrides]
+    recipe["imatrix"] = ({"path": str(imatrix), "sha256": imx_sha} if imatrix is not None else None)
+    recipe["runtimes"] = list(runtimes)
+    if adaptive_info is not None:
+        recipe["allocation"] = adaptive_info
+    recipe["plan"] = [c.to_json() for c in plan]
+    return Manifest(
+        tool_version=__version__,
+        command=tuple(command if command is not None else sys.argv),
+        source={"path": str(Path(src.path)), "fingerprint": source_fp, "format": src.format},
+        recipe=recipe,
+        files=tuple(FileEntry.of(p, p.relative_to(out).as_posix()) for p in files),
+        tensors=tuple(entries),
+    )

@@ -1,0 +1,177 @@
+"""Stage 3 of convert: encode each planned tensor into a piece file, hashing as it writes.
+
+Expert stacks are encoded one expert at a time, with the next expert read and
+dequantized while the current one encodes, so memory stays at a few experts
+whatever the model size. Each piece is written atomically; its size, payload
+sha256 (taken from the bytes as they are written) and error sums go into the
+journal, so a resumed run skips it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator, Mapping, Optional
+
+import numpy as np
+
+from ds4quant.adaptive import Books, Measure
+from ds4quant.artifact import atomic_write
+from ds4quant.convert.plan import importance, load, members_of
+from ds4quant.convert.report import TensorResult
+from ds4quant.convert.resume import Journal, flush_on_exit
+from ds4quant.errors import BadInputError, Ds4quantError
+from ds4quant.formats import decode, encode, get_qtype, numba_threads
+from ds4quant.metrics import error_sums
+from ds4quant.progress import Meter, ProgressFn
+from ds4quant.recipes import TensorChoice
+from ds4quant.sources.base import Source
+
+# Non-expert 2-D tensors are encoded in row blocks of about this many bytes
+# of float32, so an embedding table never needs several full-size copies.
+_ROW_BLOCK_BYTES = 16 << 20
+
+# (sse, ssx, wsse | None, wssx | None, n) of one encoded part
+Stats = tuple[float, float, Optional[float], Optional[float], int]
+
+
+def _encode_parts(src: Source, choice: TensorChoice, members, imatrix, books: Optional[Books],
+                  pool: ThreadPoolExecutor, measured: Optional[Mapping[int, Measure]]
+                  ) -> Iterator[tuple[bytes, Stats]]:
+    """Yield (payload chunk, stats) per matrix (per row block for big non-expert tensors).
+
+    measured: expert id -> the figures adaptive measured for exactly this
+    encoding (same source, importance, books, qtype); those experts are not
+    decoded again to measure them.
+    """
+    qt = get_qtype(choice.qtype)
+    cols = choice.shape[0]
+    lossless = choice.asked == "source" or not qt.lossy
+    dense_members = choice.experts is None and members[0].expert is None
+    # read + dequantize the next matrix while this one encodes
+    pending = None
+    for k, m in enumerate(members):
+        # GGUF sources: stored bytes already in the target qtype are copied, never re-encoded
+        if qt.name != "i32" and src.payload_qtype(m.name) == qt.name:
+            x = (pending if pending is not None else pool.submit(load, src, m, cols)).result()
+            pending = None
+            # the source energy feeds the manifest's error figures; the error is 0
+            yield np.ascontiguousarray(src.read(m.name)).view(np.uint8), (0.0, error_sums(x, x).ssx,
+                                                                         None, None, x.size)
+            src.release(m.name)
+            continue
+        if choice.asked == "mxfp4-lossless":
+            codes, scales = src.expert_fp4(m.layer, m.expert, m.which)
+            payload = mxfp4_payload(codes, scales, m.name)
+            src.release(m.name)
+            yield payload, (0.0, 0.0, None, None, codes.size * 2)
+            continue
+        if qt.name == "i32":
+            raw = np.asarray(src.read(m.name))
+            if raw.dtype.kind not in "iu":
+                raise BadInputError(f"{raw.dtype} tensor cannot be stored as i32", where=m.name)
+            if raw.size and (int(raw.min()) < -(2**31) or int(raw.max()) >= 2**31):
+                raise BadInputError("values do not fit in int32", where=m.name)
+            yield raw.astype("<i4").tobytes(), (0.0, 0.0, None, None, raw.size)
+            continue
+        fut = pending if pending is not None else pool.submit(load, src, m, cols)
+        pending = pool.submit(load, src, members[k + 1], cols) if k + 1 < len(members) and not dense_members else None
+        x = fut.result()
+        src.release(m.name)  # x is a copy: the mapped source pages can go now
+        imp = importance(imatrix, choice.base, m.expert, cols) if qt.lossy else None
+        kw = {}
+        bk = None
+        if qt.is_mix:
+            bk, mode = books.get(choice.base, m.expert, qt.name)
+            kw = {"mode": mode} if mode != 1 else {}
+        step = max(1, _ROW_BLOCK_BYTES // (4 * cols)) if dense_members else x.shape[0]
+        known = measured.get(m.expert) if measured is not None and not lossless and step == x.shape[0] else None
+        for r0 in range(0, x.shape[0], step):
+            xb = x[r0:r0 + step]
+            if not np.all(np.isfinite(xb)):
+                bad = np.argwhere(~np.isfinite(xb))[0]
+                raise BadInputError(f"source value at {(int(bad[0]) + r0, int(bad[1]))} is not finite", where=m.name)
+            try:
+                q = encode(qt.name, xb, imp, bk, **kw)
+            except Ds4quantError as exc:
+                raise type(exc)(exc.message, where=m.name, hint=exc.hint) from None
+            if lossless:
+                stats = (0.0, error_sums(xb, xb).ssx, None, None, xb.size)
+            elif known is not None:
+                # adaptive measured this very encoding (its wsse is weighted by imp
+                # where imp exists; without one the artifact records no weighted figure)
+                w = (known.wsse, known.wssx) if imp is not None else (None, None)
+                stats = (known.sse, known.ssx, w[0], w[1], xb.size)
+            else:
+                y = decode(qt.name, q, cols, bk, modes=(kw.get("mode", 1) if qt.is_mix else None))
+                s = error_sums(xb, y, imp)
+                stats = (s.sse, s.ssx, s.wsse, s.wssx, xb.size)
+            yield q, stats
+
+
+def mxfp4_payload(codes, scales, where: str) -> bytes:
+    from ds4quant.formats.mxfp4 import mxfp4_from_e2m1
+
+    return mxfp4_from_e2m1(codes, scales, where=where).tobytes()
+
+
+def encode_tensor(src: Source, choice: TensorChoice, members, imatrix, books, pool, piece: Path,
+                  measured: Optional[Mapping[int, Measure]] = None) -> TensorResult:
+    """Encode one planned tensor into ``piece`` (atomically); sha256 over the bytes as written."""
+    t0 = time.perf_counter()
+    h = hashlib.sha256()
+    nbytes = n = 0
+    sse = ssx = 0.0
+    wsse = wssx = None
+    with atomic_write(piece) as f:
+        for chunk, (e, s, we, ws, cnt) in _encode_parts(src, choice, members, imatrix, books, pool, measured):
+            view = memoryview(chunk).cast("B")  # bytes or a C-contiguous uint8 array, no copy
+            f.write(view)
+            h.update(view)
+            nbytes += view.nbytes
+            sse, ssx, n = sse + e, ssx + s, n + cnt
+            if we is not None:
+                wsse, wssx = (wsse or 0.0) + we, (wssx or 0.0) + ws
+    expect = get_qtype(choice.qtype).nbytes(int(np.prod(choice.shape)))
+    if nbytes != expect:  # a bug, not a user error
+        raise RuntimeError(f"{choice.name}: encoded {nbytes} bytes, expected {expect}")
+    return TensorResult(choice.name, choice.qtype, nbytes, h.hexdigest(), n, sse, ssx, wsse, wssx,
+                        time.perf_counter() - t0)
+
+
+def _measured_for(choice: TensorChoice, members, figures) -> Optional[dict[int, Measure]]:
+    if not figures:
+        return None
+    got = {m.expert: figures.get((choice.base, m.expert, choice.qtype)) for m in members}
+    return {e: v for e, v in got.items() if v is not None} or None
+
+
+def run_encode(src: Source, plan, members, imx, books, pieces: Path, journal: Journal, threads,
+               progress: Optional[ProgressFn], figures: Optional[Mapping] = None) -> list[TensorResult]:
+    """Encode every planned tensor not already in the journal; results in plan order."""
+    results = []
+    mem = {c.name: members_of(c, members) for c in plan}
+    src_bytes = {c.name: sum(src.info(m.name).nbytes for m in mem[c.name]) for c in plan}
+    # the ETA is over source bytes: one huge embedding and many small norms average out
+    meter = Meter("encode", len(plan), "tensor", total_work=sum(src_bytes.values()))
+    with numba_threads(threads), ThreadPoolExecutor(max_workers=1) as pool, flush_on_exit(journal):
+        for i, choice in enumerate(plan):
+            piece = pieces / f"{i:05d}.bin"
+            prev = journal.done.get(choice.name)
+            if prev is not None and piece.is_file() and piece.stat().st_size == prev["bytes"]:
+                res = TensorResult.from_journal(prev)
+            else:
+                res = encode_tensor(src, choice, mem[choice.name], imx, books, pool, piece,
+                                    _measured_for(choice, mem[choice.name], figures))
+                journal.done[choice.name] = res.to_journal()
+                journal.save(force=False)
+            results.append(res)
+            ev = meter.step(choice.name, work=src_bytes[choice.name], qtype=choice.qtype, bytes=res.nbytes,
+                            seconds=res.seconds, reused=res.reused,
+                            sqnr_db=res.sqnr_db if res.ssx > 0 else None)
+            if progress is not None:
+                progress(ev)
+    journal.save()
+    return results

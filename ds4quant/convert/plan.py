@@ -1,0 +1,123 @@
+"""Stage 1 of convert: from a source to a validated plan (one TensorChoice per output tensor).
+
+Nothing here writes: bad input is refused before OUTDIR is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ds4quant import __version__
+from ds4quant.adaptive import Books
+from ds4quant.errors import BadInputError
+from ds4quant.formats import QTYPES, get_qtype
+from ds4quant.names import layer_of
+from ds4quant.recipes import Recipe, TensorChoice, TensorSpec
+from ds4quant.sources.base import Source
+from ds4quant.sources.naming import Mapped
+
+
+def tensor_specs(src: Source) -> list[tuple[TensorSpec, tuple[Mapped, ...]]]:
+    """(spec, source members) per output tensor, in a stable order."""
+    out = []
+    n_exp = src.config.n_routed_experts
+    for gguf, members in sorted(src.names.by_gguf().items(), key=lambda kv: _gguf_order(kv[0])):
+        first = members[0]
+        info = src.info(first.name)
+        logical = tuple(info.shape_logical)
+        if first.stacked:
+            if len(members) != n_exp:
+                raise BadInputError(f"has {len(members)} experts, config says {n_exp}", where=gguf)
+            shape = tuple(reversed(logical)) + (n_exp,)
+        else:
+            shape = tuple(reversed(logical)) if logical else (1,)
+        spec = TensorSpec(gguf, str(first.kind.value), shape, info.dtype, first.which, first.layer)
+        out.append((spec, members))
+    return out
+
+
+def _gguf_order(name: str):
+    # token_embd first, then blocks in numeric order, then the output tensors.
+    layer = layer_of(name)
+    if layer is not None:
+        return (1, layer, name.split(".", 2)[2])
+    return (0 if name.startswith("token_embd") else 2, 0, name)
+
+
+def plan_fingerprint(recipe: Recipe, plan: Sequence[TensorChoice], imatrix_sha: Optional[str],
+                     extra: Optional[dict]) -> str:
+    """sha256 over everything that decides tensor bytes (the journal's last guard)."""
+    blob = json.dumps(
+        {
+            "tool_version": __version__,
+            "recipe": recipe.to_json(),
+            "plan": [c.to_json() for c in plan],
+            "imatrix": imatrix_sha,
+            "extra": extra,
+        },
+        sort_keys=True,
+    ).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def members_of(choice: TensorChoice, members: dict) -> tuple[Mapped, ...]:
+    """The source members one planned tensor encodes (a compact stack: its experts only)."""
+    ms = members[choice.base]
+    if choice.experts is None:
+        return ms
+    by_id = {m.expert: m for m in ms}
+    return tuple(by_id[e] for e in choice.experts)
+
+
+def importance(imatrix, name: str, expert: Optional[int], cols: int) -> Optional[np.ndarray]:
+    if imatrix is None:
+        return None
+    from ds4quant.imatrix import importance_for
+
+    return importance_for(imatrix, name, expert, cols=cols)
+
+
+def load(src: Source, m: Mapped, cols: int) -> np.ndarray:
+    """One member as float32 (rows, cols), a private copy."""
+    x = src.read_dequantized(m.name)
+    return np.ascontiguousarray(x.reshape(-1, cols), dtype=np.float32)
+
+
+def fit_fixed_mix_books(plan, members, src: Source, imx, books: Books) -> None:
+    """MIX qtypes chosen outright (--tensor-type ...=rocmfp2_mix): the reference
+    fitter per expert, as the Lucebox converter does (per surface here)."""
+    from ds4quant.codebooks import fit_reference
+
+    for c in plan:
+        qt = get_qtype(c.qtype) if c.qtype in QTYPES else None
+        if qt is None or not qt.is_mix:
+            continue
+        for m in members_of(c, members):
+            x = load(src, m, c.shape[0])
+            imp = importance(imx, c.base, m.expert, c.shape[0])
+            b, _ = fit_reference([x], qt.codebook_levels, imp)
+            books.put(c.base, m.expert, qt.name, b, 1)
+            src.release(m.name)
+
+
+def parse_size(text: Optional[str], where: str = "--split-max-size") -> Optional[int]:
+    """``512M`` / ``50G`` / ``1024`` -> bytes (None passes through)."""
+    if text is None:
+        return None
+    t = str(text).strip().upper().removesuffix("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    try:
+        v = int(float(t) * mult)
+    except ValueError:
+        raise BadInputError(f"bad size {text!r}", where=where, hint="e.g. 512M or 50G") from None
+    if v <= 0:
+        raise BadInputError(f"size must be positive, got {text!r}", where=where)
+    return v

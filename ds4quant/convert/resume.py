@@ -1,0 +1,171 @@
+"""Stage 2 of convert: the job's journal and its resume policy.
+
+A run records, at start, every option that decides tensor bytes (``FIXED``)
+with the value it ran with; ``--resume`` compares them with the asked run and
+refuses with one line naming each differing option, its stored and its asked
+value. Options that never change bytes (``MAY_CHANGE``: paths, threads,
+output mode, cache dir) are not compared. The plan fingerprint is the last
+guard: everything it covers is already one of the named options, so it only
+fires on a bug or a hand-edited journal.
+
+    opts = resume_options(recipe=..., source_fingerprint=..., ...)
+    check_resume(journal, opts, plan_fp)     # ResumeMismatchError naming every difference
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+from ds4quant.artifact import atomic_write_json
+from ds4quant.errors import BadInputError, ResumeMismatchError
+
+WORK_DIR = ".ds4quant-work"
+JOURNAL = "journal.json"
+JOURNAL_VERSION = 3
+_JOURNAL_EVERY_S = 2.0
+
+# option -> what it is, as a refusal names it. FIXED options decide tensor bytes.
+FIXED: Mapping[str, str] = MappingProxyType({
+    "source": "source fingerprint",
+    "tool_version": "ds4quant version",
+    "recipe": "--recipe",
+    "tensor_types": "--tensor-type",
+    "dense_type": "--dense-type",
+    "imatrix": "--imatrix (sha256)",
+    "target_bpw": "--target-bpw",
+    "max_bytes": "--max-bytes",
+    "candidates": "--candidates",
+    "granularity": "--granularity",
+    "fitter": "--fitter",
+    "fit_effort": "--fit-effort",
+    "routing": "--routing (sha256)",
+    "lucebox": "--no-lucebox",
+})
+# Never compared: they change where or how fast, not which bytes.
+MAY_CHANGE: tuple[str, ...] = ("outdir", "source path", "--threads", "--name", "--split-max-size",
+                               "--loose-sidecars", "--json", "--cache-dir", "--imatrix path", "--routing path")
+
+
+def resume_options(*, source_fingerprint: str, tool_version: str, recipe: str, tensor_types, dense_type,
+                   imatrix_sha: Optional[str], routing_sha: Optional[str], adaptive) -> dict:
+    """The FIXED options of a run, as JSON values (see ``FIXED``)."""
+    d = {
+        "source": source_fingerprint,
+        "tool_version": tool_version,
+        "recipe": recipe,
+        "tensor_types": list(tensor_types),
+        "dense_type": dense_type,
+        "imatrix": imatrix_sha,
+        "target_bpw": None, "max_bytes": None, "candidates": None, "granularity": None, "fitter": None,
+        "fit_effort": None, "routing": routing_sha, "lucebox": None,
+    }
+    if adaptive is not None:
+        d.update(target_bpw=adaptive.target_bpw, max_bytes=adaptive.max_bytes, candidates=list(adaptive.candidates),
+                 granularity=adaptive.granularity, fitter=adaptive.fitter,
+                 fit_effort=[adaptive.fit_iterations, adaptive.fit_restarts, adaptive.fit_max_rows],
+                 lucebox=adaptive.lucebox)
+    if set(d) != set(FIXED):  # a bug: the table and the recorded options must agree
+        raise RuntimeError(f"resume options {sorted(d)} differ from the policy table {sorted(FIXED)}")
+    return d
+
+
+def _show(v) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, str):
+        return v
+    return json.dumps(v)
+
+
+def differences(stored: Mapping, asked: Mapping) -> list[str]:
+    """'WHAT: journal X, this run Y' for every FIXED option that differs, in table order."""
+    out = []
+    for key, what in FIXED.items():
+        a, b = stored.get(key), asked.get(key)
+        if a != b:
+            out.append(f"{what}: journal {_show(a)}, this run {_show(b)}")
+    return out
+
+
+@dataclass
+class Journal:
+    """The job record in ``OUTDIR/.ds4quant-work``: options, plan fingerprint, finished tensors."""
+
+    path: Path
+    options: dict
+    plan_fingerprint: str
+    done: dict = field(default_factory=dict)
+    _saved: float = 0.0
+
+    def save(self, force: bool = True) -> None:
+        # fsyncs cost; between tensors a few seconds of lost progress is fine
+        if not force and time.monotonic() - self._saved < _JOURNAL_EVERY_S:
+            return
+        atomic_write_json(self.path, {
+            "version": JOURNAL_VERSION,
+            "options": self.options,
+            "plan_fingerprint": self.plan_fingerprint,
+            "done": self.done,
+        })
+        self._saved = time.monotonic()
+
+    @classmethod
+    def load(cls, path: Path) -> "Journal":
+        try:
+            d = json.loads(path.read_text())
+            if d.get("version") != JOURNAL_VERSION:
+                raise ValueError(f"version {d.get('version')}, this ds4quant writes {JOURNAL_VERSION}")
+            if not isinstance(d["options"], dict):
+                raise ValueError("options is not an object")
+            return cls(path, dict(d["options"]), str(d["plan_fingerprint"]), dict(d["done"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ResumeMismatchError(f"journal is unreadable ({exc})", where=str(path),
+                                      hint="start over with --force") from None
+
+
+def check_resume(journal: Journal, options: Mapping, plan_fp: str) -> None:
+    """Refuse to resume when a FIXED option or the plan differs, naming every difference."""
+    diff = differences(journal.options, options)
+    if not diff and journal.plan_fingerprint != plan_fp:
+        diff = [f"plan fingerprint: journal {journal.plan_fingerprint}, this run {plan_fp}"]
+    if diff:
+        raise ResumeMismatchError(
+            "cannot resume: " + "; ".join(diff), where=str(journal.path),
+            hint="run with the journal's options, or start over with --force",
+        )
+
+
+class flush_on_exit:
+    """Save the journal however the encode loop ends (Ctrl-C included), so a
+    resume loses at most the tensor in flight; SIGKILL loses at most
+    _JOURNAL_EVERY_S seconds of finished tensors."""
+
+    def __init__(self, journal: Journal):
+        self.journal = journal
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.journal.save()
+        return False
+
+
+def check_outdir(out: Path, resume: bool, force: bool) -> None:
+    """OUTDIR must be absent, empty, a resumable job (--resume), or replaceable (--force)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise BadInputError("exists and is not a folder", where=str(out))
+    entries = [p.name for p in out.iterdir()]
+    if not entries or force or (resume and WORK_DIR in entries):
+        return
+    raise BadInputError(
+        "output folder is not empty", where=str(out),
+        hint="pass --resume to continue an interrupted run, or --force to replace its contents",
+    )
