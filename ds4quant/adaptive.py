@@ -33,7 +33,7 @@ import numpy as np
 
 from ds4quant import __version__
 from ds4quant.allocate import Allocation, Candidate, Item, allocate
-from ds4quant.errors import BadInputError, BudgetError, CodebookError, UnknownQTypeError
+from ds4quant.errors import BadInputError, BudgetError, UnknownQTypeError
 from ds4quant.formats import decode, encode, get_qtype
 from ds4quant.metrics import error_sums
 from ds4quant.names import stack_name

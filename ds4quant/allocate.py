@@ -89,7 +89,7 @@ def allocate(items: Sequence[Item], budget: int) -> Allocation:
     for it in items:
         f = _pareto(it.candidates)
         if not f:
-            raise BudgetError(f"no usable candidate (all errors are non-finite)", where=it.key)
+            raise BudgetError("no usable candidate (all errors are non-finite)", where=it.key)
         fronts.append(f)
     floor = sum(f[0].bytes for f in fronts)
     if floor > budget:

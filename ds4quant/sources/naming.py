@@ -24,8 +24,8 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Iterable, NamedTuple, Optional
 
-from ds4quant.artifact.ds4 import REQUIRED_U32_KEYS as _LOADER_U32_KEYS
 from ds4quant.errors import BadInputError, UnsupportedFormatError
+from ds4quant.names import WRITTEN_U32_KEYS as REQUIRED_U32_KEYS  # noqa: F401 (re-exported: names.DS4_U32_KEYS is the one table)
 from ds4quant.names import layer_of, parse_stack, stack_name
 from ds4quant.sources.config import Ds4Config
 
@@ -339,11 +339,6 @@ class GgufKv(NamedTuple):
         from gguf import GGUFValueType
 
         return GGUFValueType.UINT32 if self.type == GGUFValueType.ARRAY else None
-
-
-# Lucebox LOADER kRequiredU32Keys (the container's table) plus
-# attention.value_length, which newer loaders also require.
-from ds4quant.names import WRITTEN_U32_KEYS as REQUIRED_U32_KEYS  # noqa: E402 (names.DS4_U32_KEYS: one table)
 
 
 def deepseek4_kvs(config: Ds4Config) -> list[GgufKv]:
