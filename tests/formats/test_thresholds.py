@@ -2,7 +2,7 @@
 
 For every scale codec (rocmfp2 with and without the fp2s option, rocmfp2_s40,
 rocmfp3, rocmfp4, rocmfp4_fast, rocmfp6, rocmfp8, rocmfp2_affine and the MIX
-codecs' fixed-level mode 0) and both encoders, a group's scale is pinned to a
+codecs' fixed-level mode 0 and codebook mode 1) and both encoders, a group's scale is pinned to a
 chosen power of two ``S`` and the other elements sit at ``q * S`` for every
 threshold ``q`` between two levels, its float32 neighbours and ``+-0``. Then:
 
@@ -11,7 +11,8 @@ threshold ``q`` between two levels, its float32 neighbours and ``+-0``. Then:
 * every probe decodes to the level the spec's tie rule gives (rocmfpx-codecs.md
   §3 FP2 ties to the lower code, §5 FP3 and §8 FP4 to the lower magnitude,
   §6 FP6 and §7 FP8 round half away, S40 ties inner with the sign of signbit,
-  §4 affine floor(t + 0.5) ties up, §9.3 mode 0 as FP2 / FP3).
+  §4 affine floor(t + 0.5) ties up, §9.3 mode 0 as FP2 / FP3, §9.4 mode 1's
+  nearest level NL ties to the lower level).
 
 The oracle below is exact rational arithmetic on the level sets (Fraction),
 not the codecs' comparisons, so a flipped ``>`` / ``>=`` in either encoder
@@ -133,6 +134,9 @@ class Case:
 _BOOK4 = np.array([[-1.0, -0.25, 0.5, 1.0], [-1.0, 0.0, 0.5, 1.0]], np.float32)
 _BOOK8 = np.array([[-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0]] * 2, np.float32)
 
+_MIX4 = [Fraction(float(v)) for v in _BOOK4[0]]
+_MIX8 = [Fraction(float(v)) for v in _BOOK8[0]]
+
 _FP2_PINS = (2.0, 1.0, -1.0, 2.0, 0.0, 2.0, 1.0, 2.0, -1.0, 2.0, 1.0, 2.0, -1.0, 2.0, 1.0)
 
 
@@ -167,6 +171,19 @@ CASES = {
                               tuple(_probes(_thresholds([0, 1, 2, 4]), [5.0])),
                               (4.0, -4.0, 2.0, -1.0, 4.0, 1.0, -2.0, 4.0, -4.0, 2.0, 1.0, 4.0, -1.0, 4.0, -4.0),
                               options=(("mode", 0),), books=_BOOK8, modes=0),
+    # mode 1 (§9.4): NL's binary search sends a tie to the lower level; book 1
+    # is book 0 halved, so it only ever ties book 0, and ties go to book 0. The
+    # search window is centred on N(max|x| / 1) over the whole half, weights or
+    # not, so no probe lies past the top level here.
+    "rocmfp2_mix/mode1": Case("rocmfp2_mix", 16, 1.0, lambda q: _nearest(_MIX4, Fraction(q), "low"),
+                              tuple(_probes(_thresholds(_MIX4))),
+                              (1.0, -1.0, 0.5, -0.25, 1.0, 0.5, -1.0, 1.0, -0.25, 1.0, 0.5, -1.0, 1.0, -1.0, 0.5),
+                              options=(("mode", 1),), books=np.stack([_BOOK4[0], _BOOK4[0] * F32(0.5)]), modes=1,
+                              cols_multiple=128),
+    "rocmfp3_mix/mode1": Case("rocmfp3_mix", 16, 1.0, lambda q: _nearest(_MIX8, Fraction(q), "low"),
+                              tuple(_probes(_thresholds(_MIX8))),
+                              (1.0, -1.0, 0.5, -0.25, 1.0, 0.75, -0.5, 1.0, -0.75, 0.25, 0.5, 1.0, -1.0, 1.0, -0.25),
+                              options=(("mode", 1),), books=np.stack([_BOOK8[0], _BOOK8[0] * F32(0.5)]), modes=1),
 }
 
 
@@ -279,8 +296,9 @@ def test_thresholds_pinned_by_importance(name, e):
 
 
 # S40 has no zero level: a probe on its 2.5 threshold costs (1.5 S)^2 and
-# always pulls an unweighted search off S; the pinned test covers it.
-UNWEIGHTED = [n for n in CASES if n != "rocmfp2_s40"]
+# always pulls an unweighted search off S; MIX mode 1's books have no level
+# pins of many scales can share. The pinned test covers both.
+UNWEIGHTED = [n for n in CASES if n != "rocmfp2_s40" and not n.endswith("mode1")]
 
 
 @pytest.mark.parametrize("e", SCALE_BYTES, ids=lambda e: f"e{e:#04x}")
