@@ -1,10 +1,11 @@
 """Elements exactly on every decision threshold and tie, at exact power-of-two scales.
 
 For every scale codec (rocmfp2 with and without the fp2s option, rocmfp2_s40,
-rocmfp3, rocmfp4, rocmfp4_fast, rocmfp6, rocmfp8, rocmfp2_affine and the MIX
-codecs' fixed-level mode 0 and codebook mode 1) and both encoders, a group's scale is pinned to a
-chosen power of two ``S`` and the other elements sit at ``q * S`` for every
-threshold ``q`` between two levels, its float32 neighbours and ``+-0``. Then:
+rocmfp3, rocmfp4, rocmfp4_fast, rocmfp6, rocmfp8, rocmfp2_affine, and the MIX
+codecs' fixed-level mode 0 and codebook mode 1) and both encoders, a group's
+scale is pinned to a chosen power of two ``S`` and the other elements sit at
+``q * S`` for every threshold ``q`` between two levels, its float32 neighbours
+and ``+-0``. Then:
 
 * the reference and the fast encoder give the same bytes;
 * every group got the pinned scale byte;
