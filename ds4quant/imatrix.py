@@ -29,6 +29,19 @@ where ``values = mean(x^2) * ncall`` (so ``values / ncall`` is the mean) and
 an expert stack is one flat vector of ``n_expert * cols`` values sharing one
 ``ncall``; llama.cpp stores 1.0 as the mean of an expert that saw no token.
 
+Lucebox layout (what Lucebox's ``ds4_mix_converter`` reads, spec
+ds4-and-lucebox.md / rocmfpx-codecs.md §9.5): the legacy entries **without
+any tail** (its loader refuses trailing bytes), every ``ncall > 0``, at most
+2^24 values and 4096 name bytes per entry, and **one** input-length vector per
+tensor: an expert stack ``blk.L.ffn_*_exps.weight`` holds ``cols`` values that
+every expert of the stack shares, where llama.cpp stores ``n_expert * cols``.
+The converter uses the values as stored, so ``write_imatrix_lucebox`` writes
+the mean E[x^2] itself with ``ncall = 1`` (a stack's mean pools all its
+experts' tokens: sum of x^2 over every routed token / their count).
+``read_imatrix`` reads a file without a tail as ``format == "lucebox"`` and
+``importance_for`` hands a stack's one vector to every expert, so
+``convert --imatrix`` takes either file.
+
 Example::
 
     im = read_imatrix("imatrix.gguf")
@@ -57,6 +70,7 @@ __all__ = [
     "read_imatrix",
     "write_imatrix_gguf",
     "write_imatrix_dat",
+    "write_imatrix_lucebox",
     "importance_for",
 ]
 
@@ -99,7 +113,9 @@ class ImatrixEntry:
 class Imatrix:
     """An importance matrix: entries by weight-tensor name plus metadata.
 
-    format: "gguf" or "dat" (what it was read from; "" when built in memory).
+    format: what it was read from: "gguf", "dat" (llama.cpp legacy, with the
+    chunk-count tail) or "lucebox" (legacy entries with no tail, the layout
+    Lucebox's converter reads); "" when built in memory.
     datasets: dataset files named by the file; chunk_count / chunk_size when
     the file says (legacy files have no chunk size). names: sorted entry names.
     """
@@ -220,6 +236,11 @@ def importance_for(
                 f"the imatrix stores {vals.shape[0]} values in one vector; pass cols= to pick expert {expert}",
                 where=where,
             )
+        if vals.shape[0] == cols:
+            # Lucebox layout: one input-length vector shared by every expert
+            # of the stack (see the module doc).
+            row, count = vals, entry.counts[0]
+            return None if count == 0 else (row / np.float32(count)).astype(np.float32)
         if cols <= 0 or vals.shape[0] % cols:
             raise ShapeError(f"{vals.shape[0]} imatrix values are not a whole number of {cols}-column experts", where=where)
         n_expert = vals.shape[0] // cols
@@ -337,7 +358,10 @@ def _read_dat(cur: _Cursor) -> Imatrix:
                 )
             ds = cur.take(n, "tail: dataset name").decode("utf-8", errors="replace")
             datasets = (ds,) if ds else ()
-    return Imatrix(path=cur.path, format="dat", entries=entries, datasets=datasets, chunk_count=chunk_count)
+    # No tail at all is what Lucebox's converter requires (and what
+    # write_imatrix_lucebox writes); llama.cpp files carry one.
+    fmt = "dat" if chunk_count is not None else "lucebox"
+    return Imatrix(path=cur.path, format=fmt, entries=entries, datasets=datasets, chunk_count=chunk_count)
 
 
 _GGUF_INT_TYPES = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
@@ -520,4 +544,71 @@ def write_imatrix_dat(path: "str | os.PathLike[str]", imatrix: Imatrix) -> tuple
         raise BadInputError(f"chunk_count {chunk_count} overflows imatrix.dat's int32")
     tail = struct.pack("<ii", chunk_count, len(dataset)) + dataset
     _write_parts(path, [struct.pack("<i", len(parts)), *parts, tail])
+    return tuple(skipped)
+
+
+# Lucebox converter's load_imatrix bounds (ds4_mix_converter.cpp).
+_LUCEBOX_MAX_ENTRIES = 1_000_000
+_LUCEBOX_MAX_NAME = 4096
+_LUCEBOX_MAX_VALUES = 1 << 24
+
+
+def _pooled_mean(e: ImatrixEntry, cols: Optional[int]) -> Optional[np.ndarray]:
+    """One input-length mean E[x^2] for an entry, or None when it saw no token.
+
+    Per-expert entries pool every expert's tokens (sums / total count); a
+    legacy flat stack (``cols`` given, n_expert * cols values, one ncall)
+    averages its experts' means, the only weighting the file still knows.
+    """
+    total = float(e.counts.sum())
+    if total == 0:
+        return None
+    if e.values.ndim == 2:
+        mean = e.values.astype(np.float64).sum(axis=0) / total
+    else:
+        mean = e.values.astype(np.float64) / float(e.counts[0])
+        if cols is not None and cols > 0 and mean.shape[0] != cols:
+            if mean.shape[0] % cols:
+                raise ShapeError(f"imatrix entry {e.name!r}: {mean.shape[0]} values are not a whole number of "
+                                 f"{cols}-column experts")
+            mean = mean.reshape(-1, cols).mean(axis=0)
+    return mean.astype(np.float32)
+
+
+def write_imatrix_lucebox(
+    path: "str | os.PathLike[str]", imatrix: Imatrix, *, cols: Optional[Mapping[str, int]] = None
+) -> tuple[str, ...]:
+    """Write ``imatrix`` in the layout Lucebox's converter reads, atomically.
+
+    Legacy ``imatrix.dat`` entries in name order, each one input-length
+    float32 vector of the mean E[x^2] with ``ncall = 1``, and no tail (see the
+    module doc). An expert stack stored per expert is pooled over its experts'
+    tokens; ``cols`` (name -> input length) splits a legacy flat stack, which
+    is otherwise written as it is. Entries that saw no token (Lucebox needs
+    ``ncall > 0``) are left out and their names returned.
+
+    Example::
+
+        write_imatrix_lucebox("imatrix.lucebox.dat", read_imatrix("imatrix.gguf"))
+    """
+    parts: list[bytes] = []
+    skipped: list[str] = []
+    for name in imatrix.names:
+        mean = _pooled_mean(imatrix.entries[name], None if cols is None else cols.get(name))
+        if mean is None:
+            skipped.append(name)
+            continue
+        raw = name.encode("utf-8")
+        if len(raw) > _LUCEBOX_MAX_NAME or mean.size > _LUCEBOX_MAX_VALUES:
+            raise BadInputError(f"imatrix entry {name!r}: {len(raw)} name bytes / {mean.size} values exceed "
+                                f"Lucebox's {_LUCEBOX_MAX_NAME} / {_LUCEBOX_MAX_VALUES}")
+        if not np.all(np.isfinite(mean)):
+            raise BadInputError(f"imatrix entry {name!r}: the mean overflows float32")
+        parts.append(struct.pack("<i", len(raw)) + raw + struct.pack("<ii", 1, mean.size)
+                     + mean.astype("<f4").tobytes())
+    if not parts:
+        raise BadInputError("imatrix has no entry with data; Lucebox's converter refuses an empty imatrix")
+    if len(parts) > _LUCEBOX_MAX_ENTRIES:
+        raise BadInputError(f"{len(parts)} imatrix entries exceed Lucebox's {_LUCEBOX_MAX_ENTRIES}")
+    _write_parts(path, [struct.pack("<i", len(parts)), *parts])
     return tuple(skipped)

@@ -87,6 +87,8 @@ class RoutingProfile:
     chose expert e. n_expert_used: top-k of the model (slots per token).
     tokens: tokens seen, or None when unknown (a CSV does not say).
     source: JSON-serializable facts about where the counts came from.
+    path: the file it was read from (None when built in memory); not part of
+    equality or the JSON, it only lets errors about the profile name the file.
     """
 
     n_layer: int
@@ -95,6 +97,7 @@ class RoutingProfile:
     counts: np.ndarray
     tokens: Optional[int] = None
     source: Mapping[str, Any] = field(default_factory=dict)
+    path: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_expert", "n_expert_used"):
@@ -129,6 +132,22 @@ class RoutingProfile:
             raise BadInputError("routing profile source must be a mapping with string keys")
         json_bytes(dict(self.source))  # refuses what JSON cannot hold
         object.__setattr__(self, "source", MappingProxyType(dict(self.source)))
+        if self.path is not None:
+            object.__setattr__(self, "path", str(self.path))
+
+    @property
+    def where(self) -> str:
+        """The file for error messages ("routing profile" when built in memory)."""
+        return self.path or "routing profile"
+
+    def check_shape(self, n_layer: int, n_expert: int, what: str = "the model") -> None:
+        """Raise ShapeError naming the file unless the profile is (n_layer, n_expert)."""
+        if (self.n_layer, self.n_expert) != (n_layer, n_expert):
+            raise ShapeError(
+                f"routing profile is {self.n_layer} layers x {self.n_expert} experts, {what} "
+                f"{n_layer} x {n_expert}",
+                where=self.where, hint="profile the same model (calibrate writes routing.csv / routing.json)",
+            )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RoutingProfile):
@@ -295,7 +314,8 @@ def read_routing_csv(path: "str | os.PathLike[str]") -> RoutingProfile:
         raise CorruptDataError(f"header says n_layer={n_layer} but the file has {len(rows)} rows", where=where)
     if n_used is None:
         n_used = min(DEFAULT_EXPERT_USED, n_expert)
-    return RoutingProfile(n_layer, n_expert, n_used, np.array(rows, dtype=np.uint64).reshape(n_layer, n_expert))
+    return RoutingProfile(n_layer, n_expert, n_used, np.array(rows, dtype=np.uint64).reshape(n_layer, n_expert),
+                          path=where)
 
 
 # --------------------------------------------------------------------------
@@ -307,7 +327,7 @@ def write_routing_json(path: "str | os.PathLike[str]", profile: RoutingProfile) 
     return atomic_write_bytes(path, json_bytes(profile.to_json()))
 
 
-def profile_from_json(obj: Any, where: str = "routing JSON") -> RoutingProfile:
+def profile_from_json(obj: Any, where: str = "routing JSON", path: Optional[str] = None) -> RoutingProfile:
     """Build a profile from a decoded JSON object (see module doc); malformed
     content raises CorruptDataError naming ``where`` and the field."""
 
@@ -355,7 +375,8 @@ def profile_from_json(obj: Any, where: str = "routing JSON") -> RoutingProfile:
         if sum(row) > UINT64_MAX:
             raise fail(f"counts[{i}] sum past 2^64-1")
     arr = np.array(counts, dtype=np.uint64).reshape(dims["n_layer"], dims["n_expert"])
-    return RoutingProfile(dims["n_layer"], dims["n_expert"], dims["n_expert_used"], arr, tokens=tokens, source=source)
+    return RoutingProfile(dims["n_layer"], dims["n_expert"], dims["n_expert_used"], arr, tokens=tokens, source=source,
+                          path=path)
 
 
 def read_routing_json(path: "str | os.PathLike[str]") -> RoutingProfile:
@@ -365,7 +386,7 @@ def read_routing_json(path: "str | os.PathLike[str]") -> RoutingProfile:
         obj = json.loads(text, parse_constant=_refuse_constant)
     except ValueError as e:
         raise CorruptDataError(f"not valid JSON: {e}", where=where) from None
-    return profile_from_json(obj, where)
+    return profile_from_json(obj, where, path=where)
 
 
 def _refuse_constant(name: str):

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from ds4quant.errors import BadInputError, CorruptDataError, ShapeError, UnsupportedFormatError
+from ds4quant.errors import BadInputError, CorruptDataError, Ds4quantError, ShapeError, UnsupportedFormatError
 from ds4quant.routing import (
     CSV_FORMAT_LINE,
     RoutingProfile,
@@ -254,3 +254,45 @@ def test_record_refuses_bad_values():
 def test_write_into_missing_folder_is_refused(tmp_path):
     with pytest.raises(BadInputError, match="does not exist"):
         write_routing_csv(tmp_path / "no" / "r.csv", _profile())
+
+
+# --------------------------------------------------------------------------
+# shape errors name the file (issue 13)
+
+
+def test_read_profiles_remember_their_file(tmp_path):
+    p = _profile()
+    csv, js = tmp_path / "r.csv", tmp_path / "r.json"
+    write_routing_csv(csv, p)
+    write_routing_json(js, p)
+    assert read_routing(csv).path == str(csv) and read_routing(js).path == str(js)
+    assert read_routing(csv) == p  # the path is not part of equality
+    assert "path" not in read_routing(js).to_json()
+    assert p.path is None and p.where == "routing profile"
+
+
+def test_shape_error_names_the_file(tmp_path):
+    csv = tmp_path / "hot.csv"
+    write_routing_csv(csv, _profile())
+    prof = read_routing(csv)
+    prof.check_shape(3, 5)
+    with pytest.raises(ShapeError) as ei:
+        prof.check_shape(3, 16)
+    assert str(csv) in ei.value.one_line()
+    assert "3 layers x 5 experts" in ei.value.one_line() and "3 x 16" in ei.value.one_line()
+
+
+def test_adaptive_convert_names_a_misshapen_profile(tmp_path):
+    """The adaptive recipe's expert-count check (16 experts in the sample, 15 in
+    the profile) names the profile file."""
+    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.convert import convert
+
+    bad = tmp_path / "routing-15.csv"
+    write_routing_csv(bad, RoutingProfile(4, 15, 4, np.ones((4, 15), np.uint64)))
+    opts = AdaptiveOptions(target_bpw=3.0, candidates=("rocmfp2", "rocmfp3"), routing=str(bad),
+                           cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(Ds4quantError) as ei:
+        convert("samples/ds4-tiny", tmp_path / "out", "adaptive", adaptive=opts)
+    line = ei.value.one_line()
+    assert str(bad) in line and "15" in line and "16" in line
