@@ -22,7 +22,9 @@ Outputs in ``out_dir``: ``imatrix.gguf`` (GGUF imatrix: per-expert sums with
 shape (n_expert, cols) and counts per expert; an expert no token reached has
 count 0, so ``importance_for`` returns None and the converter falls back to the
 weight-only error), ``routing.csv`` (Lucebox hotness CSV), ``routing.json`` and
-``report.json`` (tokens, sequences, seconds, unreached experts per tensor).
+``report.json`` (tokens, sequences, seconds, unreached experts per tensor),
+and ``imatrix.lucebox.dat``, the same sums in the layout Lucebox's converter
+reads (one mean vector per expert stack, no dataset tail).
 
 Determinism: every sequence runs alone (batch 1) on one torch thread, its
 sums are taken in float64 and the per-sequence sums are added in sequence
@@ -62,6 +64,7 @@ __all__ = ["CalibrationReport", "calibrate", "read_tokens", "REPORT_SCHEMA", "RE
 REPORT_SCHEMA = "ds4quant.calibration_report"
 REPORT_VERSION = 1
 IMATRIX_FILE = "imatrix.gguf"
+IMATRIX_LUCEBOX_FILE = "imatrix.lucebox.dat"  # ds4_mix_converter layout (imatrix.write_imatrix_lucebox)
 ROUTING_CSV = "routing.csv"
 ROUTING_JSON = "routing.json"
 REPORT_FILE = "report.json"
@@ -410,12 +413,12 @@ def calibrate(
     bytes do not depend on it. progress gets a ProgressEvent (stage
     "calibrate", unit "sequence", detail ``tokens``: tokens done) after each
     sequence. ``out_dir`` is created if its
-    parent exists; the four files in it are each replaced atomically.
+    parent exists; the five files in it are each replaced atomically.
 
         rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "calib")
     """
     from ds4quant.artifact.atomic import atomic_write_json
-    from ds4quant.imatrix import write_imatrix_gguf
+    from ds4quant.imatrix import write_imatrix_gguf, write_imatrix_lucebox
     from ds4quant.routing import RoutingProfile, write_routing_csv, write_routing_json
     from ds4quant.sources import open_official_source
     from ds4quant.sources.config import HASH_MOE
@@ -504,6 +507,7 @@ def calibrate(
                 "reference": "transformers DeepseekV4ForCausalLM fp32 eager, batch 1"},
     )
     write_imatrix_gguf(out / IMATRIX_FILE, im)
+    write_imatrix_lucebox(out / IMATRIX_LUCEBOX_FILE, im)
     write_routing_json(out / ROUTING_JSON, profile)
     write_routing_csv(out / ROUTING_CSV, profile)
 
@@ -513,14 +517,14 @@ def calibrate(
         for s in SURFACES:
             unreached[expert_tensor(layer, s)] = never
     sha = {}
-    for name in (IMATRIX_FILE, ROUTING_CSV, ROUTING_JSON):
+    for name in (IMATRIX_FILE, IMATRIX_LUCEBOX_FILE, ROUTING_CSV, ROUTING_JSON):
         sha[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()
     report = CalibrationReport(
         out_dir=str(out), source=src_path.name, fingerprint=fingerprint, tokens_file=tokens_file,
         tokens_sha256=tokens_sha, sequences=len(seqs), tokens=tot.tokens, n_layer=n_layer, n_expert=n_expert,
         n_expert_used=k, hash_layers=hash_layers, unreached=MappingProxyType(unreached),
         dense_tensors=tuple(sorted(tot.dense)),
-        files=MappingProxyType({"imatrix": IMATRIX_FILE, "routing_csv": ROUTING_CSV,
+        files=MappingProxyType({"imatrix": IMATRIX_FILE, "imatrix_lucebox": IMATRIX_LUCEBOX_FILE, "routing_csv": ROUTING_CSV,
                                 "routing_json": ROUTING_JSON, "report": REPORT_FILE}),
         sha256=MappingProxyType(sha), versions=MappingProxyType(_versions()), seconds=seconds, threads=workers,
     )

@@ -137,7 +137,7 @@ def _fit_effort(text: str) -> dict:
               help="mxfp4, rocmfp2-strix, rocmfp3, rocmfp4, rocmfp4-fast, rocmfp8, adaptive.")
 @click.option("--threads", type=int, default=None, help="Encoder threads (default: all cores). Never changes bytes.")
 @click.option("--imatrix", type=click.Path(path_type=str), default=None,
-              help="Importance matrix (llama.cpp imatrix.dat or GGUF imatrix).")
+              help="Importance matrix: GGUF imatrix, llama.cpp imatrix.dat, or the Lucebox converter layout.")
 @click.option("--tensor-type", "tensor_types", multiple=True, metavar="REGEX=QTYPE",
               help="Override the qtype of tensors whose GGUF name matches REGEX; repeatable, last wins. "
                    "QTYPE 'source' keeps source precision.")
@@ -390,8 +390,9 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, as_json:
     column, per expert) and a routing profile.
 
     \b
-    Writes OUT/imatrix.gguf, routing.csv (Lucebox hotness CSV), routing.json
-    and report.json. Experts no token reached get count 0 and are listed.
+    Writes OUT/imatrix.gguf, imatrix.lucebox.dat (the layout Lucebox's
+    ds4_mix_converter reads: one vector per expert stack, no tail),
+    routing.csv (Lucebox hotness CSV), routing.json and report.json. Experts no token reached get count 0 and are listed.
     Examples:
       ds4quant calibrate samples/ds4-tiny --tokens samples/tokens.txt --out calib
       ds4quant calibrate ckpt/ --tokens toks.json --out calib --threads 4 --json

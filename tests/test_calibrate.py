@@ -163,7 +163,9 @@ def _weights(ckpt: Path, layer: int, e: int):
 
 def test_outputs_and_report(run1):
     rep, out, seen = run1
-    assert sorted(p.name for p in out.iterdir()) == ["imatrix.gguf", "report.json", "routing.csv", "routing.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["imatrix.gguf", "imatrix.lucebox.dat", "report.json", "routing.csv",
+                                                      "routing.json"]
+    assert read_imatrix(out / "imatrix.lucebox.dat").format == "lucebox"
     doc = json.loads((out / "report.json").read_text())
     assert doc["schema"] == "ds4quant.calibration_report" and doc["version"] == 1
     assert doc["tokens"]["sequences"] == 3 and doc["tokens"]["tokens"] == sum(SEQ_LENS)
@@ -304,7 +306,7 @@ def test_cli_json_run_is_byte_identical(run1, ckpt, tokens_file, tmp_path):
     res = CliRunner().invoke(cli, ["calibrate", str(ckpt), "--tokens", str(tokens_file), "--out", str(out2), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
-    for name in ("imatrix.gguf", "routing.csv", "routing.json"):
+    for name in ("imatrix.gguf", "imatrix.lucebox.dat", "routing.csv", "routing.json"):
         assert (out1 / name).read_bytes() == (out2 / name).read_bytes(), name
     d1 = json.loads((out1 / "report.json").read_text())
     d2 = json.loads((out2 / "report.json").read_text())
@@ -317,7 +319,7 @@ def test_worker_processes_do_not_change_bytes(run1, ckpt, tokens_file, tmp_path)
     _rep, out1, _ = run1
     rep = calibrate(ckpt, tokens_file, tmp_path / "w2", threads=2)
     assert rep.threads == 2
-    for name in ("imatrix.gguf", "routing.csv", "routing.json"):
+    for name in ("imatrix.gguf", "imatrix.lucebox.dat", "routing.csv", "routing.json"):
         assert (out1 / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
 
 
