@@ -145,6 +145,31 @@ def test_fast_mode_is_close_to_exact_and_reported_not_equal(strix, hidden, refer
         assert rel < (6e-2 if r == 4 else 3e-2), f"row {r}: {rel}"
 
 
+def test_torch_decode_on_the_cpu_device_gives_the_same_bytes(strix, hidden, reference):
+    # the decoder a CUDA/HIP owner uses (formats.decode_torch), run on the CPU device
+    from ds4quant.runtime.owners.torch_owner import TorchOwner
+
+    x, tok = hidden
+    mine = {"torch-cpu:1": TorchOwner("cpu", identity="torch-cpu:1", torch_decode=True)}
+    with runtime.load(strix, placement=_split(["torch-cpu:0", "torch-cpu:1"]), owners=mine) as rt:
+        assert rt.owners["torch-cpu:1"] is mine["torch-cpu:1"]
+        for L in (HASH_LAYER, TOPK_LAYER):
+            assert _sha(rt.moe(L, x, tok)) == _sha(reference[L][0])
+    assert mine["torch-cpu:1"].experts(TOPK_LAYER) == ()  # closed with the runtime
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or HIP device")
+def test_device_owner_gives_the_cpu_bytes(strix, hidden, reference):
+    x, tok = hidden
+    dev = "hip:0" if getattr(torch.version, "hip", None) else "cuda:0"
+    for plc in ({L: {dev: tuple(range(E))} for L in range(4)}, _split(["torch-cpu:0", dev])):
+        with runtime.load(strix, placement=plc) as rt:
+            assert rt.owners[dev].identity == dev
+            for L in (HASH_LAYER, TOPK_LAYER):
+                assert _sha(rt.moe(L, x, tok)) == _sha(reference[L][0])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("ds4quant.runtime.owners.worker") is None,
                     reason="worker owner (runtime/owners/worker.py) not in this build")
 def test_worker_owner_gives_the_same_bytes(strix, hidden, reference):
