@@ -242,3 +242,62 @@ def test_fixed_exp_and_swiglu():
     assert h[0, 0].item() == 0.0 and math.copysign(1, h[0, 0].item()) == -1  # gc * 0.0 * uc: -0
     assert h[0, 3].item() == pytest.approx(2 / (1 + math.exp(-2)) * -10, rel=1e-7)  # up clamped to -10
     assert h[0, 4].item() == pytest.approx(10 / (1 + math.exp(-10)) * 10, rel=1e-7)  # gate clamped to 10
+
+
+# --------------------------------------------------------------------------
+# TorchOwner: identity, residency, decode tables
+
+
+def test_torch_identity_is_read_from_torch(monkeypatch):
+    from ds4quant.runtime.owners.torch_owner import torch_identity
+
+    assert torch_identity("cpu") == "torch-cpu:0"
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert torch_identity("cuda:1") == "cuda:1"
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    assert torch_identity("cuda:1") == "hip:1"
+
+
+def _mix_stack(tensor="blk.0.ffn_gate_exps.rocmfp3_mix.weight", ids=(2, 5), rows=8, cols=64):
+    from ds4quant import formats
+    from ds4quant.codebooks import CodebookEntry
+    from ds4quant.runtime.owners.base import ExpertStack
+
+    L = formats.QTYPES["rocmfp3_mix"].codebook_levels
+    rng = np.random.default_rng(1)
+    books = np.stack([np.stack([np.linspace(-1, 1, L) * (1 + 0.25 * g), np.linspace(-0.5, 1.5, L) * (1 + 0.25 * g)])
+                      for g in range(8)]).astype(np.float32)
+    books = formats.bf16_round(books)
+    data = np.stack([formats.encode("rocmfp3_mix", rng.standard_normal((rows, cols)).astype(np.float32),
+                                    codebooks=books[g]) for g in ids])
+    entry = CodebookEntry(tensor, "rocmfp3_mix", np.ones(8, np.uint8), books, n_global=8,
+                          expert_ids=tuple(range(8)))
+    stack = ExpertStack(tensor, 0, "gate", "rocmfp3_mix", rows, cols, tuple(ids), data)
+    return stack, entry, books
+
+
+def test_mix_decode_needs_the_owners_own_registration():
+    from ds4quant import formats
+    from ds4quant.errors import CodebookError
+    from ds4quant.runtime.owners.torch_owner import TorchOwner
+
+    stack, entry, books = _mix_stack()
+    a = TorchOwner("cpu", identity="torch-cpu:0")
+    b = TorchOwner("cpu", identity="torch-cpu:1")
+    a.add_stack(stack)
+    with pytest.raises(CodebookError):  # unregistered: never decoded with fixed levels
+        a._decode(0, "gate", 5)
+    a.register_books(stack.tensor, stack.expert_ids, entry)
+    got = a._decode(0, "gate", 5).numpy()
+    want = formats.decode("rocmfp3_mix", stack.data[1], stack.cols, codebooks=books[5], modes=1)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # global row 5 gathered to local 1
+    with pytest.raises(CodebookError):  # another owner's identity never resolves a's entry
+        a.registry.lookup(b.identity, stack.tensor)
+    with pytest.raises(CodebookError):
+        a.register_books(stack.tensor, (5, 2), entry)  # not the resident order
+    with pytest.raises(CodebookError):
+        a.register_books(stack.tensor, (), entry)
+    a.close()
+    with pytest.raises(CodebookError):
+        a.registry.lookup(a.identity, stack.tensor)
+    assert a.resident_bytes() == 0

@@ -188,6 +188,14 @@ def test_load_refuses_and_cleans_up(strix):
         runtime.load(strix, placement={L: {"gpu7": tuple(range(E))} for L in range(4)})
     with pytest.raises(BadInputError, match="mode"):
         runtime.load(strix, mode="fastest")
+    # a failure after some owners are loaded closes them: nothing stays resident or registered
+    from ds4quant.runtime.owners.torch_owner import TorchOwner
+
+    mine = TorchOwner("cpu", identity="torch-cpu:0")
+    with pytest.raises(BadInputError, match="unknown owner name"):
+        runtime.load(strix, placement={L: {"torch-cpu:0": tuple(range(8)), "zz:1": tuple(range(8, E))}
+                                       for L in range(4)}, owners={"torch-cpu:0": mine})
+    assert mine.resident_bytes() == 0 and mine.experts(0) == ()
     if not HAVE_CPU:
         with pytest.raises(MissingDependencyError):
             runtime.load(strix, placement={L: {"cpu:0": tuple(range(E))} for L in range(4)})
