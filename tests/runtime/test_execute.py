@@ -301,3 +301,53 @@ def test_mix_decode_needs_the_owners_own_registration():
     with pytest.raises(CodebookError):
         a.registry.lookup(a.identity, stack.tensor)
     assert a.resident_bytes() == 0
+
+
+# --------------------------------------------------------------------------
+# Runtime on a small artifact (mxfp4: a lossless repack, quick to write)
+
+
+@pytest.fixture(scope="module")
+def mx(tmp_path_factory):
+    from pathlib import Path
+
+    from ds4quant.convert import convert
+
+    out = tmp_path_factory.mktemp("rtx") / "mx"
+    convert(Path(__file__).resolve().parents[2] / "samples" / "ds4-tiny", out, "mxfp4", threads=1)
+    return out
+
+
+def test_runtime_api_recorder_and_close(mx):
+    from ds4quant import runtime
+
+    class Rec:
+        def __init__(self):
+            self.seen = []
+
+        def add(self, layer, top_k_index):
+            self.seen.append((layer, top_k_index.clone()))
+
+    rec = Rec()
+    x = torch.randn((3, 256), generator=torch.Generator().manual_seed(2))
+    with runtime.load(mx, mode="fast", recorder=rec,
+                      placement={L: {"torch-cpu:0": tuple(range(8)), "torch-cpu:1": tuple(range(8, 16))}
+                                 for L in range(4)}) as rt:
+        assert set(rt.owners) == {"torch-cpu:0", "torch-cpu:1"}
+        assert rt.owners["torch-cpu:1"].identity == "torch-cpu:1"
+        z = rt.moe(2, x, torch.tensor([1, 2, 3]))
+        idx, w = rt.route(2, x, torch.tensor([1, 2, 3]))
+        assert idx.shape == (3, 4) and w.dtype == torch.float32
+        assert torch.allclose(w.sum(-1), torch.full((3,), rt.header.routed_scale))
+        y = rt.experts(2)(x, idx, w)
+        assert torch.equal(z, y + rt.shared(2, x))  # fast mode: one fp32 add of the shared expert
+        assert isinstance(rt.experts(2), torch.nn.Module)
+        with pytest.raises(BadInputError, match="layer 9"):
+            rt.experts(9)
+        # hash layer: the token id picks the experts
+        hi, _ = rt.route(0, x, torch.tensor([7, 7, 8]))
+        assert torch.equal(hi[0], hi[1])
+    assert [s[0] for s in rec.seen] == [2, 2] and torch.equal(rec.seen[0][1], idx)
+    with pytest.raises(BadInputError, match="closed"):
+        rt.run_layer(2, x, idx, w)
+    assert sum(rt.resident_bytes().values()) == 0
