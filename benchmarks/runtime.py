@@ -139,6 +139,7 @@ def bench_artifact(art: Path, owner: str, batches: list[int], repeat: int) -> di
     res = {"artifact": art.name, "owner": owner}
     h = _header(art)
     plc = {L: {owner: tuple(range(h.n_expert))} for L in range(h.n_layer)}
+    outs = {}
     for mode in ("fast", "exact"):
         with runtime.load(art, placement=plc, mode=mode) as rt:
             res["resident_bytes"] = int(sum(rt.resident_bytes().values()))
@@ -147,9 +148,13 @@ def bench_artifact(art: Path, owner: str, batches: list[int], repeat: int) -> di
                 x = np.random.default_rng(100 + T).standard_normal((T, h.hidden)).astype(np.float32)
                 xt, it, wt = torch.from_numpy(x), torch.from_numpy(idx), torch.from_numpy(w)
                 res[f"{mode}_b{T}_s"] = _timeit(lambda: rt.run_layer(LAYER, xt, it, wt), repeat)
+                outs[(mode, T)] = rt.run_layer(LAYER, xt, it, wt).out.numpy()
                 if mode == "fast":
                     res.update({f"{k}_b{T}" if k.endswith("_s") else k: v
                                 for k, v in _anchors(rt.view, LAYER, x, idx, w, h.swiglu_limit, repeat).items()})
+    for T in batches:  # fast mode's distance from exact, reported beside its speed
+        f, e = outs[("fast", T)], outs[("exact", T)]
+        res[f"fast_vs_exact_rel_b{T}"] = float(np.linalg.norm(f - e) / max(np.linalg.norm(e), 1e-30))
     if importlib.util.find_spec("ds4quant.runtime.owners.worker"):
         wplc = {L: {"worker:0": tuple(range(h.n_expert))} for L in range(h.n_layer)}
         with runtime.load(art, placement=wplc, mode="fast") as rt:
@@ -197,6 +202,7 @@ def _ratios(r: dict, batches: list[int]) -> dict:
         out[f"b{T} fast speed / upper"] = r[f"upper_s_b{T}"] / f
         out[f"b{T} fast speed / lower"] = r[f"lower_s_b{T}"] / f
         out[f"b{T} exact time / fast"] = e / f
+        out[f"b{T} fast vs exact relative L2"] = r[f"fast_vs_exact_rel_b{T}"]
     if "worker_b1_s" in r:
         out["b1 worker time / in-process"] = r["worker_b1_s"] / r["fast_b1_s"]
     return out
@@ -241,7 +247,7 @@ def main(argv=None) -> int:
         print(f"  load {r['load_s']:.2f} s, peak RSS {r['peak_rss_kb'] / 1024:.1f} MiB "
               f"(before load {r['rss_before_kb'] / 1024:.1f} MiB), resident {r['resident_bytes'] / 2**20:.1f} MiB")
         for k, v in r["ratios"].items():
-            print(f"  {k}: {v:.2f}")
+            print(f"  {k}: {v:.4g}")
     return 0
 
 
