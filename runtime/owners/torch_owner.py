@@ -101,7 +101,8 @@ class TorchOwner:
 
     def resident_bytes(self) -> int:
         total = sum(s.nbytes for s in self._stacks)
-        books = getattr(self.registry, "resident_bytes", None)
+        # R1's registry names it nbytes(); the stand-in resident_bytes()
+        books = getattr(self.registry, "nbytes", None) or getattr(self.registry, "resident_bytes", None)
         return total + (int(books()) if callable(books) else 0)
 
     def held_bytes(self, layer: int, proj: str, expert: int) -> np.ndarray:
