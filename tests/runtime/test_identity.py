@@ -226,6 +226,11 @@ def test_adaptive_compact_mix_stacks_identical_and_books_gathered(adaptive, hidd
         assert any(s.compact for s in rt.view.stacks) and any(formats.QTYPES[s.qtype].is_mix for s in rt.view.stacks)
         for L in (HASH_LAYER, TOPK_LAYER):
             assert _sha(rt.moe(L, x, tok)) == _sha(one.moe(L, x, tok))
+        if HAVE_CPU:  # the numba CPU owner on the same compact MIX stacks, beside a torch owner
+            mixed = _split(["cpu:0", "torch-cpu:1"])
+            with runtime.load(adaptive, placement=mixed) as m:
+                for L in (HASH_LAYER, TOPK_LAYER):
+                    assert _sha(m.moe(L, x, tok)) == _sha(one.moe(L, x, tok))
         # each owner decodes with the books of the global expert it holds (global -> local gather):
         # its per-slot output equals a float64 product over weights decoded with the entry's global row
         for st in rt.view.stacks_for(TOPK_LAYER, "gate"):
