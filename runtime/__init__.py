@@ -137,6 +137,10 @@ def _resolve_placement(placement, n_expert: int):
 
 def _table(placement, layer: int, n_expert: int) -> tuple[str, ...]:
     t = placement.owner_of(layer)
+    names_ = getattr(placement, "owners", None)
+    if isinstance(t, np.ndarray) and t.dtype.kind in "iu" and names_ is not None:
+        # R2's Placement: index into placement.owners per expert, -1 = none
+        t = [NONE if i < 0 else names_[int(i)] for i in t]
     if isinstance(t, Mapping):
         t = [t.get(e, NONE) for e in range(n_expert)]
     t = tuple(NONE if n is None else str(n) for n in t)

@@ -351,3 +351,17 @@ def test_runtime_api_recorder_and_close(mx):
     with pytest.raises(BadInputError, match="closed"):
         rt.run_layer(2, x, idx, w)
     assert sum(rt.resident_bytes().values()) == 0
+
+
+def test_load_takes_a_placement_object(mx):
+    placement = pytest.importorskip("ds4quant.runtime.placement")
+    from ds4quant import runtime
+
+    p = placement.Placement.build(4, 16, 4, ["torch-cpu:0", "torch-cpu:1"],
+                                  [[list(range(0, 16, 2)), list(range(1, 12, 2))] for _ in range(4)],
+                                  none=[[13, 15] for _ in range(4)])
+    with runtime.load(mx, placement=p, mode="fast") as rt:
+        assert rt.owners["torch-cpu:0"].experts(1) == tuple(range(0, 16, 2))
+        assert rt.owners["torch-cpu:1"].experts(1) == tuple(range(1, 12, 2))
+        res = rt.run_layer(1, torch.zeros((1, 256)), torch.tensor([[0, 13, 3, 15]]), torch.ones((1, 4)))
+        assert res.missing == ((0, 1, 13), (0, 3, 15))
