@@ -204,7 +204,9 @@ class Runtime:
             raise BadInputError("runtime is closed")
         self._check_layer(layer)
         if self.recorder is not None:
-            self.recorder.add(layer, top_k_index)
+            # R2's RoutingRecorder names it record(); .add() is the brief's name
+            rec = getattr(self.recorder, "record", None) or self.recorder.add
+            rec(layer, top_k_index)
         return run_layer(layer, hidden, top_k_index, top_k_weights, self.owners, self.tables[layer],
                          self.mode, self._pool, shared=shared)
 
@@ -277,7 +279,8 @@ def load(artifact, placement=None, mode: str = "exact", owners: Optional[Mapping
     placement: None (one CPU owner), a placement file path, a Placement, or a
     mapping {layer: {owner name: expert ids}}; owners: prebuilt owners by
     name (the rest are made from their names); recorder: an object with
-    ``.add(layer, top_k_index)`` (routing capture). Returns a Runtime
+    ``.record(layer, top_k_index)`` (runtime.capture.RoutingRecorder) or
+    ``.add(...)`` (routing capture). Returns a Runtime
     (a context manager).
     """
     if mode not in MODES:
