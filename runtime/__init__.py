@@ -1,1 +1,333 @@
-"""The bundled runtime: decode-table registry, owners, placement, MoE execution."""
+"""The bundled runtime: decode-table registry, owners, placement, MoE execution.
+
+    from ds4quant import runtime
+    with runtime.load("out/art", placement="placement.json", mode="exact") as rt:
+        y = rt.experts(layer)(hidden, top_k_index, top_k_weights)  # [T,H] f32, [T,k] i64, [T,k] f32
+        z = rt.moe(layer, hidden, token_ids)                       # routing + routed + shared expert
+
+``load`` opens the artifact through the artifact view, builds one owner per
+owner name of the placement (None: one CPU owner holding every expert),
+gives each owner memmap slices of exactly the experts it holds
+(``view.expert_data``), registers the MIX decode tables of exactly those
+experts, and checks the exact cover; on any failure everything registered so
+far is unregistered and every owner closed. Importing this package does not
+import torch.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from os import PathLike
+from typing import Mapping, Optional
+
+import numpy as np
+
+from ds4quant import names
+from ds4quant.errors import BadInputError, CodebookError, MissingDependencyError
+from ds4quant.runtime.execute import NONE, LayerResult, combine, run_layer
+from ds4quant.runtime.owners.base import MODES, ExpertStack
+
+__all__ = ["load", "Runtime", "LayerResult", "combine", "DictPlacement", "make_owner"]
+
+# Non-expert tensors the MoE block reads (move to names.py with H1's view)
+ROUTER = "blk.{}.ffn_gate_inp.weight"  # [E, H]
+ROUTER_BIAS = "blk.{}.exp_probs_b.bias"  # [E], non-hash layers
+TID2EID = "blk.{}.ffn_gate_tid2eid.weight"  # [vocab, k], hash layers
+SHARED = "blk.{}.ffn_{}_shexp.weight"  # gate/up [I, H], down [H, I]
+
+
+# --------------------------------------------------------------------------
+# seams to the other runtime pieces (each a lazy import, so this package
+# works before they are merged)
+
+
+def _open_view(artifact):
+    if hasattr(artifact, "expert_data"):
+        return artifact, False  # an open view: the caller closes it
+    try:
+        from ds4quant.artifact.view import open_artifact
+    except ImportError:  # until H1's view is merged
+        from ds4quant.runtime._view_fallback import open_fallback as open_artifact
+    return open_artifact(artifact), True
+
+
+def _read_placement(path):
+    from ds4quant.runtime import placement as _placement  # R2
+
+    return _placement.read_placement(path)
+
+
+def make_owner(name: str, swiglu_limit: float = 10.0):
+    """An owner for a placement owner name: cpu[:N], torch-cpu:N, cuda:N, hip:N, worker:N."""
+    kind, _, num = name.partition(":")
+    if kind == "cpu":
+        try:
+            from ds4quant.runtime.owners.cpu import CpuOwner  # R1
+        except ImportError:
+            raise MissingDependencyError("the CPU owner (runtime/owners/cpu.py) is not in this build",
+                                         where=name, hint="use torch-cpu:N") from None
+        return CpuOwner(identity=name if num else "cpu:0")
+    if kind == "worker":
+        from ds4quant.runtime.owners.worker import WorkerOwner  # R3
+
+        return WorkerOwner(identity=name)
+    if kind in ("torch-cpu", "cuda", "hip"):
+        from ds4quant.runtime.owners.torch_owner import TorchOwner
+
+        dev = "cpu" if kind == "torch-cpu" else f"cuda:{num or 0}"  # torch names ROCm devices cuda too
+        return TorchOwner(dev, identity=name if num else f"{kind}:0", swiglu_limit=swiglu_limit)
+    raise BadInputError(f"unknown owner name {name!r} (cpu[:N], torch-cpu:N, cuda:N, hip:N, worker:N, none)")
+
+
+def _default_owner() -> str:
+    try:
+        import ds4quant.runtime.owners.cpu  # noqa: F401
+        return "cpu:0"
+    except ImportError:  # until R1's CPU owner is merged
+        return "torch-cpu:0"
+
+
+# --------------------------------------------------------------------------
+# placements
+
+
+@dataclass(frozen=True)
+class DictPlacement:
+    """The smallest placement: per layer, expert ids per owner name (``none`` allowed).
+
+    DictPlacement({0: {"cpu:0": (0, 1), "torch-cpu:1": (2, 3)}}, n_expert=4).
+    Layers not listed go to ``default``."""
+
+    layers: Mapping[int, Mapping[str, tuple]]
+    n_expert: int
+    default: Optional[str] = None
+
+    def owner_of(self, layer: int) -> tuple[str, ...]:
+        spec = self.layers.get(layer)
+        if spec is None:
+            if self.default is None:
+                raise BadInputError(f"placement has no layer {layer}")
+            return (self.default,) * self.n_expert
+        table: list[Optional[str]] = [None] * self.n_expert
+        for owner, ids in spec.items():
+            for e in ids:
+                if not 0 <= int(e) < self.n_expert:
+                    raise BadInputError(f"placement: layer {layer} expert {e} outside 0..{self.n_expert - 1}")
+                if table[int(e)] is not None:
+                    raise BadInputError(f"placement: layer {layer} expert {e} placed on {table[int(e)]} and {owner}")
+                table[int(e)] = owner
+        if None in table:
+            raise BadInputError(f"placement: layer {layer} experts {[i for i, t in enumerate(table) if t is None]} "
+                                "are placed nowhere (use 'none' for experts held elsewhere)")
+        return tuple(table)
+
+
+def _resolve_placement(placement, n_expert: int):
+    if placement is None:
+        return DictPlacement({}, n_expert, default=_default_owner())
+    if isinstance(placement, (str, PathLike)):
+        return _read_placement(placement)
+    if isinstance(placement, Mapping):
+        return DictPlacement({int(k): dict(v) for k, v in placement.items()}, n_expert)
+    if hasattr(placement, "owner_of"):
+        return placement
+    raise BadInputError(f"placement must be None, a path, a mapping or a Placement, got {type(placement).__name__}")
+
+
+def _table(placement, layer: int, n_expert: int) -> tuple[str, ...]:
+    t = placement.owner_of(layer)
+    names_ = getattr(placement, "owners", None)
+    if isinstance(t, np.ndarray) and t.dtype.kind in "iu" and names_ is not None:
+        # R2's Placement: index into placement.owners per expert, -1 = none
+        t = [NONE if i < 0 else names_[int(i)] for i in t]
+    if isinstance(t, Mapping):
+        t = [t.get(e, NONE) for e in range(n_expert)]
+    t = tuple(NONE if n is None else str(n) for n in t)
+    if len(t) != n_expert:
+        raise BadInputError(f"placement layer {layer} places {len(t)} experts, the artifact has {n_expert}")
+    return t
+
+
+# --------------------------------------------------------------------------
+# the runtime
+
+
+class Runtime:
+    """A loaded artifact on a placement. Use ``load``; see the module docstring."""
+
+    def __init__(self, view, own_view: bool, placement, tables, owners, mode: str, recorder=None):
+        self.view = view
+        self._own_view = own_view
+        self.placement = placement
+        self.tables = tables  # layer -> owner name per expert
+        self.owners = owners  # owner name -> Owner
+        self.mode = mode
+        self.header = view.header
+        self.recorder = recorder
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(owners)), thread_name_prefix="ds4q-owner")
+        self._closed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        _close_all(self.owners)
+        if self._own_view and hasattr(self.view, "close"):
+            self.view.close()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Expert (and decode-table) bytes per owner name."""
+        return {n: int(o.resident_bytes()) for n, o in self.owners.items()}
+
+    def experts(self, layer: int):
+        """torch.nn.Module with DeepseekV4Experts' call signature for ``layer``."""
+        from ds4quant.runtime.experts import RuntimeExperts
+
+        self._check_layer(layer)
+        return RuntimeExperts(self, layer)
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= int(layer) < self.header.n_layer:
+            raise BadInputError(f"layer {layer} outside 0..{self.header.n_layer - 1}")
+
+    def run_layer(self, layer: int, hidden, top_k_index, top_k_weights, shared=None) -> LayerResult:
+        """Routed experts of ``layer`` for given routing; per-slot outputs and the combine."""
+        if self._closed:
+            raise BadInputError("runtime is closed")
+        self._check_layer(layer)
+        if self.recorder is not None:
+            # R2's RoutingRecorder names it record(); .add() is the brief's name
+            rec = getattr(self.recorder, "record", None) or self.recorder.add
+            rec(layer, top_k_index)
+        return run_layer(layer, hidden, top_k_index, top_k_weights, self.owners, self.tables[layer],
+                         self.mode, self._pool, shared=shared)
+
+    # -- the whole MoE block --------------------------------------------
+    def route(self, layer: int, hidden, token_ids):
+        """(top_k_index int64 [T,k], top_k_weights f32 [T,k]) from the artifact's router."""
+        import torch
+
+        v, h = self.view, self.header
+        w = torch.from_numpy(np.ascontiguousarray(v.dense(ROUTER.format(layer)), dtype=np.float32))
+        hashed = layer < h.hash_layers
+        bias = None if hashed else torch.from_numpy(np.ascontiguousarray(v.dense(ROUTER_BIAS.format(layer)),
+                                                                          dtype=np.float32))
+        tid = torch.from_numpy(np.asarray(v.dense(TID2EID.format(layer))).astype(np.int64)) if hashed else None
+        try:
+            from ds4quant.runtime.route import route  # R2
+        except ImportError:
+            route = _route_fallback
+        return route(hidden, token_ids, w, bias, tid, h.n_expert_used, h.routed_scale)
+
+    def shared(self, layer: int, hidden):
+        """The shared expert on the home process (exact mode: the exact definition)."""
+        import torch
+        from ds4quant.runtime.owners import torch_exact
+
+        ws = [torch.from_numpy(np.ascontiguousarray(self.view.dense(SHARED.format(layer, p)), dtype=np.float32))
+              for p in ("gate", "up", "down")]
+        x = hidden.to(torch.float32)
+        L = self.header.swiglu_limit
+        if self.mode == "exact":
+            return torch_exact.expert_exact(ws[0], ws[1], ws[2], x, L)
+        hmid = torch.nn.functional.silu(torch.clamp(x @ ws[0].T, max=L)) * torch.clamp(x @ ws[1].T, min=-L, max=L)
+        return hmid @ ws[2].T
+
+    def moe(self, layer: int, hidden, token_ids):
+        """Routing + routed experts + shared expert: float32 [T,H]."""
+        import torch
+
+        hidden = hidden.to(torch.float32)
+        idx, w = self.route(layer, hidden, token_ids)
+        return self.run_layer(layer, hidden, idx, w, shared=self.shared(layer, hidden)).out
+
+
+def _route_fallback(hidden, token_ids, gate_weight, bias, tid2eid, top_k, routed_scale):
+    # DS4 routing (transformers DeepseekV4 routers) until R2's route.py is merged
+    import torch
+
+    scores = torch.sqrt(torch.nn.functional.softplus(hidden.to(torch.float32) @ gate_weight.T))
+    if tid2eid is not None:
+        idx = tid2eid[token_ids.reshape(-1)].to(torch.int64)
+    else:
+        idx = torch.topk(scores + bias, top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    w = w / w.sum(dim=-1, keepdim=True)
+    return idx, (w * routed_scale).to(torch.float32)
+
+
+def _close_all(owners) -> None:
+    for o in owners.values():
+        try:
+            o.close()
+        except Exception:  # closing the rest matters more than one owner's close error
+            pass
+
+
+def load(artifact, placement=None, mode: str = "exact", owners: Optional[Mapping[str, object]] = None,
+         recorder=None) -> Runtime:
+    """Load ``artifact`` (folder, .gguf, first split, or an open view) onto ``placement``.
+
+    placement: None (one CPU owner), a placement file path, a Placement, or a
+    mapping {layer: {owner name: expert ids}}; owners: prebuilt owners by
+    name (the rest are made from their names); recorder: an object with
+    ``.record(layer, top_k_index)`` (runtime.capture.RoutingRecorder) or
+    ``.add(...)`` (routing capture). Returns a Runtime
+    (a context manager).
+    """
+    if mode not in MODES:
+        raise BadInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    view, own_view = _open_view(artifact)
+    made: dict[str, object] = {}
+    try:
+        h = view.header
+        plc = _resolve_placement(placement, h.n_expert)
+        tables = {L: _table(plc, L, h.n_expert) for L in range(h.n_layer)}
+        wanted = sorted({n for t in tables.values() for n in t if n != NONE})
+        given = dict(owners or {})
+        for n in wanted:
+            made[n] = given[n] if n in given else make_owner(n, swiglu_limit=h.swiglu_limit)
+        _make_resident(view, tables, made)
+        return Runtime(view, own_view, plc, tables, made, mode, recorder)
+    except BaseException:
+        _close_all(made)  # close unregisters every table registered so far, then frees
+        if own_view and hasattr(view, "close"):
+            view.close()
+        raise
+
+
+def _make_resident(view, tables, owners) -> None:
+    from ds4quant import formats
+
+    for st in view.stacks:
+        table = tables[st.layer]
+        for name, owner in owners.items():
+            ids = tuple(e for e in st.expert_ids if table[e] == name)
+            if not ids:
+                continue
+            data = view.expert_data(st.name, ids)
+            proj = st.proj.value if isinstance(st.proj, names.Proj) else str(st.proj)
+            owner.add_stack(ExpertStack(st.name, st.layer, proj, st.qtype, st.rows, st.cols, ids, data))
+            if formats.QTYPES[st.qtype].is_mix:
+                entry = view.book_entry(st.name)
+                if entry is None:
+                    raise CodebookError("MIX stack has no codebook entry in the artifact", where=st.name)
+                owner.register_books(st.name, ids, entry)
+    # exact cover: every expert placed on an owner is resident there for gate, up and down
+    for L, table in tables.items():
+        for name, owner in owners.items():
+            want = tuple(e for e, n in enumerate(table) if n == name)
+            got = tuple(owner.experts(L))
+            if got != want:
+                missing = sorted(set(want) - set(got))
+                extra = sorted(set(got) - set(want))
+                raise BadInputError(f"layer {L}: owner {name} holds experts {list(got)}, the placement says "
+                                    f"{list(want)} (missing {missing}, extra {extra})")

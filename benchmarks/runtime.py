@@ -1,0 +1,255 @@
+"""Benchmark the bundled runtime's MoE layer against two anchors (issue 9).
+
+    python benchmarks/runtime.py                      # DS4 layer shapes: hidden 4096, expert 2048, 256 experts, top-6
+    python benchmarks/runtime.py --quick              # tiny shapes (a smoke run of the script)
+    python benchmarks/runtime.py --recipes rocmfp2-strix --owner torch-cpu:0 --json
+
+Steps, all in one run:
+
+1. a synthetic DS4 source of two layers (layer 0 hash-routed, layer 1 top-k;
+   samples/make_synthetic.py) converted with each recipe (rocmfp2-strix,
+   adaptive);
+2. in a child process per artifact: ``runtime.load`` time and peak RSS
+   (ru_maxrss of the child) against the bytes the placement makes resident;
+3. MoE layer latency (routed experts of layer 1, seeded routing) at batch 1
+   and 64 for the owner in fast and exact mode, beside the anchors measured
+   in the same process over the same experts and routing:
+   - upper: numpy float32 products over weights decoded in advance (12x
+     the bytes of a 2.7-bit artifact, resident as float32);
+   - lower: ``formats.decode`` of every selected expert, then the products,
+     on every call;
+4. the worker owner (``worker:0``) per call against the same owner kind in
+   process, when the build has it.
+
+Ratios printed: fast / upper (target >= 0.5 at batch 1, >= 0.8 at 64),
+fast vs lower (target >= 5x faster at batch 1), exact / fast (target <= 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "samples"))
+
+FULL = dict(layers=2, experts=256, hidden=4096, moe_inter=2048, topk=6, hash_layers=1)
+QUICK = dict(layers=2, experts=16, hidden=256, moe_inter=128, topk=4, hash_layers=1)
+LAYER = 1  # the top-k routed layer
+
+
+def _default_owner() -> str:
+    return "cpu:0" if importlib.util.find_spec("ds4quant.runtime.owners.cpu") else "torch-cpu:0"
+
+
+def make_artifacts(work: Path, dims: dict, recipes: list[str]) -> dict[str, Path]:
+    import make_synthetic
+    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.convert import convert
+
+    src = work / "source"
+    if not src.exists():
+        make_synthetic.make_synthetic(src, make_synthetic.preset("tiny", **dims))
+    out = {}
+    for r in recipes:
+        art = work / r
+        if not art.exists():
+            opts = (AdaptiveOptions(target_bpw=2.7, granularity="expert", fit_iterations=1, fit_restarts=0,
+                                    fit_max_rows=64, cache_dir=str(work / "cache")) if r == "adaptive" else None)
+            convert(src, art, r, adaptive=opts)
+        out[r] = art
+    return out
+
+
+def _routing(n_expert: int, k: int, T: int, seed: int):
+    rng = np.random.default_rng(seed)
+    idx = np.stack([rng.permutation(n_expert)[:k] for _ in range(T)]).astype(np.int64)
+    w = rng.random((T, k)).astype(np.float32)
+    return idx, w / w.sum(1, keepdims=True) * np.float32(1.5)
+
+
+def _timeit(fn, repeat: int) -> float:
+    fn()  # warm-up: numba compiles, page-ins
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _swiglu(g, u, L):
+    gc = np.minimum(g, L)
+    return gc / (1 + np.exp(-gc)) * np.clip(u, -L, L)
+
+
+def _anchors(view, layer: int, x, idx, w, limit: float, repeat: int) -> dict:
+    """Upper (predecoded float32) and lower (decode every call) anchors over the same routing."""
+    from ds4quant import formats
+
+    used = sorted(set(int(e) for e in idx.reshape(-1)))
+
+    def decoded(e):
+        ws = []
+        for proj in ("gate", "up", "down"):
+            st = next(s for s in view.stacks_for(layer, proj) if e in s.expert_ids)
+            data = view.expert_data(st.name, [e])[0]
+            if formats.QTYPES[st.qtype].is_mix:
+                ent = view.book_entry(st.name)
+                g = ent.global_ids.index(e)
+                ws.append(formats.decode(st.qtype, data, st.cols, codebooks=ent.books[g], modes=int(ent.modes[g])))
+            else:
+                ws.append(formats.decode(st.qtype, data, st.cols))
+        return ws
+
+    pre = {e: decoded(e) for e in used}
+
+    def run(get):
+        out = np.zeros_like(x)
+        for e in sorted(set(int(v) for v in idx.reshape(-1))):
+            t, k = np.nonzero(idx == e)
+            wg, wu, wd = get(e)
+            xs = x[t]
+            y = _swiglu(xs @ wg.T, xs @ wu.T, limit) @ wd.T
+            np.add.at(out, t, w[t, k][:, None] * y)
+        return out
+
+    upper = _timeit(lambda: run(pre.__getitem__), repeat)
+    lower = _timeit(lambda: run(decoded), max(1, repeat // 2))
+    return {"upper_s": upper, "lower_s": lower,
+            "upper_bytes": int(sum(a.nbytes for v in pre.values() for a in v)),
+            "lower_bytes": int(sum(view.expert_nbytes()[layer][e] for e in used))
+            if hasattr(view, "expert_nbytes") else None}
+
+
+def bench_artifact(art: Path, owner: str, batches: list[int], repeat: int) -> dict:
+    import torch
+    from ds4quant import runtime
+
+    res = {"artifact": art.name, "owner": owner}
+    h = _header(art)
+    plc = {L: {owner: tuple(range(h.n_expert))} for L in range(h.n_layer)}
+    outs = {}
+    for mode in ("fast", "exact"):
+        with runtime.load(art, placement=plc, mode=mode) as rt:
+            res["resident_bytes"] = int(sum(rt.resident_bytes().values()))
+            for T in batches:
+                idx, w = _routing(h.n_expert, h.n_expert_used, T, seed=T)
+                x = np.random.default_rng(100 + T).standard_normal((T, h.hidden)).astype(np.float32)
+                xt, it, wt = torch.from_numpy(x), torch.from_numpy(idx), torch.from_numpy(w)
+                res[f"{mode}_b{T}_s"] = _timeit(lambda: rt.run_layer(LAYER, xt, it, wt), repeat)
+                outs[(mode, T)] = rt.run_layer(LAYER, xt, it, wt).out.numpy()
+                if mode == "fast":
+                    res.update({f"{k}_b{T}" if k.endswith("_s") else k: v
+                                for k, v in _anchors(rt.view, LAYER, x, idx, w, h.swiglu_limit, repeat).items()})
+    for T in batches:  # fast mode's distance from exact, reported beside its speed
+        f, e = outs[("fast", T)], outs[("exact", T)]
+        res[f"fast_vs_exact_rel_b{T}"] = float(np.linalg.norm(f - e) / max(np.linalg.norm(e), 1e-30))
+    if importlib.util.find_spec("ds4quant.runtime.owners.worker"):
+        wplc = {L: {"worker:0": tuple(range(h.n_expert))} for L in range(h.n_layer)}
+        with runtime.load(art, placement=wplc, mode="fast") as rt:
+            idx, w = _routing(h.n_expert, h.n_expert_used, 1, seed=1)
+            x = torch.randn((1, h.hidden))
+            res["worker_b1_s"] = _timeit(lambda: rt.run_layer(LAYER, x, torch.from_numpy(idx),
+                                                                torch.from_numpy(w)), repeat)
+    return res
+
+
+def _header(art):
+    from ds4quant.runtime import _open_view
+
+    view, _ = _open_view(art)
+    try:
+        return view.header
+    finally:
+        view.close()
+
+
+def _child_load(art: str, owner: str) -> None:
+    from ds4quant import runtime
+
+    h = _header(art)
+    plc = {L: {owner: tuple(range(h.n_expert))} for L in range(h.n_layer)}
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    with runtime.load(art, placement=plc, mode="fast") as rt:
+        dt = time.perf_counter() - t
+        resident = int(sum(rt.resident_bytes().values()))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"load_s": dt, "resident_bytes": resident, "rss_before_kb": base, "peak_rss_kb": peak}))
+
+
+def measure_load(art: Path, owner: str) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--child-load", str(art), "--owner", owner],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _ratios(r: dict, batches: list[int]) -> dict:
+    out = {}
+    for T in batches:
+        f, e = r[f"fast_b{T}_s"], r[f"exact_b{T}_s"]
+        out[f"b{T} fast speed / upper"] = r[f"upper_s_b{T}"] / f
+        out[f"b{T} fast speed / lower"] = r[f"lower_s_b{T}"] / f
+        out[f"b{T} exact time / fast"] = e / f
+        out[f"b{T} fast vs exact relative L2"] = r[f"fast_vs_exact_rel_b{T}"]
+    if "worker_b1_s" in r:
+        out["b1 worker time / in-process"] = r["worker_b1_s"] / r["fast_b1_s"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
+    ap.add_argument("--recipes", default="rocmfp2-strix,adaptive")
+    ap.add_argument("--owner", default=None, help="owner name (default cpu:0, torch-cpu:0 without the CPU owner)")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--work", default=None, help="folder for the source and artifacts (kept; default a temp dir)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    owner = a.owner or _default_owner()
+    if a.child_load:
+        _child_load(a.child_load, owner)
+        return 0
+    batches = [int(b) for b in a.batches.split(",")]
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ds4q-rt-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    arts = make_artifacts(work, QUICK if a.quick else FULL, a.recipes.split(","))
+    report = []
+    for name, art in arts.items():
+        r = bench_artifact(art, owner, batches, a.repeat)
+        r.update(measure_load(art, owner))
+        r["ratios"] = _ratios(r, batches)
+        report.append(r)
+    if a.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    for r in report:
+        print(f"== {r['artifact']} on {r['owner']}: resident {r['resident_bytes'] / 2**20:.1f} MiB "
+              f"(predecoded anchor {r['upper_bytes'] / 2**20:.1f} MiB for the experts used)")
+        for T in batches:
+            print(f"  batch {T:3d}: fast {r[f'fast_b{T}_s'] * 1e3:9.2f} ms  exact {r[f'exact_b{T}_s'] * 1e3:9.2f} ms"
+                  f"  upper {r[f'upper_s_b{T}'] * 1e3:9.2f} ms  lower {r[f'lower_s_b{T}'] * 1e3:9.2f} ms")
+        if "worker_b1_s" in r:
+            print(f"  worker batch 1: {r['worker_b1_s'] * 1e3:.2f} ms")
+        print(f"  load {r['load_s']:.2f} s, peak RSS {r['peak_rss_kb'] / 1024:.1f} MiB "
+              f"(before load {r['rss_before_kb'] / 1024:.1f} MiB), resident {r['resident_bytes'] / 2**20:.1f} MiB")
+        for k, v in r["ratios"].items():
+            print(f"  {k}: {v:.4g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

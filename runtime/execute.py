@@ -1,0 +1,124 @@
+"""One MoE layer over several owners: split slots, run branches, combine.
+
+    res = run_layer(layer, hidden, top_k_index, top_k_weights, owners, table, mode, pool)
+    res.out            # float32 [T, H] torch: the canonical combine of the slots held here
+    res.slots          # float32 [T, k, H] torch: unweighted per-slot expert outputs (0 where not held)
+    res.held           # bool [T, k] numpy: False where the expert is on ``none``
+    res.missing        # ((token, slot, expert), ...) held outside this process
+
+Canonical combine (session plan, "Exact mode", last paragraph): per token
+acc = fl32(w0 * y0); acc = fl32(acc + fl32(wk * yk)) for k = 1..K-1 in the
+token's top-k slot order; out = fl32(acc + shared). Slots on ``none`` are
+skipped here; a cluster combines the per-slot outputs of every rank with
+``combine`` so N processes give the one-process bytes. Partial sums per
+owner are never formed, in either mode (fast mode could, but one combine
+keeps the two modes' difference down to the expert math).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from ds4quant.errors import BadInputError, ShapeError
+
+NONE = "none"
+
+
+@dataclass(frozen=True, eq=False)
+class LayerResult:
+    out: object  # torch.Tensor [T, H] float32
+    slots: object  # torch.Tensor [T, k, H] float32
+    held: np.ndarray  # bool [T, k]
+    missing: tuple[tuple[int, int, int], ...]
+
+
+def combine(weights, slots, held: Optional[np.ndarray] = None, shared=None):
+    """The canonical fp32 combine. weights [T,k] f32, slots [T,k,H] f32 (torch);
+    held bool [T,k] (default all); shared [T,H] f32 or None -> [T,H] f32.
+
+    Each op is one torch kernel on float32 tensors, so every product and
+    every sum is rounded once (no fused multiply-add)."""
+    import torch
+
+    T, K = weights.shape[0], weights.shape[1]
+    w = weights.to(torch.float32)
+    keep = (torch.ones((T, K), dtype=torch.bool) if held is None
+            else torch.from_numpy(np.asarray(held, dtype=bool)))
+    acc = torch.zeros((T, slots.shape[2]), dtype=torch.float32)
+    started = torch.zeros((T, 1), dtype=torch.bool)
+    for k in range(K):
+        term = w[:, k:k + 1] * slots[:, k, :]
+        # a token's first held slot starts its sum as fl32(w*y), never 0 + fl32(w*y)
+        # (which would turn -0 into +0); a slot held elsewhere is skipped
+        nxt = torch.where(started, acc + term, term)
+        hk = keep[:, k:k + 1]
+        acc = torch.where(hk, nxt, acc)
+        started = started | hk
+    if shared is not None:
+        acc = acc + shared.to(torch.float32)
+    return acc
+
+
+def _submit_order(names: Sequence[str], home: str) -> list[str]:
+    # the home owner last: the cold branches start first and overlap with it
+    return sorted(names, key=lambda n: (n == home, n))
+
+
+def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[str, object],
+              table: Sequence[str], mode: str, pool: Optional[Executor] = None, *,
+              home: Optional[str] = None, shared=None) -> LayerResult:
+    """Run one layer's routed experts.
+
+    hidden float32 [T,H], top_k_index int64 [T,k], top_k_weights float32 [T,k]
+    (torch); owners: owner name -> Owner; table[e]: owner name of expert e
+    (``none``: held outside this process); pool: runs each owner's branch
+    (one worker per owner); shared: float32 [T,H] added after the routed sum.
+    """
+    import torch
+
+    if hidden.ndim != 2:
+        raise ShapeError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
+    T, H = hidden.shape
+    idx = top_k_index.detach().cpu().numpy().astype(np.int64)
+    if idx.ndim != 2 or idx.shape[0] != T or tuple(top_k_weights.shape) != idx.shape:
+        raise ShapeError(f"layer {layer}: top_k_index {tuple(top_k_index.shape)} / top_k_weights "
+                         f"{tuple(top_k_weights.shape)} must both be [{T}, k]")
+    n_expert = len(table)
+    if idx.size and (idx.min() < 0 or idx.max() >= n_expert):
+        raise BadInputError(f"layer {layer}: expert ids must be in 0..{n_expert - 1}, got {idx.min()}..{idx.max()}")
+    K = idx.shape[1]
+    x = hidden.detach().to(torch.float32).cpu().contiguous().numpy()
+    flat = idx.reshape(-1)
+    who = np.asarray(table, dtype=object)[flat] if flat.size else np.zeros(0, dtype=object)
+    held = (who != NONE).reshape(T, K)
+    slots = np.zeros((T * K, H), dtype=np.float32)
+    tok = np.repeat(np.arange(T), K)
+    names = sorted({str(n) for n in who if n != NONE})
+    unknown = [n for n in names if n not in owners]
+    if unknown:
+        raise BadInputError(f"layer {layer}: the placement names owners {unknown} this runtime does not have")
+    home = home if home is not None else (names[0] if names else None)
+
+    def branch(name: str):
+        sel = np.nonzero(who == name)[0]
+        y = owners[name].run_slots(layer, x[tok[sel]], flat[sel], mode)
+        return sel, np.asarray(y, dtype=np.float32)
+
+    order = _submit_order(names, home)
+    if pool is None or len(order) < 2:
+        results = [branch(n) for n in order]
+    else:
+        futures = [pool.submit(branch, n) for n in order]
+        results = [f.result() for f in futures]  # join every branch; the first error propagates
+    for sel, y in results:
+        if y.shape != (sel.shape[0], H):
+            raise ShapeError(f"layer {layer}: an owner returned {y.shape} for {sel.shape[0]} slots of width {H}")
+        slots[sel] = y
+    slots_t = torch.from_numpy(slots.reshape(T, K, H))
+    out = combine(top_k_weights.detach().cpu(), slots_t, held=None if held.all() else held, shared=shared)
+    miss = tuple((int(t), int(k), int(idx[t, k])) for t, k in zip(*np.nonzero(~held)))
+    return LayerResult(out=out, slots=slots_t, held=held, missing=miss)
