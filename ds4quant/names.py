@@ -230,3 +230,24 @@ def layer_of(name: str) -> Optional[int]:
     """The block index of a ``blk.L.*`` tensor, else None."""
     m = _LAYER.match(name)
     return int(m.group(1)) if m else None
+
+
+# Non-expert tensors of a MoE block (sources/naming.py maps the official names onto these)
+def router_name(layer: int) -> str:
+    """Router weight [E, H]."""
+    return f"blk.{_check_layer(layer)}.ffn_gate_inp.weight"
+
+
+def router_bias_name(layer: int) -> str:
+    """Router selection bias [E] (score-routed layers)."""
+    return f"blk.{_check_layer(layer)}.exp_probs_b.bias"
+
+
+def tid2eid_name(layer: int) -> str:
+    """Hash table token -> expert ids [vocab, k] (hash-routed layers)."""
+    return f"blk.{_check_layer(layer)}.ffn_gate_tid2eid.weight"
+
+
+def shared_name(layer: int, proj: "str | Proj") -> str:
+    """Shared expert matrix: gate/up [I, H], down [H, I]."""
+    return f"blk.{_check_layer(layer)}.ffn_{as_proj(proj).value}_shexp.weight"

@@ -24,36 +24,27 @@ from typing import Mapping, Optional
 import numpy as np
 
 from ds4quant import names
-from ds4quant.errors import BadInputError, CodebookError, MissingDependencyError
+from ds4quant.errors import BadInputError, CodebookError
 from ds4quant.runtime.execute import NONE, LayerResult, combine, run_layer
 from ds4quant.runtime.owners.base import MODES, ExpertStack
 
 __all__ = ["load", "Runtime", "LayerResult", "combine", "DictPlacement", "make_owner"]
 
-# Non-expert tensors the MoE block reads (move to names.py with H1's view)
-ROUTER = "blk.{}.ffn_gate_inp.weight"  # [E, H]
-ROUTER_BIAS = "blk.{}.exp_probs_b.bias"  # [E], non-hash layers
-TID2EID = "blk.{}.ffn_gate_tid2eid.weight"  # [vocab, k], hash layers
-SHARED = "blk.{}.ffn_{}_shexp.weight"  # gate/up [I, H], down [H, I]
-
 
 # --------------------------------------------------------------------------
-# seams to the other runtime pieces (each a lazy import, so this package
-# works before they are merged)
+# the pieces (lazy imports: importing this package pulls in no torch or numba)
 
 
 def _open_view(artifact):
     if hasattr(artifact, "expert_data"):
         return artifact, False  # an open view: the caller closes it
-    try:
-        from ds4quant.artifact.view import open_artifact
-    except ImportError:  # until H1's view is merged
-        from ds4quant.runtime._view_fallback import open_fallback as open_artifact
+    from ds4quant.artifact.view import open_artifact
+
     return open_artifact(artifact), True
 
 
 def _read_placement(path):
-    from ds4quant.runtime import placement as _placement  # R2
+    from ds4quant.runtime import placement as _placement
 
     return _placement.read_placement(path)
 
@@ -62,30 +53,19 @@ def make_owner(name: str, swiglu_limit: float = 10.0):
     """An owner for a placement owner name: cpu[:N], torch-cpu:N, cuda:N, hip:N, worker:N."""
     kind, _, num = name.partition(":")
     if kind == "cpu":
-        try:
-            from ds4quant.runtime.owners.cpu import CpuOwner  # R1
-        except ImportError:
-            raise MissingDependencyError("the CPU owner (runtime/owners/cpu.py) is not in this build",
-                                         where=name, hint="use torch-cpu:N") from None
-        return CpuOwner(identity=name if num else "cpu:0")
-    if kind == "worker":
-        from ds4quant.runtime.owners.worker import WorkerOwner  # R3
+        from ds4quant.runtime.owners.cpu import CpuOwner
 
-        return WorkerOwner(identity=name)
+        return CpuOwner(identity=name if num else "cpu:0", swiglu_limit=swiglu_limit)
+    if kind == "worker":
+        from ds4quant.runtime.owners.worker import WorkerOwner
+
+        return WorkerOwner(identity=name, swiglu_limit=swiglu_limit)
     if kind in ("torch-cpu", "cuda", "hip"):
         from ds4quant.runtime.owners.torch_owner import TorchOwner
 
         dev = "cpu" if kind == "torch-cpu" else f"cuda:{num or 0}"  # torch names ROCm devices cuda too
         return TorchOwner(dev, identity=name if num else f"{kind}:0", swiglu_limit=swiglu_limit)
     raise BadInputError(f"unknown owner name {name!r} (cpu[:N], torch-cpu:N, cuda:N, hip:N, worker:N, none)")
-
-
-def _default_owner() -> str:
-    try:
-        import ds4quant.runtime.owners.cpu  # noqa: F401
-        return "cpu:0"
-    except ImportError:  # until R1's CPU owner is merged
-        return "torch-cpu:0"
 
 
 # --------------------------------------------------------------------------
@@ -125,7 +105,7 @@ class DictPlacement:
 
 def _resolve_placement(placement, n_expert: int):
     if placement is None:
-        return DictPlacement({}, n_expert, default=_default_owner())
+        return DictPlacement({}, n_expert, default="cpu:0")
     if isinstance(placement, (str, PathLike)):
         return _read_placement(placement)
     if isinstance(placement, Mapping):
@@ -204,9 +184,7 @@ class Runtime:
             raise BadInputError("runtime is closed")
         self._check_layer(layer)
         if self.recorder is not None:
-            # R2's RoutingRecorder names it record(); .add() is the brief's name
-            rec = getattr(self.recorder, "record", None) or self.recorder.add
-            rec(layer, top_k_index)
+            self.recorder.record(layer, top_k_index)
         return run_layer(layer, hidden, top_k_index, top_k_weights, self.owners, self.tables[layer],
                          self.mode, self._pool, shared=shared)
 
@@ -216,15 +194,13 @@ class Runtime:
         import torch
 
         v, h = self.view, self.header
-        w = torch.from_numpy(np.ascontiguousarray(v.dense(ROUTER.format(layer)), dtype=np.float32))
+        w = torch.from_numpy(np.ascontiguousarray(v.dense(names.router_name(layer)), dtype=np.float32))
         hashed = layer < h.hash_layers
-        bias = None if hashed else torch.from_numpy(np.ascontiguousarray(v.dense(ROUTER_BIAS.format(layer)),
+        bias = None if hashed else torch.from_numpy(np.ascontiguousarray(v.dense(names.router_bias_name(layer)),
                                                                           dtype=np.float32))
-        tid = torch.from_numpy(np.asarray(v.dense(TID2EID.format(layer))).astype(np.int64)) if hashed else None
-        try:
-            from ds4quant.runtime.route import route  # R2
-        except ImportError:
-            route = _route_fallback
+        tid = torch.from_numpy(np.asarray(v.dense(names.tid2eid_name(layer))).astype(np.int64)) if hashed else None
+        from ds4quant.runtime.route import route
+
         return route(hidden, token_ids, w, bias, tid, h.n_expert_used, h.routed_scale)
 
     def shared(self, layer: int, hidden):
@@ -232,7 +208,7 @@ class Runtime:
         import torch
         from ds4quant.runtime.owners import torch_exact
 
-        ws = [torch.from_numpy(np.ascontiguousarray(self.view.dense(SHARED.format(layer, p)), dtype=np.float32))
+        ws = [torch.from_numpy(np.ascontiguousarray(self.view.dense(names.shared_name(layer, p)), dtype=np.float32))
               for p in ("gate", "up", "down")]
         x = hidden.to(torch.float32)
         L = self.header.swiglu_limit
@@ -250,20 +226,6 @@ class Runtime:
         return self.run_layer(layer, hidden, idx, w, shared=self.shared(layer, hidden)).out
 
 
-def _route_fallback(hidden, token_ids, gate_weight, bias, tid2eid, top_k, routed_scale):
-    # DS4 routing (transformers DeepseekV4 routers) until R2's route.py is merged
-    import torch
-
-    scores = torch.sqrt(torch.nn.functional.softplus(hidden.to(torch.float32) @ gate_weight.T))
-    if tid2eid is not None:
-        idx = tid2eid[token_ids.reshape(-1)].to(torch.int64)
-    else:
-        idx = torch.topk(scores + bias, top_k, dim=-1).indices
-    w = scores.gather(1, idx)
-    w = w / w.sum(dim=-1, keepdim=True)
-    return idx, (w * routed_scale).to(torch.float32)
-
-
 def _close_all(owners) -> None:
     for o in owners.values():
         try:
@@ -278,9 +240,8 @@ def load(artifact, placement=None, mode: str = "exact", owners: Optional[Mapping
 
     placement: None (one CPU owner), a placement file path, a Placement, or a
     mapping {layer: {owner name: expert ids}}; owners: prebuilt owners by
-    name (the rest are made from their names); recorder: an object with
-    ``.record(layer, top_k_index)`` (runtime.capture.RoutingRecorder) or
-    ``.add(...)`` (routing capture). Returns a Runtime
+    name (the rest are made from their names); recorder: a
+    ``runtime.capture.RoutingRecorder`` (routing capture). Returns a Runtime
     (a context manager).
     """
     if mode not in MODES:

@@ -99,6 +99,14 @@ class CpuOwner:
     def resident_bytes(self) -> int:
         return sum(s.nbytes for s in self._stacks.values()) + self.registry.nbytes()
 
+    def held_bytes(self, layer: int, proj: str, expert: int) -> np.ndarray:
+        """The encoded rows this owner holds for one expert (placement checks)."""
+        key = (layer, proj, expert)
+        if key not in self._where:
+            raise BadInputError(f"expert {expert} of layer {layer} ({proj}) is not resident", where=self.identity)
+        tensor, local = self._where[key]
+        return np.asarray(self._stacks[tensor].data[local])
+
     def close(self) -> None:
         self.registry.unregister_all()  # tables first, then the tensors
         self._stacks.clear()

@@ -41,11 +41,9 @@ def torch_identity(device: str) -> str:
 
 
 def make_registry(identity: str):
-    """The owner's decode-table registry (R1's ``runtime.registry`` when present)."""
-    try:
-        from ds4quant.runtime.registry import DecodeTableRegistry
-    except ImportError:  # until runtime/registry.py is merged
-        from ds4quant.runtime.owners._local_registry import LocalRegistry as DecodeTableRegistry
+    """The owner's decode-table registry."""
+    from ds4quant.runtime.registry import DecodeTableRegistry
+
     return DecodeTableRegistry(identity)
 
 
@@ -100,10 +98,7 @@ class TorchOwner:
         return tuple(sorted(sets[0] & sets[1] & sets[2]))
 
     def resident_bytes(self) -> int:
-        total = sum(s.nbytes for s in self._stacks)
-        # R1's registry names it nbytes(); the stand-in resident_bytes()
-        books = getattr(self.registry, "nbytes", None) or getattr(self.registry, "resident_bytes", None)
-        return total + (int(books()) if callable(books) else 0)
+        return sum(s.nbytes for s in self._stacks) + int(self.registry.nbytes())
 
     def held_bytes(self, layer: int, proj: str, expert: int) -> np.ndarray:
         """The encoded rows this owner holds for one expert (for placement checks)."""

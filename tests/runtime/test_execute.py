@@ -321,14 +321,9 @@ def mx(tmp_path_factory):
 def test_runtime_api_recorder_and_close(mx):
     from ds4quant import runtime
 
-    class Rec:
-        def __init__(self):
-            self.seen = []
+    from ds4quant.runtime.capture import RoutingRecorder
 
-        def add(self, layer, top_k_index):
-            self.seen.append((layer, top_k_index.clone()))
-
-    rec = Rec()
+    rec = RoutingRecorder(4, 16, 4)
     x = torch.randn((3, 256), generator=torch.Generator().manual_seed(2))
     with runtime.load(mx, mode="fast", recorder=rec,
                       placement={L: {"torch-cpu:0": tuple(range(8)), "torch-cpu:1": tuple(range(8, 16))}
@@ -347,7 +342,9 @@ def test_runtime_api_recorder_and_close(mx):
         # hash layer: the token id picks the experts
         hi, _ = rt.route(0, x, torch.tensor([7, 7, 8]))
         assert torch.equal(hi[0], hi[1])
-    assert [s[0] for s in rec.seen] == [2, 2] and torch.equal(rec.seen[0][1], idx)
+    # moe() and experts() each ran layer 2 once on the same routing; nothing else was recorded
+    want = 2 * np.bincount(idx.numpy().ravel(), minlength=16)
+    assert rec.counts[2].tolist() == want.tolist() and not rec.counts[[0, 1, 3]].any()
     with pytest.raises(BadInputError, match="closed"):
         rt.run_layer(2, x, idx, w)
     assert sum(rt.resident_bytes().values()) == 0

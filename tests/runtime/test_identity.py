@@ -282,7 +282,7 @@ def identity_artifact(strix, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("owners", [["torch-cpu:0"], ["torch-cpu:0", "torch-cpu:1", "torch-cpu:2"]])
+@pytest.mark.parametrize("owners", [["torch-cpu:0"], ["cpu:0"], ["torch-cpu:0", "cpu:1", "torch-cpu:2"]])
 def test_every_owner_holds_exactly_its_placement(identity_artifact, owners):
     rng = np.random.default_rng(len(owners))
     placement = {L: {} for L in range(4)}
