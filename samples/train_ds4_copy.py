@@ -362,7 +362,7 @@ def train(args) -> dict:
         opt.step()
         done = step + 1
         if step % args.log_every == 0 or step == args.steps - 1:
-            log.append({"step": step, "loss": round(float(loss), 5), "s": round(time.perf_counter() - t0, 1)})
+            log.append({"step": step, "loss": round(float(loss.detach()), 5), "s": round(time.perf_counter() - t0, 1)})
             if not args.quiet:
                 print(json.dumps(log[-1]), flush=True)
         if args.max_seconds and time.perf_counter() - t0 > args.max_seconds:
@@ -406,6 +406,51 @@ def train(args) -> dict:
     return report
 
 
+PROBE_STEPS = 30
+
+
+def steps_for_budget(args) -> int:
+    """Steps that fit in args.time_budget seconds, from a timed probe (QAT on for the
+    second half of it: fake quantization makes a step slower)."""
+    import torch
+
+    from ds4quant.runtime import fidelity as fd
+
+    torch.set_num_threads(args.threads)
+    kw = SMOKE if args.smoke else FULL
+    dev = torch.device(args.device)
+
+    task = fd.CopyTask.substitution(args.seed, ALPHABET)
+    model = build_model(kw, args.seed, torch).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random("probe")
+    times = []
+    for step in range(PROBE_STEPS):
+        if step == PROBE_STEPS // 2:
+            start_qat(model, torch)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        ids, _ = make_batch(rng, task, frozenset(), args.batch, torch)
+        ids = ids.to(dev)
+        loss = model(ids, use_cache=False).logits.float().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    half = PROBE_STEPS // 2
+    plain = float(np.median(times[2:half]))
+    qat = float(np.median(times[half + 2:]))
+    per = (1 - QAT_FRAC) * plain + QAT_FRAC * qat
+    steps = int(args.time_budget / per)
+    print(json.dumps({"probe_s_per_step": round(plain, 4), "probe_qat_s_per_step": round(qat, 4),
+                      "steps": steps}), flush=True)
+    return steps
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -419,6 +464,9 @@ def main(argv=None) -> int:
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="stop early after this many training seconds (the steps done are recorded)")
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="time PROBE_STEPS steps first, then train for as many steps as fit in this many seconds "
+                         "(the chosen --steps is printed and recorded, so the run can be repeated exactly)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, a few CPU steps (CI smoke test)")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--no-report", dest="write_report", action="store_false",
@@ -428,6 +476,8 @@ def main(argv=None) -> int:
         args.device, args.batch, args.warmup = "cpu", 4, 2
         if "--steps" not in (argv if argv is not None else sys.argv[1:]):
             args.steps = 4
+    if args.time_budget:
+        args.steps = steps_for_budget(args)
     rep = train(args)
     print(json.dumps({k: rep[k] for k in ("steps", "train_seconds", "exact_copy", "params", "expert_params")}))
     return 0
