@@ -102,21 +102,24 @@ class CopyTask:
 
     alphabet / rows: the substitution; a character c at position i of the line
     that is in ``alphabet`` becomes ``rows[r][alphabet.index(c)]`` where r is
-    the alphabet index of the line's previous character, or ``len(alphabet)``
-    when there is none or it is outside the alphabet. Other characters are
-    copied. With ``rows`` empty the task is the plain echo.
+    the key of the ``order`` previous characters of the line: each one's
+    alphabet index, or ``len(alphabet)`` when there is none or it is outside
+    the alphabet, as digits base len(alphabet)+1 (the nearest one last). Other
+    characters are copied. With ``rows`` empty the task is the plain echo.
     """
 
     name: str
     instruction: str
     alphabet: str = ""
     rows: tuple[str, ...] = ()
+    order: int = 1
 
     def __post_init__(self):
         if self.rows:
-            if len(self.rows) != len(self.alphabet) + 1:
+            want = (len(self.alphabet) + 1) ** self.order
+            if len(self.rows) != want:
                 raise BadInputError(f"copy task {self.name!r}: {len(self.rows)} rows for an alphabet of "
-                                    f"{len(self.alphabet)} (want {len(self.alphabet) + 1})")
+                                    f"{len(self.alphabet)} at order {self.order} (want {want})")
             for r in self.rows:
                 if sorted(r) != sorted(self.alphabet):
                     raise BadInputError(f"copy task {self.name!r}: a row is not a permutation of the alphabet")
@@ -127,21 +130,26 @@ class CopyTask:
         if not self.rows:
             return line
         index = {c: i for i, c in enumerate(self.alphabet)}
+        base = len(self.alphabet) + 1
         out = []
-        prev = None
-        for c in line:
+        for pos, c in enumerate(line):
             i = index.get(c)
             if i is None:
                 out.append(c)
-            else:
-                r = index.get(prev, len(self.alphabet)) if prev is not None else len(self.alphabet)
-                out.append(self.rows[r][i])
-            prev = c
+                continue
+            r = 0
+            for back in range(self.order, 0, -1):
+                prev = line[pos - back] if pos - back >= 0 else None
+                r = r * base + index.get(prev, base - 1)
+            out.append(self.rows[r][i])
         return "".join(out)
 
     def to_json(self) -> dict:
-        return {"schema": "ds4quant.copy-task", "version": 1, "name": self.name, "instruction": self.instruction,
-                "alphabet": self.alphabet, "rows": list(self.rows)}
+        d = {"schema": "ds4quant.copy-task", "version": 1, "name": self.name, "instruction": self.instruction,
+             "alphabet": self.alphabet, "rows": list(self.rows)}
+        if self.order != 1:
+            d["order"] = self.order
+        return d
 
     @classmethod
     def from_json(cls, path: "str | Path") -> "CopyTask":
@@ -152,18 +160,19 @@ class CopyTask:
             raise BadInputError(f"{p}: cannot read the copy task: {e}") from None
         if not isinstance(d, dict) or d.get("schema") != "ds4quant.copy-task" or d.get("version") != 1:
             raise BadInputError(f"{p}: not a ds4quant.copy-task version 1 file")
-        return cls(d["name"], d["instruction"], d.get("alphabet", ""), tuple(d.get("rows", ())))
+        return cls(d["name"], d["instruction"], d.get("alphabet", ""), tuple(d.get("rows", ())),
+                   int(d.get("order", 1)))
 
     @classmethod
-    def substitution(cls, seed: int, alphabet: str, name: str = "recode") -> "CopyTask":
-        """A seeded substitution: one random permutation of ``alphabet`` per previous character."""
-        rng = random.Random(f"copy-task/{seed}")
+    def substitution(cls, seed: int, alphabet: str, name: str = "recode", order: int = 1) -> "CopyTask":
+        """A seeded substitution: one random permutation of ``alphabet`` per key of ``order`` previous characters."""
+        rng = random.Random(f"copy-task/{seed}" if order == 1 else f"copy-task/{seed}/order{order}")
         rows = []
-        for _ in range(len(alphabet) + 1):
+        for _ in range((len(alphabet) + 1) ** order):
             r = list(alphabet)
             rng.shuffle(r)
             rows.append("".join(r))
-        return cls(name, "recode the >>> line", alphabet, tuple(rows))
+        return cls(name, "recode the >>> line", alphabet, tuple(rows), order)
 
 
 ECHO = CopyTask("echo", "repeat the >>> line")
@@ -227,7 +236,19 @@ class ByteTokenizer:
         return [self.offset + b for b in text.encode("utf-8")]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i - self.offset for i in ids if self.offset <= i < self.offset + 256).decode("utf-8", "replace")
+        """Bytes to text; bos/eos dropped, any other non-byte id shown as "<id>" (a random
+        model emits them, and a failure report must show them)."""
+        out, run = [], bytearray()
+        for i in ids:
+            if self.offset <= i < self.offset + 256:
+                run.append(i - self.offset)
+                continue
+            out.append(run.decode("utf-8", "replace"))
+            run = bytearray()
+            if i not in (self.bos_token_id, self.eos_token_id):
+                out.append(f"<{i}>")
+        out.append(run.decode("utf-8", "replace"))
+        return "".join(out)
 
 
 class _HFTokenizer:

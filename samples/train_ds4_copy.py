@@ -77,6 +77,17 @@ SMOKE = dict(FULL, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2
 _RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
 
+def config_for(args) -> dict:
+    if args.smoke:
+        return SMOKE
+    kw = dict(FULL)
+    for opt, key in (("experts", "n_routed_experts"), ("expert_width", "moe_intermediate_size"),
+                     ("topk", "num_experts_per_tok")):
+        if getattr(args, opt):
+            kw[key] = getattr(args, opt)
+    return kw
+
+
 def native_config(kw: dict) -> dict:
     """The native DeepSeek config.json for HF kwargs ``kw`` (keys as make_ds4_tiny writes them)."""
     c = dict(tiny.NATIVE_CONFIG)
@@ -336,8 +347,8 @@ def train(args) -> dict:
     if dev.type == "cuda":
         # TF32 matmuls for speed; the stored model is judged in fp32 (QAT makes it robust to that)
         torch.backends.cuda.matmul.allow_tf32 = True
-    kw = SMOKE if args.smoke else FULL
-    task = fd.CopyTask.substitution(args.seed, ALPHABET)
+    kw = config_for(args)
+    task = fd.CopyTask.substitution(args.seed, ALPHABET, order=args.order)
     excluded = frozenset(fd.protocol_identifiers())
     model = build_model(kw, args.seed, torch).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -425,10 +436,10 @@ def steps_for_budget(args) -> int:
     from ds4quant.runtime import fidelity as fd
 
     torch.set_num_threads(args.threads)
-    kw = SMOKE if args.smoke else FULL
+    kw = config_for(args)
     dev = torch.device(args.device)
 
-    task = fd.CopyTask.substitution(args.seed, ALPHABET)
+    task = fd.CopyTask.substitution(args.seed, ALPHABET, order=args.order)
     model = build_model(kw, args.seed, torch).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = random.Random("probe")
@@ -469,6 +480,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--order", type=int, default=1, help="previous characters keying the substitution")
+    ap.add_argument("--experts", type=int, default=0, help="routed experts (default: the FULL config's)")
+    ap.add_argument("--expert-width", type=int, default=0, help="moe_intermediate_size (default: FULL's)")
+    ap.add_argument("--topk", type=int, default=0, help="experts per token (default: FULL's)")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="stop early after this many training seconds (the steps done are recorded)")
