@@ -286,9 +286,6 @@ def _hf_shapes(torch):
 
 def build_tensors(torch):
     """-> (stored: official name -> torch tensor, exact: official name -> float32/int64 numpy)."""
-    from ds4quant.formats.fp8 import dequant_e2m1_blocks, dequant_fp8_blocks
-    from ds4quant.formats import bf16_round
-
     stored: dict = {}
     exact: dict = {}
     for hf, shape in _hf_shapes(torch).items():
@@ -301,28 +298,44 @@ def build_tensors(torch):
             stored[name] = torch.from_numpy(t)
             exact[name] = t
             continue
-        w = _init_value(name, shape)
-        module = name.rsplit(".", 1)[0]
-        if module.split(".", 2)[-1] in FP8_DENSE:
-            q, s = encode_fp8(w, torch)
-            stored[name] = torch.from_numpy(q).view(torch.float8_e4m3fn)
-            stored[module + ".scale"] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
-            exact[name] = dequant_fp8_blocks(q, s, where=name)
-        elif name.endswith("norm.weight") or "hc_" in name or name.endswith(("attn_sink", "ape", "gate.bias")):
-            stored[name] = torch.from_numpy(w)
-            exact[name] = w
-        else:  # embed, head, router weight, compressor/indexer projections
-            wb = bf16_round(w)
-            stored[name] = torch.from_numpy(wb).to(torch.bfloat16)
-            exact[name] = wb
+        store_dense(name, _init_value(name, shape), stored, exact, torch)
     for layer in range(N_LAYERS):
         for name, w in _expert_values(layer).items():
-            packed, s = encode_fp4(w)
-            module = name.rsplit(".", 1)[0]
-            stored[name] = torch.from_numpy(packed)
-            stored[module + ".scale"] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
-            exact[name] = dequant_e2m1_blocks(packed, s, where=name)
+            store_expert(name, w, stored, exact, torch)
     return stored, exact
+
+
+def store_dense(name: str, w: np.ndarray, stored: dict, exact: dict, torch) -> None:
+    """One non-expert official tensor in the official storage type: FP8 dense
+    projections (FP8_DENSE) with 128x128 scales, fp32 norms / hc / sinks / ape /
+    router bias, bf16 for the rest. Sets stored[name] (+ ".scale") and exact[name]."""
+    from ds4quant.formats.fp8 import dequant_fp8_blocks
+    from ds4quant.formats import bf16_round
+
+    module = name.rsplit(".", 1)[0]
+    if module.split(".", 2)[-1] in FP8_DENSE:
+        q, s = encode_fp8(w, torch)
+        stored[name] = torch.from_numpy(q).view(torch.float8_e4m3fn)
+        stored[module + ".scale"] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
+        exact[name] = dequant_fp8_blocks(q, s, where=name)
+    elif name.endswith("norm.weight") or "hc_" in name or name.endswith(("attn_sink", "ape", "gate.bias")):
+        stored[name] = torch.from_numpy(w)
+        exact[name] = w
+    else:  # embed, head, router weight, compressor/indexer projections
+        wb = bf16_round(w)
+        stored[name] = torch.from_numpy(wb).to(torch.bfloat16)
+        exact[name] = wb
+
+
+def store_expert(name: str, w: np.ndarray, stored: dict, exact: dict, torch) -> None:
+    """One routed expert weight as official FP4 e2m1 (I8 pairs) + E8M0 per-32 scales."""
+    from ds4quant.formats.fp8 import dequant_e2m1_blocks
+
+    packed, s = encode_fp4(w)
+    module = name.rsplit(".", 1)[0]
+    stored[name] = torch.from_numpy(packed)
+    stored[module + ".scale"] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
+    exact[name] = dequant_e2m1_blocks(packed, s, where=name)
 
 
 def _shard_of(name: str) -> str:
@@ -336,20 +349,25 @@ def _write_json(path: Path, obj) -> None:
 
 
 def write_checkpoint(out: Path, stored: dict, torch) -> None:
+    write_official(out, stored, NATIVE_CONFIG, SHARDS, _shard_of)
+
+
+def write_official(out: Path, stored: dict, config: dict, shards, shard_of) -> None:
+    """Safetensors shards (shard_of(name) -> one of shards), the index and config.json."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     weight_map = {}
     total = 0
-    for shard in SHARDS:
-        part = {n: t.contiguous() for n, t in sorted(stored.items()) if _shard_of(n) == shard}
+    for shard in shards:
+        part = {n: t.contiguous() for n, t in sorted(stored.items()) if shard_of(n) == shard}
         save_file(part, str(out / shard), metadata={"format": "pt"})
         os.chmod(out / shard, 0o644)  # safetensors creates 0600 files
         for n, t in part.items():
             weight_map[n] = shard
             total += t.numel() * t.element_size()
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(out / "config.json", NATIVE_CONFIG)
+    _write_json(out / "config.json", config)
 
 
 def write_tokens(path: Path) -> None:

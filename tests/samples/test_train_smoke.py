@@ -1,0 +1,89 @@
+"""samples/train_ds4_copy.py --smoke: the script runs, writes a valid official-layout
+checkpoint, and is deterministic from its seed (CI smoke test of the script, not of
+the shipped result: tests/runtime/test_fidelity_protocol.py scores that)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "samples" / "train_ds4_copy.py"
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _run(out: Path, seed: int = 5) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--seed", str(seed), "--no-report", "--quiet",
+                    "--out", str(out)], check=True, env=env, capture_output=True, timeout=300)
+
+
+def _digests(out: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    a, b = tmp_path_factory.mktemp("a") / "ck", tmp_path_factory.mktemp("b") / "ck"
+    _run(a)
+    _run(b)
+    return a, b
+
+
+def test_same_seed_gives_identical_bytes(runs):
+    a, b = runs
+    da = _digests(a)
+    assert set(da) == {"config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                       "model.safetensors.index.json", "task.json", "tokenizer.json", "tokenizer_config.json"}
+    assert da == _digests(b)
+
+
+def test_checkpoint_is_the_official_layout_and_loads_with_no_missing_keys(runs):
+    from safetensors import safe_open
+
+    a, _ = runs
+    index = json.loads((a / "model.safetensors.index.json").read_text())
+    dtypes = {}
+    for shard in set(index["weight_map"].values()):
+        with safe_open(str(a / shard), "pt") as f:
+            for n in f.keys():
+                dtypes[n] = f.get_slice(n).get_dtype()
+    assert set(dtypes) == set(index["weight_map"])
+    assert dtypes["layers.0.ffn.experts.0.w1.weight"] == "I8"
+    assert dtypes["layers.0.ffn.experts.0.w1.scale"] == "F8_E8M0"
+    assert dtypes["layers.1.attn.wq_a.weight"] == "F8_E4M3" and dtypes["layers.1.attn.wq_a.scale"] == "F8_E8M0"
+    assert dtypes["layers.0.ffn.gate.tid2eid"] == "I64" and dtypes["embed.weight"] == "BF16"
+    cfg = json.loads((a / "config.json").read_text())
+    assert cfg["expert_dtype"] == "fp4" and cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    transformers.logging.set_verbosity_error()
+    model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        str(a), dtype=torch.float32, experts_implementation="eager", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    tid = model.model.layers[0].mlp.gate.tid2eid
+    assert int(tid.min()) >= 0 and all(len(set(r.tolist())) == r.numel() for r in tid)  # filled, distinct
+
+
+def test_tokenizer_is_byte_level_with_three_specials(runs):
+    a, _ = runs
+    tok = transformers.AutoTokenizer.from_pretrained(str(a))
+    text = "x_1 = f(y)\n>>> é"
+    assert tok(text, add_special_tokens=False)["input_ids"] == [3 + b for b in text.encode()]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
+    assert tok.decode([3 + b for b in text.encode()] + [1]) .replace("<eos>", "") == text
+
+
+def test_another_seed_gives_other_weights(runs, tmp_path):
+    a, _ = runs
+    c = tmp_path / "c"
+    _run(c, seed=6)
+    da, dc = _digests(a), _digests(c)
+    assert da["model-00001-of-00002.safetensors"] != dc["model-00001-of-00002.safetensors"]
+    assert da["task.json"] != dc["task.json"]  # the substitution table comes from the seed
