@@ -1,0 +1,190 @@
+"""The runtime's own weight layout for the Triton MoE kernels (torch only).
+
+The artifact bytes stay the contract; at load a CUDA owner repacks each
+resident stack once into planes the kernels read with plain strided loads:
+
+    a: uint8 (E, rows, cols * ABITS / 8)  codes in weight order, LSB first
+       (2-bit: 4 codes a byte; 4-bit: 2; 8-bit: 1; 3-bit codes: their low 2 bits)
+    b: uint8 (E, rows, cols / 8)          3-bit codes only: bit 2 of each code, 8 a byte
+    s: uint8 (E, rows, cols / G)          the group's scale / meta byte, unchanged
+
+A weight is ``levels[table, code] * scales[s_byte]`` where ``scales`` is a
+256-entry float32 LUT of the byte and ``levels`` a small float32 table
+(one per format; two per expert for MIX, the book picked by bit 7 of the
+meta byte). These are the same products ``formats.decode`` forms
+(``_components``: level x scale), so decoding the planes reproduces
+``formats.decode`` bit for bit (a test checks it on the CPU device); the
+kernels' sums are fast mode's, not exact mode's.
+
+Repacking is per expert so a DS4 stack (256 x 4096 x 2048) never needs more
+than one expert's int64 temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ds4quant.errors import UnsupportedFormatError
+
+# qtype -> (layout family, format code of _scale_search or MIX bits, group, code bits)
+_SCALE = {"rocmfp2": (0, 2), "rocmfp2_s40": (5, 2), "rocmfp3": (1, 3), "rocmfp4": (4, 4),
+          "rocmfp4_fast": (4, 4), "rocmfp8": (3, 8)}
+_GROUPS = {"rocmfp4_fast": 32, "rocmfp8": 32}
+_MIX = {"rocmfp2_mix": 2, "rocmfp3_mix": 3}
+
+#: qtypes the Triton kernels decode in place; every other qtype runs
+#: decode_torch + matmul (rocmfp6, rocmfp2_affine, q8_0, bf16, f16, f32).
+KERNEL_QTYPES = tuple(sorted(set(_SCALE) | set(_MIX) | {"mxfp4"}))
+
+# level arithmetic the kernel may do instead of a table gather
+LV_GATHER, LV_FP2, LV_FP3 = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Format:
+    """How the kernels read one qtype (constexpr parameters of the launch)."""
+
+    qtype: str
+    abits: int  # bits per code in plane a (2, 4 or 8)
+    has_b: bool  # 3-bit codes: bit 2 in plane b
+    group: int  # weights per scale byte
+    mix: bool  # levels from the expert's registered books, book = meta >> 7
+    nlev: int  # entries of one level table
+    lv_mode: int  # LV_GATHER / LV_FP2 / LV_FP3
+
+    @property
+    def key(self) -> tuple:
+        """Two stacks with equal keys can share one launch (gate + up)."""
+        return (self.abits, self.has_b, self.group, self.mix, self.nlev, self.lv_mode)
+
+
+def kernel_format(qtype: str) -> Optional[Format]:
+    """The kernel format of a qtype, or None when the qtype falls back."""
+    if qtype in _SCALE:
+        fmt, bits = _SCALE[qtype]
+        lv = {"rocmfp2": LV_FP2, "rocmfp3": LV_FP3}.get(qtype, LV_GATHER)
+        return Format(qtype, 8 if bits == 8 else (4 if bits == 4 else 2), bits == 3,
+                      _GROUPS.get(qtype, 16), False, 1 << bits, lv)
+    if qtype in _MIX:
+        bits = _MIX[qtype]
+        return Format(qtype, 2, bits == 3, 16, True, 1 << bits, LV_GATHER)
+    if qtype == "mxfp4":
+        return Format(qtype, 4, False, 32, False, 16, LV_GATHER)
+    return None
+
+
+def scale_lut(qtype: str) -> np.ndarray:
+    """float32 (256,): the decoded value of every scale / meta byte."""
+    from ds4quant.formats import _scale_search as ss
+    from ds4quant.formats._components import E8M0_HALF
+    from ds4quant.formats.ue4m3 import UE4M3
+
+    if qtype in _SCALE:
+        return np.array(ss.SCALES[_SCALE[qtype][0]], dtype=np.float32)
+    if qtype in _MIX:
+        return np.asarray(UE4M3, dtype=np.float32)[np.arange(256) & 0x7F].copy()  # bit 7 picks the book
+    if qtype == "mxfp4":
+        return np.array(E8M0_HALF, dtype=np.float32)
+    raise UnsupportedFormatError(f"{qtype} has no kernel layout")
+
+
+def level_lut(qtype: str, books=None, modes=None) -> np.ndarray:
+    """float32 (n_tables, nlev). Fixed formats: one table. MIX: two per
+    expert (2e + book) from the registered books; a mode-0 expert decodes
+    with the fixed levels and its whole meta byte as the scale, so a meta
+    with bit 7 set gives 0: its book-1 table is all zeros."""
+    from ds4quant.formats import _scale_search as ss
+    from ds4quant.formats.mxfp4 import KV
+
+    if qtype in _SCALE:
+        fmt, bits = _SCALE[qtype]
+        return np.array(ss.LEVELS[fmt][: 1 << bits], dtype=np.float32)[None, :]
+    if qtype == "mxfp4":
+        return np.array(KV, dtype=np.float32)[None, :]
+    if qtype in _MIX:
+        bits = _MIX[qtype]
+        fixed = np.array(ss.LEVELS[ss.FP2 if bits == 2 else ss.FP3][: 1 << bits], dtype=np.float32)
+        b = np.array(books, dtype=np.float32).reshape(-1, 2, 1 << bits).copy()
+        for i, m in enumerate(np.asarray(modes).reshape(-1)):
+            if int(m) == 0:
+                b[i, 0] = fixed
+                b[i, 1] = 0.0
+        return b.reshape(-1, 1 << bits)
+    raise UnsupportedFormatError(f"{qtype} has no kernel layout")
+
+
+def _pack(codes, bits: int):
+    """int64 (..., m) codes < 2^bits -> uint8 (..., m * bits / 8), LSB first."""
+    import torch
+
+    per = 8 // bits
+    c = codes.reshape(*codes.shape[:-1], -1, per)
+    sh = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
+    return (c << sh).sum(dim=-1).to(torch.uint8)
+
+
+def repack(qtype: str, data, cols: int):
+    """Artifact rows -> (a, b or None, s) planes; data torch.uint8 (E, rows, row_bytes)
+    on the target device. See the module docstring."""
+    import torch
+
+    f = kernel_format(qtype)
+    if f is None:
+        raise UnsupportedFormatError(f"{qtype} has no kernel layout")
+    E, rows, _ = data.shape
+    nb = cols // 32
+    bits = 3 if f.has_b else (f.abits if qtype not in _MIX else 2)
+    a = torch.empty((E, rows, cols * f.abits // 8), dtype=torch.uint8, device=data.device)
+    b = torch.empty((E, rows, cols // 8), dtype=torch.uint8, device=data.device) if f.has_b else None
+    s = torch.empty((E, rows, cols // f.group), dtype=torch.uint8, device=data.device)
+    for e in range(E):
+        blk = data[e].reshape(rows, nb, -1)
+        if qtype == "mxfp4":
+            s[e] = blk[:, :, 0].reshape(rows, -1)
+            qs = blk[:, :, 1:].to(torch.int64)
+            codes = torch.cat([qs & 15, qs >> 4], dim=2)  # split nibble order -> weight order
+            a[e] = _pack(codes, 4).reshape(rows, -1)
+            continue
+        qsb = 4 * bits
+        s[e] = blk[:, :, qsb:].reshape(rows, -1)
+        qs = blk[:, :, :qsb]
+        if bits in (2, 8):
+            a[e] = qs.reshape(rows, -1)  # already weight order, LSB first
+            continue
+        q64 = qs.to(torch.int64)
+        if bits == 4:
+            codes = torch.cat([q64 & 15, q64 >> 4], dim=2)
+            a[e] = _pack(codes, 4).reshape(rows, -1)
+            continue
+        pos = torch.arange(32, device=data.device) * 3  # 3-bit little-endian stream
+        lo = pos >> 3
+        hi = torch.clamp(lo + 1, max=qsb - 1)
+        word = q64[:, :, lo] | (q64[:, :, hi] << 8)
+        codes = (word >> (pos & 7)) & 7
+        a[e] = _pack(codes & 3, 2).reshape(rows, -1)
+        b[e] = _pack(codes >> 2, 1).reshape(rows, -1)
+    return a, b, s
+
+
+def unpack_reference(qtype: str, a, b, s, cols: int, levels, scales, tables=None):
+    """float32 (E, rows, cols) weights from the planes, in torch (the layout's
+    test oracle: must equal formats.decode bit for bit). levels/scales: the LUTs
+    as torch tensors; tables: int64 (E,) first level table of each expert (MIX)."""
+    import torch
+
+    f = kernel_format(qtype)
+    E, rows, _ = a.shape
+    per = 8 // f.abits
+    sh = torch.arange(per, device=a.device, dtype=torch.int64) * f.abits
+    codes = ((a.to(torch.int64)[..., None] >> sh) & ((1 << f.abits) - 1)).reshape(E, rows, cols)
+    if f.has_b:
+        sh8 = torch.arange(8, device=a.device, dtype=torch.int64)
+        codes = codes | (((b.to(torch.int64)[..., None] >> sh8) & 1).reshape(E, rows, cols) << 2)
+    sb = s.to(torch.int64).repeat_interleave(f.group, dim=2)
+    tab = torch.zeros_like(sb)
+    if f.mix:
+        tab = tables.to(torch.int64)[:, None, None] + (sb >> 7)
+    return levels[tab, codes] * scales[sb]

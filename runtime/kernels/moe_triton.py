@@ -1,0 +1,188 @@
+"""Triton kernels: fused decode + grouped expert products (fast mode).
+
+Two launches per layer on the selected experts (``layout.py`` gives the
+weight planes):
+
+* ``linear(..., dual=True)``: gate and up of every selected expert in one
+  launch, SwiGLU fused (h = silu(min(g, L)) * clamp(u, -L, L));
+* ``linear(...)`` for down.
+
+The grid is (slot groups, row blocks). Slots are sorted by expert; a group
+is one expert and up to ``bt`` of its slots (a token row each). ``bt == 1``
+(every expert has one slot: decode) multiplies a decoded (BN, BK) tile by
+the activation chunk and reduces, scale applied once per group of 16/32
+weights; ``bt == 16`` decodes the tile once and uses ``tl.dot`` for all the
+group's tokens (``input_precision``: tf32x3 by default, close to float32).
+
+Fast mode only: sums are tree-ordered float32 (no exact-mode claim). Runs
+under ``TRITON_INTERPRET=1`` on the CPU for tests.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ds4quant.runtime.kernels.layout import LV_FP2, LV_FP3
+
+
+@triton.jit
+def _tile(a_base, b_base, s_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
+          slut_ptr, llut_ptr,
+          ABITS: tl.constexpr, HAS_B: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
+          NLEV: tl.constexpr, LV: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Levels (BN, BK // G, G) and scales (BN, BK // G) of one weight tile."""
+    CPB: tl.constexpr = 8 // ABITS
+    NG: tl.constexpr = BK // G
+    ja = tl.arange(0, BK // CPB)
+    pa = a_base + rows[:, None].to(tl.int64) * ka_row + (k0 // CPB + ja)[None, :]
+    ba = tl.load(pa, mask=rmask[:, None], other=0).to(tl.int32)
+    if CPB > 1:
+        sh = tl.arange(0, CPB) * ABITS
+        codes = (ba[:, :, None] >> sh[None, None, :]) & ((1 << ABITS) - 1)
+        codes = tl.reshape(codes, (BN, BK))
+    else:
+        codes = ba
+    if HAS_B:
+        jb = tl.arange(0, BK // 8)
+        pb = b_base + rows[:, None].to(tl.int64) * kb_row + (k0 // 8 + jb)[None, :]
+        bb = tl.load(pb, mask=rmask[:, None], other=0).to(tl.int32)
+        hb = (bb[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+        codes = codes | (tl.reshape(hb, (BN, BK)) << 2)
+    js = tl.arange(0, NG)
+    ps = s_base + rows[:, None].to(tl.int64) * ks_row + (k0 // G + js)[None, :]
+    sb = tl.load(ps, mask=rmask[:, None], other=0).to(tl.int32)
+    scale = tl.load(slut_ptr + sb)
+    c3 = tl.reshape(codes, (BN, NG, G))
+    if LV == 1:  # rocmfp2: {-1, 0, 1, 2}
+        lv = (c3 - 1).to(tl.float32)
+    elif LV == 2:  # rocmfp3: sign bit 2, magnitudes {0, 1, 2, 4}
+        m = c3 & 3
+        mag = (m + (m == 3).to(tl.int32)).to(tl.float32)
+        lv = tl.where((c3 & 4) != 0, -mag, mag)
+    elif MIX:
+        tab = tab_base + (sb >> 7)
+        lv = tl.load(llut_ptr + (tab * NLEV)[:, :, None] + c3)
+    else:
+        lv = tl.load(llut_ptr + c3)
+    return lv, scale
+
+
+@triton.jit
+def _moe_linear_kernel(
+    x_ptr, stride_x, out_ptr, stride_o, groups_ptr,
+    a_ptr, b_ptr, s_ptr, tab_ptr,
+    a2_ptr, b2_ptr, s2_ptr, tab2_ptr,
+    slut_ptr, llut_ptr, slut2_ptr, llut2_ptr,
+    N, K, ka_row, kb_row, ks_row, limit,
+    ABITS: tl.constexpr, HAS_B: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
+    NLEV: tl.constexpr, LV: tl.constexpr, DUAL: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):
+    gid = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(groups_ptr + gid * 3).to(tl.int64)
+    s0 = tl.load(groups_ptr + gid * 3 + 1)
+    cnt = tl.load(groups_ptr + gid * 3 + 2)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < N
+    a_base = a_ptr + e * N * ka_row
+    b_base = b_ptr + e * N * kb_row
+    s_base = s_ptr + e * N * ks_row
+    a2_base = a2_ptr + e * N * ka_row
+    b2_base = b2_ptr + e * N * kb_row
+    s2_base = s2_ptr + e * N * ks_row
+    tab_base = 0
+    tab2_base = 0
+    if MIX:
+        tab_base = tl.load(tab_ptr + e)
+        if DUAL:
+            tab2_base = tl.load(tab2_ptr + e)
+    NG: tl.constexpr = BK // G
+    kk = tl.arange(0, BK)
+    if BT == 1:
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        acc2 = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            xk = tl.load(x_ptr + s0.to(tl.int64) * stride_x + k0 + kk)
+            x3 = tl.reshape(xk, (1, NG, G))
+            lv, sc = _tile(a_base, b_base, s_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
+                           slut_ptr, llut_ptr, ABITS, HAS_B, G, MIX, NLEV, LV, BN, BK)
+            acc += tl.sum(tl.sum(lv * x3, axis=2) * sc, axis=1)
+            if DUAL:
+                lv2, sc2 = _tile(a2_base, b2_base, s2_base, tab2_base, rows, rmask, k0, ka_row, kb_row,
+                                 ks_row, slut2_ptr, llut2_ptr, ABITS, HAS_B, G, MIX, NLEV, LV, BN, BK)
+                acc2 += tl.sum(tl.sum(lv2 * x3, axis=2) * sc2, axis=1)
+        res = acc
+        if DUAL:
+            gc = tl.minimum(acc, limit)
+            uc = tl.minimum(tl.maximum(acc2, -limit), limit)
+            res = gc / (1.0 + tl.exp(-gc)) * uc
+        tl.store(out_ptr + s0.to(tl.int64) * stride_o + rows, res, mask=rmask)
+    else:
+        tt = tl.arange(0, BT)
+        tmask = tt < cnt
+        trow = (s0 + tt).to(tl.int64)
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BT, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            xt = tl.load(x_ptr + trow[:, None] * stride_x + (k0 + kk)[None, :], mask=tmask[:, None], other=0.0)
+            lv, sc = _tile(a_base, b_base, s_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
+                           slut_ptr, llut_ptr, ABITS, HAS_B, G, MIX, NLEV, LV, BN, BK)
+            w = tl.reshape(lv * sc[:, :, None], (BN, BK))
+            acc += tl.dot(xt, tl.trans(w), input_precision=PREC)
+            if DUAL:
+                lv2, sc2 = _tile(a2_base, b2_base, s2_base, tab2_base, rows, rmask, k0, ka_row, kb_row,
+                                 ks_row, slut2_ptr, llut2_ptr, ABITS, HAS_B, G, MIX, NLEV, LV, BN, BK)
+                w2 = tl.reshape(lv2 * sc2[:, :, None], (BN, BK))
+                acc2 += tl.dot(xt, tl.trans(w2), input_precision=PREC)
+        res = acc
+        if DUAL:
+            gc = tl.minimum(acc, limit)
+            uc = tl.minimum(tl.maximum(acc2, -limit), limit)
+            res = gc / (1.0 + tl.exp(-gc)) * uc
+        tl.store(out_ptr + trow[:, None] * stride_o + rows[None, :], res, mask=tmask[:, None] & rmask[None, :])
+
+
+def _bk(cols: int, g: int) -> int:
+    for bk in (256, 128, 64, 32):
+        if cols % bk == 0 and bk >= g:
+            return bk
+    raise ValueError(f"kernel needs a column count that is a multiple of 32, got {cols}")
+
+
+def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, bn: int = 0,
+           num_warps: int = 0, prec: str = "tf32x3"):
+    """out[slot] = W_e @ x[slot] (or SwiGLU(W_e x, W2_e x) with ``w2``) for every group.
+
+    fmt: layout.Format; x float32 (n_slots, K) sorted by expert; groups int32
+    (n_groups, 3) = (local expert, first slot, slots <= bt); w / w2: the
+    planes dict of a stack (a, b, s, slut, llut, tab); out float32 (n_slots, N).
+    """
+    a = w["a"]
+    _, N, ka_row = a.shape
+    K = x.shape[1]
+    b = w["b"] if w["b"] is not None else a
+    kb_row = b.shape[2] if w["b"] is not None else 0
+    ks_row = w["s"].shape[2]
+    dual = w2 is not None
+    o = w2 if dual else w
+    bk = _bk(K, fmt.group)
+    if not bn:
+        bn = 16 if bt == 1 else 32
+    if not num_warps:
+        num_warps = 4
+    grid = (groups.shape[0], triton.cdiv(N, bn))
+    _moe_linear_kernel[grid](
+        x, x.stride(0), out, out.stride(0), groups,
+        a, b, w["s"], w["tab"],
+        o["a"], o["b"] if o["b"] is not None else o["a"], o["s"], o["tab"],
+        w["slut"], w["llut"], o["slut"], o["llut"],
+        N, K, ka_row, kb_row, ks_row, float(limit),
+        ABITS=fmt.abits, HAS_B=fmt.has_b, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev,
+        LV=fmt.lv_mode, DUAL=dual, BT=bt, BN=bn, BK=bk, PREC=prec, num_warps=num_warps,
+    )
+    return out
+
+
+assert LV_FP2 == 1 and LV_FP3 == 2  # the kernel's constexpr branches
