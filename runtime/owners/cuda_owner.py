@@ -68,6 +68,8 @@ class CudaOwner(TorchOwner):
             raise BadInputError(f"bt (tokens of one expert per program) must be 16, 32 or 64, got {bt}")
         self.bt = int(bt)
         self.prec = prec
+        # launch shape per tokens-per-program (1: matrix-vector tile, bt: tl.dot); 0 = the kernel default
+        self.tile: dict[int, tuple[int, int]] = {}
         self._planes: dict[str, dict] = {}  # tensor -> planes of that stack
 
     # -- residency -------------------------------------------------------
@@ -170,18 +172,20 @@ class CudaOwner(TorchOwner):
 
         k = _need_triton()
         L = self.swiglu_limit
+        bn, nw = self.tile.get(plan.bt, (0, 0))
+        kw = dict(bt=plan.bt, prec=self.prec, bn=bn, num_warps=nw)
         for fg, pg, pu, gg, gu, fd, pd, gd, first, count, dual in plan.stages:
             if dual:
-                k.linear(fg, xs, gg, pg, h, w2=pu, limit=L, bt=plan.bt, prec=self.prec)
+                k.linear(fg, xs, gg, pg, h, w2=pu, limit=L, **kw)
             else:
                 g = torch.empty_like(h)
                 u = torch.empty_like(h)
-                k.linear(fg, xs, gg, pg, g, bt=plan.bt, prec=self.prec)
-                k.linear(pu["fmt"], xs, gu, pu, u, bt=plan.bt, prec=self.prec)
+                k.linear(fg, xs, gg, pg, g, **kw)
+                k.linear(pu["fmt"], xs, gu, pu, u, **kw)
                 sl = slice(first, first + count)  # this combo's sorted slots
                 gc = torch.clamp(g[sl], max=L)
                 h[sl] = torch.nn.functional.silu(gc) * torch.clamp(u[sl], min=-L, max=L)
-            k.linear(fd, h, gd, pd, y, bt=plan.bt, prec=self.prec)
+            k.linear(fd, h, gd, pd, y, **kw)
 
     def fast_device(self, layer: int, xt, expert_ids):
         """Fast mode on device tensors: float32 (n, H) device -> float32 (n, H) device,

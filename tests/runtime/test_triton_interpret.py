@@ -1,0 +1,153 @@
+"""The CUDA owner's Triton kernels run through Triton's interpreter
+(TRITON_INTERPRET=1) on the CPU, so CI checks their arithmetic without a GPU.
+
+The repacked layout must decode to ``formats.decode``'s bits (torch only, no
+triton needed); the kernels' fast output must match a float64 product of the
+decoded weights within float32 rounding, on matrix-vector (one slot per
+expert) and grouped (tl.dot) batches, for every qtype with a kernel layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ds4quant.runtime.kernels import layout  # noqa: E402
+
+from . import _synth as S  # noqa: E402
+
+LAYER = 1
+EXPERTS = (3, 7, 8, 20)
+
+
+def _planes(stack):
+    a, b, s = layout.repack(stack.qtype, torch.from_numpy(np.ascontiguousarray(stack.data)), stack.cols)
+    return a, b, s
+
+
+@pytest.mark.parametrize("qtype", layout.KERNEL_QTYPES)
+def test_repacked_planes_decode_to_the_artifact_bits(qtype):
+    stacks, entries = S.layer_stacks(qtype, LAYER, EXPERTS)
+    for st in stacks.values():
+        a, b, s = _planes(st)
+        assert a.nbytes + s.nbytes + (b.nbytes if b is not None else 0) == st.nbytes  # same bits, moved
+        books = modes = None
+        if st.tensor in entries:
+            books, modes = entries[st.tensor].books, entries[st.tensor].modes
+        lev = torch.from_numpy(layout.level_lut(qtype, books, modes))
+        sc = torch.from_numpy(layout.scale_lut(qtype))
+        tab = torch.arange(0, 2 * st.n_experts, 2) if books is not None else None
+        got = layout.unpack_reference(qtype, a, b, s, st.cols, lev, sc, tab).numpy()
+        for i, e in enumerate(st.expert_ids):
+            want = S.decoded(st, i)
+            if books is not None and int(modes[i]) == 0:
+                # mode 0 with bit 7 set: decode gives level * 0 (a signed zero), the layout +0
+                assert np.array_equal(got[i], want), f"{st.tensor} expert {e}"
+            else:
+                assert np.array_equal(got[i].view(np.uint32), want.view(np.uint32)), f"{st.tensor} expert {e}"
+
+
+def test_no_kernel_layout_for_the_fallback_qtypes():
+    for q in ("rocmfp6", "rocmfp2_affine", "q8_0", "bf16"):
+        assert layout.kernel_format(q) is None
+        with pytest.raises(Exception, match="no kernel layout"):
+            layout.scale_lut(q)
+
+
+# --------------------------------------------------------------------------
+# the kernels, interpreted
+
+
+@pytest.fixture(scope="module")
+def interp():
+    if not os.environ.get("TRITON_INTERPRET"):
+        # must be set before triton.jit decorates the kernels (moe_triton import)
+        import sys
+
+        if "ds4quant.runtime.kernels.moe_triton" in sys.modules:
+            pytest.skip("moe_triton already imported without TRITON_INTERPRET=1")
+        os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton")
+    from ds4quant.runtime.kernels import moe_triton
+
+    return moe_triton
+
+
+def _owner(qtype, experts=EXPERTS):
+    from ds4quant.runtime.owners.cuda_owner import CudaOwner
+
+    o = CudaOwner("cpu", identity="torch-cpu:9", prec="ieee")
+    stacks, entries = S.layer_stacks(qtype, LAYER, experts)
+    for st in stacks.values():
+        o.add_stack(st)
+    for t, ent in entries.items():
+        o.register_books(t, experts, ent)
+    return o, stacks
+
+
+def _ref64(stacks, x, ids, limit=10.0):
+    W = {p: [S.decoded(st, i).astype(np.float64) for i in range(st.n_experts)] for p, st in stacks.items()}
+    loc = {e: i for i, e in enumerate(stacks["gate"].expert_ids)}
+    out = np.empty((len(ids), x.shape[1]))
+    for r, e in enumerate(ids):
+        xi = x[r].astype(np.float64)
+        g, u = W["gate"][loc[e]] @ xi, W["up"][loc[e]] @ xi
+        gc = np.minimum(g, limit)
+        h = gc / (1 + np.exp(-gc)) * np.clip(u, -limit, limit)
+        out[r] = W["down"][loc[e]] @ h
+    return out
+
+
+BATCHES = {
+    "one slot per expert": np.array([20, 3, 8]),
+    "grouped": np.array([7, 3, 7, 20, 7, 3, 8]),
+}
+
+
+@pytest.mark.parametrize("qtype", layout.KERNEL_QTYPES)
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_kernel_fast_output_matches_float64(interp, qtype, batch):
+    ids = BATCHES[batch]
+    o, stacks = _owner(qtype)
+    x = S.tokens(len(ids), seed=3)
+    plan = o.plan(LAYER, ids)
+    assert plan is not None and plan.bt == (1 if batch.startswith("one") else 16)
+    assert len(plan.stages) == 1 and plan.stages[0][-1]  # one fused gate+up launch, one down
+    y = o.run_slots(LAYER, x, ids, "fast")
+    ref = _ref64(stacks, x, ids)
+    assert y.dtype == np.float32 and y.shape == x.shape and np.all(np.isfinite(y))
+    for r in range(len(ids)):
+        err = np.abs(y[r] - ref[r]).max() / max(np.abs(ref[r]).max(), 1e-30)
+        assert err < 2e-5, f"{qtype} slot {r} (expert {ids[r]}): {err}"
+
+
+def test_kernel_mix_needs_registered_books(interp):
+    from ds4quant.errors import UnregisteredTableError
+    from ds4quant.runtime.owners.cuda_owner import CudaOwner
+
+    o = CudaOwner("cpu", identity="torch-cpu:9")
+    stacks, entries = S.layer_stacks("rocmfp3_mix", LAYER, EXPERTS)
+    for st in stacks.values():
+        o.add_stack(st)
+    x = S.tokens(2, seed=1)
+    with pytest.raises(UnregisteredTableError):
+        o.run_slots(LAYER, x, np.array([3, 8]), "fast")
+    for t, ent in entries.items():
+        o.register_books(t, EXPERTS, ent)
+    ref = _ref64(stacks, x, [3, 8])
+    y = o.run_slots(LAYER, x, np.array([3, 8]), "fast")
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 2e-5
+
+
+def test_fallback_qtype_runs_decode_then_matmul(interp):
+    o, stacks = _owner("rocmfp6")
+    ids = np.array([3, 20])
+    assert o.plan(LAYER, ids) is None
+    x = S.tokens(2, seed=2)
+    ref = _ref64(stacks, x, ids)
+    y = o.run_slots(LAYER, x, ids, "fast")
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
