@@ -52,10 +52,12 @@ def _versions(torch):
     return v
 
 
-def _timer(torch, dev):
+def _timer(torch, dev, warm: int = 5):
     """median seconds of fn() over reps (device events on CUDA)."""
+    warm_default = warm
 
-    def bench(fn, reps=50, warm=5):
+    def bench(fn, reps=50, warm=None):
+        warm = warm_default if warm is None else min(warm, warm_default)
         for _ in range(warm):
             fn()
         if dev.type == "cuda":
@@ -100,6 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-exact", action="store_true")
     ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 50, --quick 3)")
     a = ap.parse_args(argv)
 
     from ds4quant.runtime.owners.base import ExpertStack
@@ -108,8 +111,8 @@ def main(argv=None) -> int:
 
     dev = torch.device(a.device)
     n_exp, topk, H, I = (16, 6, 256, 128) if a.quick else (256, 6, 4096, 2048)
-    reps = 3 if a.quick else 50
-    bench = _timer(torch, dev)
+    reps = a.reps or (3 if a.quick else 50)
+    bench = _timer(torch, dev, warm=min(5, reps))
     res = {"versions": _versions(torch), "shape": dict(n_expert=n_exp, topk=topk, hidden=H, expert=I),
            "recipe": "rocmfp2-strix (random valid bytes)", "rows": []}
 
@@ -218,9 +221,9 @@ def main(argv=None) -> int:
         for st in stacks.values():
             tor.add_stack(st)
         xn = x.cpu().numpy()
-        row("decode+matmul (TorchOwner)", bench(lambda: tor.run_slots(0, xn, ids, "fast"), reps=3, warm=1))
+        row("decode+matmul (TorchOwner)", bench(lambda: tor.run_slots(0, xn, ids, "fast"), reps=min(3, reps), warm=1))
         if B == 1 and not a.no_exact:
-            row("exact (CudaOwner)", bench(lambda: owner.run_slots(0, xn, ids, "exact"), reps=2, warm=1))
+            row("exact (CudaOwner)", bench(lambda: owner.run_slots(0, xn, ids, "exact"), reps=min(2, reps), warm=1))
         tor.close()
 
     res["load_s"] = round(res["load_s"], 2)
