@@ -152,7 +152,7 @@ def _bk(cols: int, g: int) -> int:
 
 
 def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, bn: int = 0,
-           num_warps: int = 0, prec: str = "tf32x3"):
+           num_warps: int = 0, bk: int = 0, prec: str = "tf32x3"):
     """out[slot] = W_e @ x[slot] (or SwiGLU(W_e x, W2_e x) with ``w2``) for every group.
 
     fmt: layout.Format; x float32 (n_slots, K) sorted by expert; groups int32
@@ -167,9 +167,14 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
     ks_row = w["s"].shape[2]
     dual = w2 is not None
     o = w2 if dual else w
-    bk = _bk(K, fmt.group)
+    # defaults measured on the lent H200 (benchmarks/results/runtime_gpu_h200_run2.json): the
+    # matrix-vector tile likes 32 rows x 256 columns (112 us a DS4 layer at batch 1, 16 rows: 131);
+    # the tl.dot tile must stay narrow in K (64 rows x 32 columns: 7.1 ms at batch 64; 256 columns
+    # spill: 106 ms)
+    if not bk or K % bk or bk < fmt.group:
+        bk = _bk(K, fmt.group) if bt == 1 else max(32, fmt.group)
     if not bn:
-        bn = 16 if bt == 1 else 32
+        bn = 32 if bt == 1 else 64
     if not num_warps:
         num_warps = 4
     grid = (groups.shape[0], triton.cdiv(N, bn))

@@ -68,8 +68,9 @@ class CudaOwner(TorchOwner):
             raise BadInputError(f"bt (tokens of one expert per program) must be 16, 32 or 64, got {bt}")
         self.bt = int(bt)
         self.prec = prec
-        # launch shape per tokens-per-program (1: matrix-vector tile, bt: tl.dot); 0 = the kernel default
-        self.tile: dict[int, tuple[int, int]] = {}
+        # launch shape (rows, warps, columns per step) per tokens-per-program
+        # (1: matrix-vector tile, bt: tl.dot); 0 = the kernel default
+        self.tile: dict[int, tuple[int, int, int]] = {}
         self._planes: dict[str, dict] = {}  # tensor -> planes of that stack
 
     # -- residency -------------------------------------------------------
@@ -172,8 +173,8 @@ class CudaOwner(TorchOwner):
 
         k = _need_triton()
         L = self.swiglu_limit
-        bn, nw = self.tile.get(plan.bt, (0, 0))
-        kw = dict(bt=plan.bt, prec=self.prec, bn=bn, num_warps=nw)
+        bn, nw, bk = self.tile.get(plan.bt, (0, 0, 0))
+        kw = dict(bt=plan.bt, prec=self.prec, bn=bn, num_warps=nw, bk=bk)
         for fg, pg, pu, gg, gu, fd, pd, gd, first, count, dual in plan.stages:
             if dual:
                 k.linear(fg, xs, gg, pg, h, w2=pu, limit=L, **kw)
