@@ -221,7 +221,7 @@ def main(argv=None) -> int:
             res["rows"][-1]["rel_vs_triton"] = float((yb.float() - yk).norm() / yk.norm())
         except Exception as exc:  # _grouped_mm is private: report, do not fail the run
             res["rows"].append(dict(batch=B, path="bf16 grouped_mm", error=repr(exc)[:300]))
-        del wgu, wd
+        wgu = wd = gmm = None  # free the decoded experts before the next batch
 
         if a.no_torch:
             continue
