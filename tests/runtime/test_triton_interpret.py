@@ -151,3 +151,35 @@ def test_fallback_qtype_runs_decode_then_matmul(interp):
     ref = _ref64(stacks, x, ids)
     y = o.run_slots(LAYER, x, ids, "fast")
     assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def test_kernel_compact_stacks_mixed_formats(interp):
+    """Two stack combinations in one call (compact per-qtype stacks); in the second, gate and up
+    differ in format, so they run as two launches and SwiGLU in torch."""
+    from ds4quant.runtime.owners.cuda_owner import CudaOwner
+
+    o = CudaOwner("cpu", identity="torch-cpu:9", prec="ieee")
+    a, _ = S.layer_stacks("rocmfp2", LAYER, (3, 7))
+    b, eb = S.layer_stacks("rocmfp3_mix", LAYER, (8, 20))
+    c, _ = S.layer_stacks("mxfp4", LAYER, (8, 20))
+    mine = {"gate": [a["gate"], b["gate"]], "up": [a["up"], c["up"]], "down": [a["down"], b["down"]]}
+    for sts in mine.values():
+        for st in sts:
+            o.add_stack(st)
+    for t, ent in eb.items():
+        if t != b["up"].tensor:  # b's up stack is not resident (c's mxfp4 up is)
+            o.register_books(t, (8, 20), ent)
+    ids = np.array([20, 3, 8, 3, 20, 7])
+    plan = o.plan(LAYER, ids)
+    assert [s[-1] for s in plan.stages] == [True, False]  # dual launch only where gate and up agree
+    x = S.tokens(len(ids), seed=8)
+    y = o.run_slots(LAYER, x, ids, "fast")
+    for r, e in enumerate(ids):
+        k = 0 if e in (3, 7) else 1
+        st = {p: mine[p][k] for p in mine}
+        loc = st["gate"].expert_ids.index(int(e))
+        W = {p: S.decoded(s, loc).astype(np.float64) for p, s in st.items()}
+        xi = x[r].astype(np.float64)
+        gc = np.minimum(W["gate"] @ xi, 10.0)
+        ref = W["down"] @ (gc / (1 + np.exp(-gc)) * np.clip(W["up"] @ xi, -10.0, 10.0))
+        assert np.abs(y[r] - ref).max() / np.abs(ref).max() < 2e-5, f"slot {r} expert {e}"
