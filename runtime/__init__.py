@@ -60,11 +60,15 @@ def make_owner(name: str, swiglu_limit: float = 10.0):
         from ds4quant.runtime.owners.worker import WorkerOwner
 
         return WorkerOwner(identity=name, swiglu_limit=swiglu_limit)
-    if kind in ("torch-cpu", "cuda", "hip"):
+    if kind == "torch-cpu":
         from ds4quant.runtime.owners.torch_owner import TorchOwner
 
-        dev = "cpu" if kind == "torch-cpu" else f"cuda:{num or 0}"  # torch names ROCm devices cuda too
-        return TorchOwner(dev, identity=name if num else f"{kind}:0", swiglu_limit=swiglu_limit)
+        return TorchOwner("cpu", identity=name if num else "torch-cpu:0", swiglu_limit=swiglu_limit)
+    if kind in ("cuda", "hip"):
+        # Triton kernels for fast mode, TorchOwner's exact path; torch names ROCm devices cuda too
+        from ds4quant.runtime.owners.cuda_owner import CudaOwner
+
+        return CudaOwner(f"cuda:{num or 0}", identity=name if num else f"{kind}:0", swiglu_limit=swiglu_limit)
     raise BadInputError(f"unknown owner name {name!r} (cpu[:N], torch-cpu:N, cuda:N, hip:N, worker:N, none)")
 
 
