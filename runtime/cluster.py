@@ -133,13 +133,15 @@ def _kill(procs) -> None:
 
 def launch(spec: dict, n_ranks: int, *, inputs: Optional[Mapping[str, np.ndarray]] = None, timeout_s: float = 60,
            launcher: str = "spawn", env: Optional[Mapping[str, str]] = None, threads: Optional[int] = None,
-           startup_s: float = 120.0) -> list[dict]:
+           startup_s: float = 120.0, rank_jobs: Optional[Sequence[Mapping[int, Mapping]]] = None) -> list[dict]:
     """Run ``spec`` ({jobs: [...], backend, ...}) on ``n_ranks`` ranks; returns
     per job {ranks: [report...], outputs: {L: f32 [T,H]}}. Raises ClusterError
     naming each failed rank's error; no process or temporary file outlives it.
 
     timeout_s: the process-group (collective) timeout and the ranks' watchdog
-    base; the whole run is given startup_s + timeout_s * (1 + jobs)."""
+    base; the whole run is given startup_s + timeout_s * (1 + jobs).
+    rank_jobs[r]: {job index: fields} that rank r alone changes (spawn only;
+    a deliberate mismatch between ranks, for the guard tests)."""
     if not isinstance(n_ranks, int) or not 1 <= n_ranks <= 256:
         raise BadInputError(f"must be an integer in 1..256, got {n_ranks!r}", where="--ranks")
     if launcher not in LAUNCHERS:
@@ -158,6 +160,12 @@ def launch(spec: dict, n_ranks: int, *, inputs: Optional[Mapping[str, np.ndarray
         if launcher == "spawn":
             port = _free_port()
             for r in range(n_ranks):
+                if rank_jobs and rank_jobs[r]:
+                    own = {**spec, "jobs": [{**jb, **dict(rank_jobs[r].get(j, {}))} for j, jb in enumerate(spec["jobs"])]}
+                    (tmp / f"spec{r}.json").write_text(json.dumps(own, default=str))
+                    cmd[-1] = str(tmp / f"spec{r}.json")
+                else:
+                    cmd[-1] = str(tmp / "spec.json")
                 errs.append(tmp / f"rank{r}.err")
                 with open(errs[-1], "wb") as fe:
                     procs.append(subprocess.Popen(cmd, env=_rank_env(r, n_ranks, port, threads, env),
@@ -267,7 +275,7 @@ def _np32(x) -> np.ndarray:
 def run_cluster_jobs(jobs: Sequence[Mapping[str, Any]], n_ranks: int, hidden_by_layer=None, tokens=None, *,
                      token_ids=None, routing=None, seed: int = 0, timeout_s: float = 60, backend: str = "gloo",
                      launcher: str = "spawn", env: Optional[Mapping[str, str]] = None,
-                     threads: Optional[int] = None) -> list[ClusterRun]:
+                     threads: Optional[int] = None, rank_jobs=None) -> list[ClusterRun]:
     """Several jobs ({artifact, placement, mode, layers, owners, holdings}) in
     one process group (one start-up for many placements); see run_cluster_layers."""
     if backend not in ("gloo", "nccl"):
@@ -279,11 +287,11 @@ def run_cluster_jobs(jobs: Sequence[Mapping[str, Any]], n_ranks: int, hidden_by_
         clean.append({"artifact": str(job["artifact"]), "placement": str(job["placement"]), "mode": mode,
                       "layers": list(job["layers"]) if job.get("layers") else None,
                       "owners": list(job["owners"]) if job.get("owners") else None,
-                      "holdings": bool(job.get("holdings")), "routing": job.get("routing", "broadcast")})
+                      "holdings": bool(job.get("holdings")), "route": job.get("route", "broadcast")})
     fields, arrays = _inputs(hidden_by_layer, tokens, token_ids, routing, seed)
     t0 = time.perf_counter()
     res = launch({"jobs": clean, "backend": backend, **fields}, n_ranks, inputs=arrays, timeout_s=timeout_s,
-                 launcher=launcher, env=env, threads=threads)
+                 launcher=launcher, env=env, threads=threads, rank_jobs=rank_jobs)
     wall = time.perf_counter() - t0
     runs = []
     for job, r in zip(clean, res):
@@ -306,7 +314,7 @@ def run_cluster_layers(artifact, placement, hidden_by_layer=None, tokens=None, n
     backend (gloo | nccl), launcher (spawn | torchrun), seed, env, threads,
     holdings (report digests of every held expert). This is what verify's
     fidelity stage calls for ``--placement cluster.json``."""
-    job_keys = ("layers", "owners", "holdings")
+    job_keys = ("layers", "owners", "holdings", "route")
     job = {"artifact": artifact, "placement": placement, "mode": mode, **{k: kw.pop(k) for k in job_keys if k in kw}}
     return run_cluster_jobs([job], n_ranks, hidden_by_layer, tokens, timeout_s=timeout_s, **kw)[0]
 

@@ -228,7 +228,7 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
 
     job: artifact, placement (path), mode, layers (None = all), owners
     (local owner names, ``{local_rank}`` substituted; default the
-    placement's owner), routing (broadcast: rank 0 routes | local: every
+    placement's owner), route (broadcast: rank 0 routes | local: every
     rank routes, digests compared), holdings (report held-byte digests).
     inputs: hidden {L: f32 [T,H]} or hidden_all f32 [T,H]; token_ids int64
     [T]; routing {L: (idx, w)} optional."""
@@ -302,7 +302,7 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
                 idx = torch.as_tensor(np.asarray(idx_np, dtype=np.int64))
                 w = torch.as_tensor(np.asarray(w_np, dtype=np.float32))
                 K = idx.shape[1]
-            elif job.get("routing", "broadcast") == "broadcast":
+            elif job.get("route", "broadcast") == "broadcast":
                 # rank 0 routes and sends it: the router's float32 matmul depends on BLAS and
                 # thread count, so ranks on different hardware could otherwise disagree
                 buf = torch.zeros((T, 2 * K), dtype=torch.float64)
@@ -318,7 +318,7 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
                 alld = g.all_gather(f"layer {L} routing check", dig)
                 if any(not torch.equal(d, alld[0]) for d in alld):
                     raise IntegrityError(f"layer {L}: routing differs across ranks (the inputs, the router "
-                                         "tensors or their BLAS differ; use routing=broadcast)", where=f"rank {rank}")
+                                         "tensors or their BLAS differ; use route=broadcast)", where=f"rank {rank}")
             t_route = time.perf_counter()
             sr = plc.slot_ranks(L, idx.numpy()).reshape(-1)
             flat = idx.numpy().reshape(-1).astype(np.int64)
