@@ -161,7 +161,8 @@ def launch(spec: dict, n_ranks: int, *, inputs: Optional[Mapping[str, np.ndarray
             port = _free_port()
             for r in range(n_ranks):
                 if rank_jobs and rank_jobs[r]:
-                    own = {**spec, "jobs": [{**jb, **dict(rank_jobs[r].get(j, {}))} for j, jb in enumerate(spec["jobs"])]}
+                    jobs = [{**jb, **dict(rank_jobs[r].get(j, {}))} for j, jb in enumerate(spec["jobs"])]
+                    own = {**spec, "jobs": jobs}
                     (tmp / f"spec{r}.json").write_text(json.dumps(own, default=str))
                     cmd[-1] = str(tmp / f"spec{r}.json")
                 else:

@@ -159,7 +159,8 @@ def _agree(g: _Group, what: str, err: Optional[BaseException], payload) -> list:
 class Watchdog:
     """Ends this rank (exit 3, one line on stderr) if no progress is made for
     ``idle_s`` seconds or the launching parent process is gone; a hang
-    outside a collective (or inside one with no timeout) cannot outlive it."""
+    outside a collective (or inside one with no timeout) cannot outlive it.
+    (Peers of a hung rank fail sooner, at their collective timeout.)"""
 
     def __init__(self, idle_s: float, rank: int) -> None:
         self.idle_s = float(idle_s)
@@ -296,7 +297,7 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
             x = torch.as_tensor(np.asarray(x, dtype=np.float32))
             T, H = x.shape
             t_start = time.perf_counter()
-            K = int(plc.n_expert_used)
+            K = int(h.n_expert_used)
             if inputs.get("routing") and L in inputs["routing"]:
                 idx_np, w_np = inputs["routing"][L]
                 idx = torch.as_tensor(np.asarray(idx_np, dtype=np.int64))
@@ -451,7 +452,9 @@ def serve(spec: dict) -> int:
 
     timeout_s = float(spec.get("timeout_s", 60))
     rank = int(os.environ.get("RANK", "0"))
-    dog = Watchdog(2 * timeout_s, rank)
+    # progress is marked per layer, and one layer of a big batch on a CPU owner can take
+    # minutes: the watchdog waits far longer than a collective does
+    dog = Watchdog(float(spec.get("watchdog_s") or 10 * timeout_s), rank)
     backend = spec.get("backend") or "gloo"
     device = torch.device("cpu")
     if backend == "nccl":
