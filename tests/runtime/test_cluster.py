@@ -352,6 +352,17 @@ def test_cli_run_starts_torchrun_and_writes_the_result(arts, inputs, tmp_path):
     j = json.loads(out.read_text())
     assert j["n_ranks"] == 2 and [lay["layer"] for lay in j["layers"]] == [2]
     assert len(j["layers"][0]["sha256"]) == 64 and "sha256" in r.output
+    # the same run as the documented torchrun command line: the same bytes
+    import subprocess
+    import sys
+
+    direct = tmp_path / "direct.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "ds4quant.runtime.cluster", str(arts["strix"]), "--placement", str(ps["balanced"]), "--tokens", "2",
+           "--layers", "2", "--timeout", str(TIMEOUT), "--out", str(direct)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(direct.read_text())["layers"][0]["sha256"] == j["layers"][0]["sha256"]
     r = CliRunner().invoke(cli, ["run", str(arts["strix"]), "--ranks", "4", "--placement", str(ps["balanced"]),
                                  "--tokens", "2", "--launcher", "spawn"])
     assert r.exit_code == 2 and "placement is for 2 ranks, this cluster has 4" in r.output, r.output
