@@ -12,7 +12,8 @@ Per job (artifact + rank placement):
    ``none``), so it reads and registers exactly its experts;
 3. per layer: routing on every rank from the same inputs (its sha256 is
    all_gathered and compared), each rank runs the slots ``slot_ranks``
-   gives it, the per-slot outputs are all_gathered (one padded buffer per
+   gives it and the shared expert of token rows t % N == rank, the
+   per-slot and shared outputs are all_gathered (one padded buffer per
    rank, its last row a status flag so a rank that failed is named), and
    every rank combines all slots in canonical order with
    ``execute.combine``. Fast mode all_reduces per-rank partial sums.
@@ -327,6 +328,10 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
             counts = np.bincount(sr, minlength=n)
             mine_sel = np.nonzero(sr == rank)[0]
             xs = x.numpy()
+            my_rows = np.arange(rank, T, n)
+            ms = (T + n - 1) // n
+            shared = torch.zeros((T, H), dtype=torch.float32)
+            sh_mine = torch.zeros((0, H), dtype=torch.float32)
             err, y = None, np.zeros((mine_sel.shape[0], H), np.float32)
             try:
                 fault = _fault(rank, L)
@@ -352,22 +357,29 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
                 for f in futs:
                     s, ys = f.result()
                     y[s] = np.asarray(ys, dtype=np.float32)
+                # the shared expert, split by token rows (t % N): exact mode's value of a row does
+                # not depend on its batch, so the split keeps the one-process bytes
+                if my_rows.size:
+                    sh_mine = rt.shared(L, x[torch.from_numpy(my_rows)])
             except Exception as e:
                 err = e
-            shared = rt.shared(L, x) if err is None else torch.zeros((T, H), dtype=torch.float32)
             t_comp = time.perf_counter()
             if mode == "exact":
                 m = int(counts.max()) if counts.size else 0
-                buf = torch.zeros((m + 1, H), dtype=torch.float32)
-                buf[: y.shape[0]] = torch.from_numpy(y)
-                buf[m, 0] = 0.0 if err is None else 1.0
+                buf = torch.zeros((m + ms + 1, H), dtype=torch.float32)
+                if err is None:
+                    buf[: y.shape[0]] = torch.from_numpy(y)
+                    buf[m:m + my_rows.size] = sh_mine
+                buf[m + ms, 0] = 0.0 if err is None else 1.0
                 parts = [p.cpu() for p in g.all_gather(f"layer {L} exchange", buf.to(g.device))]
-                failed = [r for r in range(n) if float(parts[r][m, 0]) != 0.0]
+                failed = [r for r in range(n) if float(parts[r][m + ms, 0]) != 0.0]
             else:
                 part = torch.zeros((T + 1, H), dtype=torch.float32)
                 if err is None and y.shape[0]:
                     terms = w.reshape(-1)[torch.from_numpy(mine_sel)][:, None] * torch.from_numpy(y)
                     part[:T].index_add_(0, torch.from_numpy(tok_of[mine_sel]), terms)
+                if err is None and my_rows.size:
+                    part[torch.from_numpy(my_rows)] += sh_mine
                 part[T, 0] = 0.0 if err is None else 1.0
                 red = g.all_reduce(f"layer {L} exchange", part.to(g.device)).cpu()
                 failed = [] if float(red[T, 0]) == 0.0 else ["?"]
@@ -382,9 +394,11 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
                 for r in range(n):
                     sel = torch.from_numpy(np.nonzero(sr == r)[0])
                     slots[sel] = parts[r][: int(counts[r])]
+                    rows = torch.from_numpy(np.arange(r, T, n))
+                    shared[rows] = parts[r][m:m + rows.shape[0]]
                 out = combine(w, slots.reshape(T, K, H), shared=shared)
             else:
-                out = red[:T] + shared
+                out = red[:T]
             t_end = time.perf_counter()
             outputs[L] = out.numpy()
             timings.append({"layer": L, "sha256": _digest(outputs[L].astype(np.float32)),
