@@ -1,0 +1,366 @@
+"""The expert-parallel cluster (runtime.cluster): N gloo ranks on localhost give
+the single-process bytes; each rank reads and holds exactly its experts; a
+mismatch or a dead/hung rank ends every rank with a clear error in time.
+
+Ranks are child processes (torch.distributed, gloo, CPU); several placements
+and artifacts run as jobs of one process group so each test starts its ranks
+once. Exact-mode outputs are compared by sha256, never a tolerance."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed")
+
+from ds4quant import formats, runtime  # noqa: E402
+from ds4quant.artifact import GGUFWriter, read_gguf_set  # noqa: E402
+from ds4quant.artifact.view import open_artifact  # noqa: E402
+from ds4quant.convert import convert  # noqa: E402
+from ds4quant.names import PROJS, parse_stack  # noqa: E402
+from ds4quant.place import artifact_fingerprint  # noqa: E402
+from ds4quant.routing import read_routing  # noqa: E402
+from ds4quant.runtime.cluster import FAULT_ENV, ClusterError, run_cluster_jobs, run_cluster_layers  # noqa: E402
+from ds4quant.runtime.placement import write_placement  # noqa: E402
+from ds4quant.runtime.planning import plan_ranks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "samples" / "ds4-tiny"
+CALIB = ROOT / "samples" / "ds4-tiny-calib"
+E = 16
+LAYERS = (0, 2)  # a hash-routed and a top-k layer
+COMBINE_LAYER = 2
+OWNER = "torch-cpu:0"
+PLACEMENTS = {"uniform": ("uniform", 0), "balanced": ("balanced", 0), "replicate-hot": ("balanced", 2)}
+TIMEOUT = 60
+
+
+def _sha(a) -> str:
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(a), dtype=np.float32).tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory):
+    """rocmfp2-strix always; the adaptive ones (minutes on busy cores) are built by ``adaptive_arts``."""
+    root = tmp_path_factory.mktemp("cluster")
+    convert(SAMPLE, root / "strix", "rocmfp2-strix", threads=1)
+    return {"strix": root / "strix"}
+
+
+@pytest.fixture(scope="module")
+def adaptive_arts(arts, tmp_path_factory):
+    from ds4quant.adaptive import AdaptiveOptions
+
+    root = tmp_path_factory.mktemp("cluster-adaptive")
+    out = dict(arts)
+    for g in ("tensor", "expert"):
+        opts = AdaptiveOptions(routing=str(CALIB / "routing.csv"), cache_dir=str(root / "cache"), fit_iterations=1,
+                               fit_restarts=0, fit_max_rows=32, target_bpw=2.7, granularity=g,
+                               candidates=("rocmfp2", "rocmfp2_mix", "rocmfp4"))
+        convert(SAMPLE, root / g, "adaptive", imatrix=CALIB / "imatrix.gguf", adaptive=opts)
+        out[f"adaptive-{g}"] = root / g
+    return out
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn((3, 256), generator=g) * 2
+    x[1, :32] = 0.0  # an all-zero activation block
+    return x, torch.tensor([5, 17, 100])
+
+
+def _placements(art: Path, n: int, where: Path) -> dict[str, Path]:
+    prof = read_routing(CALIB / "routing.csv")
+    with open_artifact(art) as v:
+        fp = artifact_fingerprint(v)
+    out = {}
+    for name, (strategy, k) in PLACEMENTS.items():
+        p = plan_ranks(prof, n, strategy, k, owner=OWNER, artifact=fp)
+        out[name] = write_placement(where / f"{art.name}-{n}-{name}.json", p)
+    return out
+
+
+def _routing_with_combine_case(art: Path, x, tok):
+    """Layer COMBINE_LAYER's router output with token 0 replaced by slots
+    (A, B, A, C) weighted [1e20, 1, -1e20, 1]: A on rank 0, B and C elsewhere
+    for uniform placements, so per-rank partial sums would differ from the
+    canonical sequential combine."""
+    with runtime.load(art, placement={L: {OWNER: tuple(range(E))} for L in range(4)}) as rt:
+        idx, w = rt.route(COMBINE_LAYER, x, tok)
+    idx, w = idx.clone(), w.clone()
+    idx[0] = torch.tensor([0, 1, 0, 3])
+    w[0] = torch.tensor([1e20, 1.0, -1e20, 1.0])
+    return {COMBINE_LAYER: (idx, w)}
+
+
+def _reference(art: Path, x, tok, routing):
+    """Single process, one owner holding everything, one thread (the ranks run one
+    thread each; the router's float32 matmul depends on BLAS threads)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with runtime.load(art, placement={L: {OWNER: tuple(range(E))} for L in range(4)}) as rt:
+            out = {}
+            for L in LAYERS:
+                idx, w = routing[L] if L in routing else rt.route(L, x, tok)
+                res = rt.run_layer(L, x, idx, w, shared=rt.shared(L, x))
+                out[L] = (_sha(res.out), res, rt.shared(L, x), idx, w)
+            return out
+    finally:
+        torch.set_num_threads(n)
+
+
+def _dense_bytes(art: Path) -> int:
+    g = read_gguf_set(next(art.glob("*.gguf")))
+    return sum(t.nbytes for n, t in g.tensors.items() if parse_stack(n) is None)
+
+
+def _check_runs(runs, jobs, refs, n):
+    for job, run in zip(jobs, runs):
+        art, pname = job["artifact"], job["placement"]
+        ref = refs[art]
+        assert run.n_ranks == n and len(run.ranks) == n
+        for L in LAYERS:
+            assert run.sha256[L] == ref[L][0], f"{art.name} {pname.name} layer {L}"
+            assert _sha(run.outputs[L]) == ref[L][0]
+        with open_artifact(art) as v:
+            nb = v.expert_nbytes()
+        from ds4quant.runtime.placement import read_placement
+
+        plc = read_placement(pname)
+        total = int(nb.sum())
+        for r, rep in enumerate(run.ranks):
+            mine = [[e for e in range(E) if plc.ranks.owner[L][e] in (r, -1)] for L in range(4)]
+            share = sum(int(nb[L, e]) for L in range(4) for e in mine[L])
+            # the counting reader: exactly the rank's own + replicated experts, once, plus dense tensors
+            assert rep["expert_bytes_read"] == share == rep["share_bytes"] < total
+            assert rep["dense_bytes_read"] <= _dense_bytes(art)  # 0 on a rank with no rows of the shared expert
+            assert rep["experts"] == mine
+            assert sum(rep["resident_bytes"].values()) >= share
+        assert run.ranks[0]["dense_bytes_read"] > 0  # rank 0 routes
+        # every slot computed exactly once across the ranks
+        for i, L in enumerate(LAYERS):
+            assert sum(rep["layers"][i]["slots"] for rep in run.ranks) == 3 * 4
+
+
+def _jobs_and_refs(artifacts: dict, n: int, inputs, tmp: Path):
+    x, tok = inputs
+    routing = _routing_with_combine_case(artifacts["strix"], x, tok)
+    jobs, refs = [], {}
+    for art in artifacts.values():
+        refs[art] = _reference(art, x, tok, routing)
+        for p in _placements(art, n, tmp).values():
+            jobs.append({"artifact": art, "placement": p, "layers": LAYERS})
+    return jobs, refs, routing
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_exact_bytes_of_n_ranks_equal_one_process_strix(arts, inputs, tmp_path, n):
+    x, tok = inputs
+    jobs, refs, routing = _jobs_and_refs(arts, n, inputs, tmp_path)
+    # plus fast mode (partial sums per rank, all_reduced) on the uniform placement
+    jobs.append({**jobs[0], "mode": "fast"})
+    runs = run_cluster_jobs(jobs, n, x, token_ids=tok, routing=routing, timeout_s=TIMEOUT, threads=1)
+    _check_runs(runs[:-1], jobs[:-1], refs, n)
+    # the [1e20, 1, -1e20, 1] token: canonical order keeps slot 3 only; per-rank partial sums do not
+    ref = refs[arts["strix"]][COMBINE_LAYER]
+    res, shared, _, w = ref[1], ref[2], ref[3], ref[4]
+    want = runs[0].outputs[COMBINE_LAYER][0]
+    y = res.slots[0]
+    canon = ((w[0, 0] * y[0] + w[0, 1] * y[1]) + w[0, 2] * y[2]) + w[0, 3] * y[3] + shared[0]
+    assert np.array_equal(want, canon.numpy())
+    partial = (w[0, 0] * y[0] + w[0, 2] * y[2]) + (w[0, 1] * y[1] + w[0, 3] * y[3]) + shared[0]
+    assert not np.array_equal(want, partial.numpy())
+    # fast mode: close on ordinary tokens, its distance reported, not hidden
+    fast = runs[-1]
+    for L in LAYERS:
+        a, b = fast.outputs[L][1:], runs[0].outputs[L][1:]
+        rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+        assert rel < 5e-2, f"fast vs exact layer {L}: {rel}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+def test_exact_bytes_of_n_ranks_equal_one_process_adaptive(adaptive_arts, inputs, tmp_path, n):
+    x, tok = inputs
+    arts = {k: v for k, v in adaptive_arts.items() if k != "strix"}
+    arts_all = {"strix": adaptive_arts["strix"], **arts}
+    jobs, refs, routing = _jobs_and_refs(arts_all, n, inputs, tmp_path)
+    jobs = [j for j in jobs if j["artifact"] != adaptive_arts["strix"]]
+    with open_artifact(arts["adaptive-expert"]) as v:
+        assert any(s.compact for s in v.stacks) and any(formats.QTYPES[s.qtype].is_mix for s in v.stacks)
+    runs = run_cluster_jobs(jobs, n, x, token_ids=tok, routing=routing, timeout_s=TIMEOUT, threads=1)
+    _check_runs(runs, jobs, refs, n)
+
+
+# --------------------------------------------------------------------------
+# identity-encoded experts: every rank holds exactly its experts
+
+
+def _identity_rows(layer: int, expert: int, proj: int, rows: int, cols: int) -> np.ndarray:
+    v = np.full((rows, cols), 0.5, np.float32)
+    v[:, 0], v[:, 1], v[:, 2] = layer, expert, proj
+    v[:, 3], v[:, 4] = np.arange(rows) % 256, np.arange(rows) // 256
+    return v
+
+
+@pytest.fixture(scope="module")
+def identity_artifact(arts, tmp_path_factory):
+    src = read_gguf_set(next(arts["strix"].glob("*.gguf")))
+    out = tmp_path_factory.mktemp("ident") / "ident"
+    out.mkdir()
+    w = GGUFWriter(out / "ident.gguf")
+    for key, kv in src.kv.items():
+        if key in ("general.alignment", "ds4quant.format_version", "ds4quant.qtype_variants") \
+                or key.startswith(("split.", "ds4quant.qtype.")):
+            continue
+        w.add_kv(key, kv.value, kv.type, kv.sub_type)
+    for name, t in src.tensors.items():
+        s = parse_stack(name)
+        if s is None:
+            w.add_tensor(name, t.qtype, t.shape, np.asarray(src.tensor_data(name)).tobytes())
+            continue
+        cols, rows, n = t.shape
+        vals = np.concatenate([_identity_rows(s.layer, e, PROJS.index(s.proj), rows, cols) for e in range(n)])
+        w.add_tensor(name, "bf16", t.shape, formats.encode("bf16", vals).tobytes())
+    w.write()
+    return out
+
+
+def test_identity_experts_every_rank_holds_exactly_its_placement(identity_artifact, inputs, tmp_path):
+    x, tok = inputs
+    plc = _placements(identity_artifact, 2, tmp_path)["replicate-hot"]
+    run = run_cluster_layers(identity_artifact, plc, x, token_ids=tok, n_ranks=2, mode="fast", layers=[0],
+                             holdings=True, timeout_s=TIMEOUT, threads=1)
+    from ds4quant.runtime.placement import read_placement
+
+    p = read_placement(plc)
+    with open_artifact(identity_artifact) as v:
+        shapes = {(s.layer, s.proj.value): (s.rows, s.cols) for s in v.stacks}
+    seen = set()
+    for r, rep in enumerate(run.ranks):
+        for L in range(4):
+            held = rep["holdings"][str(L)][OWNER]
+            want = {e for e in range(E) if p.ranks.owner[L][e] in (r, -1)}
+            assert {int(e) for e in held} == want, f"rank {r} layer {L}"
+            for e, projs in held.items():
+                for i, proj in enumerate(PROJS):
+                    rows, cols = shapes[(L, proj.value)]
+                    enc = formats.encode("bf16", _identity_rows(L, int(e), i, rows, cols))
+                    assert projs[proj.value] == hashlib.sha256(enc.tobytes()).hexdigest()[:32]
+                    seen.add((L, int(e), r))
+    # owned experts on one rank, replicated (2 per layer) on both
+    assert len(seen) == 4 * (E + 2)
+
+
+# --------------------------------------------------------------------------
+# guards: mismatch, dead rank, hung rank
+
+
+def _leftovers() -> tuple[list[int], list[str]]:
+    procs = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if b"ds4q-cluster-" in (d / "cmdline").read_bytes():
+                    procs.append(int(d.name))
+            except OSError:
+                pass
+    tmps = sorted(str(p) for p in Path(tempfile.gettempdir()).glob("ds4q-cluster-*"))
+    return procs, tmps
+
+
+def test_placement_and_fingerprint_mismatch_is_an_error_on_every_rank(arts, identity_artifact, inputs, tmp_path):
+    x, tok = inputs
+    before = _leftovers()
+    ps = _placements(arts["strix"], 2, tmp_path)
+    job = {"artifact": arts["strix"], "placement": ps["uniform"], "layers": [0]}
+    with pytest.raises(ClusterError) as ei:
+        run_cluster_jobs([job], 2, x, token_ids=tok, timeout_s=TIMEOUT, threads=1,
+                         rank_jobs=[{}, {0: {"placement": str(ps["balanced"])}}])
+    msg = str(ei.value)
+    assert msg.count("placement sha256 differs across ranks") == 2, msg
+    assert "rank 0: placement" in msg and "rank 1: placement" in msg
+    # rank 1 on another artifact (same shapes, other bytes): the fingerprint guard, on both ranks
+    free = plan_ranks(read_routing(CALIB / "routing.csv"), 2, "uniform", 0, owner=OWNER)  # no artifact recorded
+    fp = write_placement(tmp_path / "free.json", free)
+    job = {"artifact": arts["strix"], "placement": fp, "layers": [0]}
+    with pytest.raises(ClusterError) as ei:
+        run_cluster_jobs([job], 2, x, token_ids=tok, timeout_s=TIMEOUT, threads=1,
+                         rank_jobs=[{}, {0: {"artifact": str(identity_artifact)}}])
+    msg = str(ei.value)
+    assert msg.count("artifact fingerprint differs across ranks") == 2, msg
+    assert _leftovers() == before
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_rank_that_dies_or_hangs_mid_layer_ends_every_rank_in_time(arts, inputs, tmp_path, fault):
+    x, tok = inputs
+    before = _leftovers()
+    ps = _placements(arts["strix"], 2, tmp_path)
+    timeout = 8
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError) as ei:
+        run_cluster_layers(arts["strix"], ps["uniform"], x, token_ids=tok, n_ranks=2, layers=[0, 2],
+                           timeout_s=timeout, threads=1, env={FAULT_ENV: f"1:2:{fault}"})
+    took = time.monotonic() - t0
+    msg = str(ei.value)
+    if fault == "kill":
+        assert "rank 1: killed by signal 9" in msg
+    else:
+        assert "rank 1: still running at the deadline; killed" in msg or "rank 1" in msg
+    assert "rank 0: layer 2 exchange failed: a peer rank died, hung or left" in msg, msg
+    # start-up (imports, loading) plus at most the collective timeout and the launcher's grace
+    assert took < 120, took
+    assert _leftovers() == before
+
+
+def test_a_rank_error_is_named_on_every_rank(arts, inputs, tmp_path):
+    x, tok = inputs
+    ps = _placements(arts["strix"], 2, tmp_path)
+    with pytest.raises(ClusterError) as ei:
+        run_cluster_layers(arts["strix"], ps["uniform"], x, token_ids=tok, n_ranks=2, layers=[0],
+                           timeout_s=TIMEOUT, threads=1, env={FAULT_ENV: "1:0:raise"})
+    msg = str(ei.value)
+    assert "rank 1: injected failure on layer 0" in msg
+    assert "rank(s) [1] failed computing their slots" in msg, msg
+
+
+def test_cli_run_starts_torchrun_and_writes_the_result(arts, inputs, tmp_path):
+    from click.testing import CliRunner
+
+    from ds4quant.cli import cli
+
+    ps = _placements(arts["strix"], 2, tmp_path)
+    out = tmp_path / "result.json"
+    r = CliRunner().invoke(cli, ["run", str(arts["strix"]), "--ranks", "2", "--placement", str(ps["balanced"]),
+                                 "--tokens", "2", "--layers", "2", "--timeout", str(TIMEOUT), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    import json
+
+    j = json.loads(out.read_text())
+    assert j["n_ranks"] == 2 and [lay["layer"] for lay in j["layers"]] == [2]
+    assert len(j["layers"][0]["sha256"]) == 64 and "sha256" in r.output
+    # the same run as the documented torchrun command line: the same bytes
+    import subprocess
+    import sys
+
+    direct = tmp_path / "direct.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "ds4quant.runtime.cluster", str(arts["strix"]), "--placement", str(ps["balanced"]), "--tokens", "2",
+           "--layers", "2", "--timeout", str(TIMEOUT), "--out", str(direct)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(direct.read_text())["layers"][0]["sha256"] == j["layers"][0]["sha256"]
+    r = CliRunner().invoke(cli, ["run", str(arts["strix"]), "--ranks", "4", "--placement", str(ps["balanced"]),
+                                 "--tokens", "2", "--launcher", "spawn"])
+    assert r.exit_code == 2 and "placement is for 2 ranks, this cluster has 4" in r.output, r.output
+    assert os.path.exists(out)
