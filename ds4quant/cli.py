@@ -32,7 +32,7 @@ class _Group(click.Group):
 
     def list_commands(self, ctx):
         # Keep the pipeline order in --help rather than alphabetical.
-        order = ["convert", "inspect", "verify", "publish", "calibrate", "place", "formats"]
+        order = ["convert", "inspect", "verify", "publish", "calibrate", "place", "run", "formats"]
         names = list(self.commands)
         return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
 
