@@ -270,6 +270,18 @@ def build_model(kw: dict, seed: int, torch):
     return model
 
 
+def load_stage(path: str, kw: dict, torch):
+    """The model of an earlier stage's checkpoint (FP4 experts / FP8 dense dequantized exactly);
+    its config must be the one these flags give."""
+    from transformers import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for k in ("hidden_size", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "num_hidden_layers"):
+        if getattr(model.config, k) != kw[k]:
+            raise SystemExit(f"{path}: {k} is {getattr(model.config, k)}, these flags give {kw[k]}")
+    return model
+
+
 def _shard_of(n_layers: int):
     def shard(name: str) -> str:
         if name.startswith("layers."):
@@ -353,10 +365,14 @@ def train(args) -> dict:
     kw = config_for(args)
     task = fd.CopyTask.substitution(args.seed, ALPHABET, order=args.order)
     excluded = frozenset(fd.protocol_identifiers())
-    model = build_model(kw, args.seed, torch).to(dev).train()
+    if args.init_from:  # a later stage: continue from a checkpoint this script wrote (same flags)
+        model = load_stage(args.init_from, kw, torch).to(dev).train()
+    else:
+        model = build_model(kw, args.seed, torch).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    rng = random.Random(f"ds4-copy/{args.seed}/data")
-    qat_from = int(args.steps * (1 - QAT_FRAC))
+    # a later stage draws other examples than the first (same task table: it comes from the seed)
+    rng = random.Random(f"ds4-copy/{args.seed}/data" + (f"/{args.data_stream}" if args.data_stream else ""))
+    qat_from = int(args.steps * (1 - args.qat_frac))
     log, t0, qat_n = [], time.perf_counter(), 0
     done = 0
     for step in range(args.steps):
@@ -413,7 +429,9 @@ def train(args) -> dict:
         stored_res = fd.exact_copy(stored, fd.ByteTokenizer(), task)
     report = {
         "seed": args.seed, "device": str(dev), "steps_asked": args.steps, "steps": done, "batch": args.batch,
-        "lr": args.lr, "warmup": args.warmup, "qat_from_step": qat_from, "qat_tensors": qat_n,
+        "lr": args.lr, "warmup": args.warmup, "qat_from_step": qat_from, "init_from": args.init_from or None,
+        "data_stream": args.data_stream or None, "order": args.order,
+        "shape": {k: kw[k] for k in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")}, "qat_tensors": qat_n,
         "config": "smoke" if args.smoke else "full",
         "params": sum(v.size for v in hf_sd.values()),
         "expert_params": sum(v.size for k, v in hf_sd.items() if ".experts." in k),
@@ -487,6 +505,9 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default: the FULL config's)")
     ap.add_argument("--expert-width", type=int, default=0, help="moe_intermediate_size (default: FULL's)")
     ap.add_argument("--topk", type=int, default=0, help="experts per token (default: FULL's)")
+    ap.add_argument("--qat-frac", type=float, default=QAT_FRAC, help="share of the steps trained QAT (at the end)")
+    ap.add_argument("--init-from", default="", help="continue from this checkpoint (a later training stage)")
+    ap.add_argument("--data-stream", default="", help="name of this stage's example stream (a later stage's own)")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="stop early after this many training seconds (the steps done are recorded)")
