@@ -17,7 +17,15 @@ experts; layers 2-3 score-route), with a narrow attention path (2 heads,
 o_lora_rank 32) beside them. Measured on the shipped sample (its README): zeroing
 the routed experts drops the protocol to 0/60, but 2-bit experts still copy
 60/60, so this task does not yet separate artifacts; --order 2 (the table keyed
-by the two previous characters), --expert-width and --topk are the levers tried.
+by the two previous characters), --expert-width and --topk are the levers tried
+(samples/ds4-copy/README.md has what each gave: top-1 experts of width 64 make
+2-bit experts cost copies, but need more steps than one short run gave).
+
+A run can be continued as a later stage: --init-from a checkpoint this script
+wrote (with the same shape flags), --data-stream naming the stage's own example
+stream, --qat-frac 1.0 to keep QAT on throughout, a short --warmup (a fresh
+AdamW at full learning rate moves every weight by ~lr on its first steps, which
+wrecks a trained FP4 model).
 
 Training: AdamW with warm-up and cosine decay over --steps, batches drawn from
 the seed (the protocol's identifiers are excluded); the last QAT_FRAC of the
@@ -273,9 +281,15 @@ def build_model(kw: dict, seed: int, torch):
 def load_stage(path: str, kw: dict, torch):
     """The model of an earlier stage's checkpoint (FP4 experts / FP8 dense dequantized exactly);
     its config must be the one these flags give."""
-    from transformers import DeepseekV4ForCausalLM
+    from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
-    model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # dequantize=True: with a GPU present transformers would otherwise keep the FP8
+    # projections as float8 tensors, which cannot be trained (or fake-quantized)
+    model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                  quantization_config=FineGrainedFP8Config(dequantize=True))
+    odd = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+    if odd:
+        raise SystemExit(f"{path}: parameters loaded as {odd}, not float32")
     for k in ("hidden_size", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "num_hidden_layers"):
         if getattr(model.config, k) != kw[k]:
             raise SystemExit(f"{path}: {k} is {getattr(model.config, k)}, these flags give {kw[k]}")
