@@ -61,7 +61,7 @@ def decode_experts_into(model, art: Path) -> dict:
     from ds4quant import formats
     from ds4quant.artifact import read_gguf_set
     from ds4quant.codebooks import read_table
-    from ds4quant.convert import KEY_CODEBOOKS, KEY_EXPERT_IDS
+    from ds4quant.names import KEY_CODEBOOKS, expert_ids_key
 
     gguf = next(p for p in sorted(art.iterdir()) if p.suffix == ".gguf")
     g = read_gguf_set(gguf)
@@ -73,7 +73,8 @@ def decode_experts_into(model, art: Path) -> dict:
         if len(parts) < 3 or not parts[2].endswith("_exps"):
             continue
         layer, surface = int(parts[1]), parts[2][len("ffn_"):-len("_exps")]
-        ids = list(g.kv[KEY_EXPERT_IDS + name].value) if KEY_EXPERT_IDS + name in g.kv else list(range(info.shape[2]))
+        key = expert_ids_key(name)
+        ids = list(g.kv[key].value) if key in g.kv else list(range(info.shape[2]))
         cols = info.shape[0]
         data = np.asarray(g.tensor_data(name)).reshape(len(ids), -1)
         experts = model.model.layers[layer].mlp.experts

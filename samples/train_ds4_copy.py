@@ -17,7 +17,15 @@ experts; layers 2-3 score-route), with a narrow attention path (2 heads,
 o_lora_rank 32) beside them. Measured on the shipped sample (its README): zeroing
 the routed experts drops the protocol to 0/60, but 2-bit experts still copy
 60/60, so this task does not yet separate artifacts; --order 2 (the table keyed
-by the two previous characters), --expert-width and --topk are the levers tried.
+by the two previous characters), --expert-width and --topk are the levers tried
+(samples/ds4-copy/README.md has what each gave: top-1 experts of width 64 make
+2-bit experts cost copies, but need more steps than one short run gave).
+
+A run can be continued as a later stage: --init-from a checkpoint this script
+wrote (with the same shape flags), --data-stream naming the stage's own example
+stream, --qat-frac 1.0 to keep QAT on throughout, a short --warmup (a fresh
+AdamW at full learning rate moves every weight by ~lr on its first steps, which
+wrecks a trained FP4 model).
 
 Training: AdamW with warm-up and cosine decay over --steps, batches drawn from
 the seed (the protocol's identifiers are excluded); the last QAT_FRAC of the
@@ -270,6 +278,24 @@ def build_model(kw: dict, seed: int, torch):
     return model
 
 
+def load_stage(path: str, kw: dict, torch):
+    """The model of an earlier stage's checkpoint (FP4 experts / FP8 dense dequantized exactly);
+    its config must be the one these flags give."""
+    from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
+
+    # dequantize=True: with a GPU present transformers would otherwise keep the FP8
+    # projections as float8 tensors, which cannot be trained (or fake-quantized)
+    model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                  quantization_config=FineGrainedFP8Config(dequantize=True))
+    odd = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+    if odd:
+        raise SystemExit(f"{path}: parameters loaded as {odd}, not float32")
+    for k in ("hidden_size", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "num_hidden_layers"):
+        if getattr(model.config, k) != kw[k]:
+            raise SystemExit(f"{path}: {k} is {getattr(model.config, k)}, these flags give {kw[k]}")
+    return model
+
+
 def _shard_of(n_layers: int):
     def shard(name: str) -> str:
         if name.startswith("layers."):
@@ -353,10 +379,14 @@ def train(args) -> dict:
     kw = config_for(args)
     task = fd.CopyTask.substitution(args.seed, ALPHABET, order=args.order)
     excluded = frozenset(fd.protocol_identifiers())
-    model = build_model(kw, args.seed, torch).to(dev).train()
+    if args.init_from:  # a later stage: continue from a checkpoint this script wrote (same flags)
+        model = load_stage(args.init_from, kw, torch).to(dev).train()
+    else:
+        model = build_model(kw, args.seed, torch).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    rng = random.Random(f"ds4-copy/{args.seed}/data")
-    qat_from = int(args.steps * (1 - QAT_FRAC))
+    # a later stage draws other examples than the first (same task table: it comes from the seed)
+    rng = random.Random(f"ds4-copy/{args.seed}/data" + (f"/{args.data_stream}" if args.data_stream else ""))
+    qat_from = int(args.steps * (1 - args.qat_frac))
     log, t0, qat_n = [], time.perf_counter(), 0
     done = 0
     for step in range(args.steps):
@@ -413,7 +443,9 @@ def train(args) -> dict:
         stored_res = fd.exact_copy(stored, fd.ByteTokenizer(), task)
     report = {
         "seed": args.seed, "device": str(dev), "steps_asked": args.steps, "steps": done, "batch": args.batch,
-        "lr": args.lr, "warmup": args.warmup, "qat_from_step": qat_from, "qat_tensors": qat_n,
+        "lr": args.lr, "warmup": args.warmup, "qat_from_step": qat_from, "init_from": args.init_from or None,
+        "data_stream": args.data_stream or None, "order": args.order,
+        "shape": {k: kw[k] for k in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")}, "qat_tensors": qat_n,
         "config": "smoke" if args.smoke else "full",
         "params": sum(v.size for v in hf_sd.values()),
         "expert_params": sum(v.size for k, v in hf_sd.items() if ".experts." in k),
@@ -487,6 +519,9 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default: the FULL config's)")
     ap.add_argument("--expert-width", type=int, default=0, help="moe_intermediate_size (default: FULL's)")
     ap.add_argument("--topk", type=int, default=0, help="experts per token (default: FULL's)")
+    ap.add_argument("--qat-frac", type=float, default=QAT_FRAC, help="share of the steps trained QAT (at the end)")
+    ap.add_argument("--init-from", default="", help="continue from this checkpoint (a later training stage)")
+    ap.add_argument("--data-stream", default="", help="name of this stage's example stream (a later stage's own)")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="stop early after this many training seconds (the steps done are recorded)")

@@ -87,3 +87,23 @@ def test_another_seed_gives_other_weights(runs, tmp_path):
     da, dc = _digests(a), _digests(c)
     assert da["model-00001-of-00002.safetensors"] != dc["model-00001-of-00002.safetensors"]
     assert da["task.json"] != dc["task.json"]  # the substitution table comes from the seed
+
+
+def test_a_later_stage_continues_from_a_checkpoint_and_refuses_another_shape(runs, tmp_path):
+    a, _ = runs
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    later = tmp_path / "stage2"
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--seed", "5", "--steps", "2", "--init-from", str(a),
+                    "--data-stream", "stage2", "--qat-frac", "1.0", "--quiet", "--out", str(later)],
+                   check=True, env=env, capture_output=True, timeout=300)
+    rep = json.loads((later / "train_report.json").read_text())
+    assert rep["init_from"] == str(a) and rep["data_stream"] == "stage2"
+    assert rep["steps"] == 2 and rep["qat_from_step"] == 0 and rep["qat_tensors"] > 0
+    da, dl = _digests(a), _digests(later)
+    assert da["task.json"] == dl["task.json"]  # same seed, same table
+    assert da["model-00001-of-00002.safetensors"] != dl["model-00001-of-00002.safetensors"]  # it trained
+    # the full config's flags do not fit the smoke checkpoint: refused, naming the key
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--steps", "1", "--batch", "2", "--init-from", str(a),
+                          "--quiet", "--no-report", "--out", str(tmp_path / "bad")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "hidden_size" in bad.stderr and not (tmp_path / "bad" / "config.json").exists()
