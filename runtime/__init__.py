@@ -205,7 +205,14 @@ class Runtime:
         tid = torch.from_numpy(np.asarray(v.dense(names.tid2eid_name(layer))).astype(np.int64)) if hashed else None
         from ds4quant.runtime.route import route
 
-        return route(hidden, token_ids, w, bias, tid, h.n_expert_used, h.routed_scale)
+        if self.mode != "exact":
+            return route(hidden, token_ids, w, bias, tid, h.n_expert_used, h.routed_scale)
+        # torch's float32 matmul sums in a thread-count-dependent order; exact mode
+        # routes on one thread so the thread count never changes its bytes
+        from ds4quant.runtime.reference import torch_threads
+
+        with torch_threads(1):
+            return route(hidden, token_ids, w, bias, tid, h.n_expert_used, h.routed_scale)
 
     def shared(self, layer: int, hidden):
         """The shared expert on the home process (exact mode: the exact definition)."""
