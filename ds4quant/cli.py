@@ -191,6 +191,9 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
                   dense_qtype=dense_qtype, name=name, split_max_size=split_max_size, adaptive=adaptive,
                   loose_sidecars=loose_sidecars, resume=resume, force=force,
                   command=["ds4quant", *sys.argv[1:]], progress=progress)
+    for f, nbytes, tensor in rep.oversize_splits:
+        click.echo(f"ds4quant: warning: {f} holds {nbytes:,} bytes, over --split-max-size {split_max_size}: "
+                   f"tensor {tensor} is larger than the limit and got a split of its own", err=True)
     if as_json:
         _emit_json(rep.to_json())
         return
@@ -247,6 +250,10 @@ def inspect_cmd(artifact, variant_107, as_json):
     click.echo(f"expert bpw: {bpw:.4f}" if bpw is not None else "expert bpw: no routed expert tensors")
     click.echo(f"codebook tables: {', '.join(ins.codebook_tables) or 'none'}")
     click.echo(f"loadable by: {', '.join(ins.runtimes) or 'no known runtime'}")
+    from ds4quant.artifact.runtimes import needs
+
+    for r in ins.runtimes:
+        click.echo(f"  {r}: {needs(r)}")
     if ins.stored_runtimes is not None and set(ins.stored_runtimes) != set(ins.runtimes):
         click.echo(f"note: its ds4quant.runtimes key says {', '.join(ins.stored_runtimes) or 'none'}, "
                    "which its contents do not allow (ds4quant verify fails it)")

@@ -9,10 +9,19 @@ The rule, in order:
 1. start from the runtimes every tensor's qtype lists (``QType.runtimes``);
 2. MIX tensors need out-of-band codebooks: Lucebox builds load them only
    from Lucebox blobs that cover every MIX tensor; llama.cpp and gguf-py never;
-3. compact per-expert stacks (expert granularity) load in ds4quant only.
+3. compact per-expert stacks (expert granularity) load in ds4quant only;
+4. a Lucebox build must know every ggml type the artifact uses: the MIX types
+   (105/106) exist only in MIX-capable builds, so an artifact with them names
+   ``lucebox-mix`` instead of ``lucebox``; ``rocmfp2_affine`` (107 affine)
+   needs the ROCMFP2_AFFINE build, ``lucebox-affine``. Artifacts without those
+   types keep the plain ``lucebox`` (so their key's bytes are unchanged).
+
+``NEEDS`` says in words what each runtime name requires; inspect and the
+model card print it.
 
     loadable_by([("rocmfp2", False), ("rocmfp3", False)], lucebox_books=False)  # ("ds4quant", "lucebox")
     loadable_by([("rocmfp3", True)], lucebox_books=False)                      # ("ds4quant",)
+    loadable_by([("rocmfp2_mix", False)], lucebox_books=True)                  # ("ds4quant", "lucebox-mix")
 """
 
 from __future__ import annotations
@@ -22,7 +31,24 @@ from typing import Iterable
 from ds4quant.formats import QTYPES
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_GGUF_PY, RT_LLAMA_CPP, RT_LUCEBOX, RT_LUCEBOX_AFFINE
 
+RT_LUCEBOX_MIX = "lucebox-mix"  # a Lucebox build with the MIX types 105/106 and their sidecars
+
 _LUCEBOX_BUILDS = frozenset({RT_LUCEBOX, RT_LUCEBOX_AFFINE})
+
+NEEDS = {
+    RT_DS4QUANT: "ds4quant's bundled runtime",
+    RT_LUCEBOX: "any Lucebox build",
+    RT_LUCEBOX_MIX: "a MIX-capable Lucebox build (ggml types 105/106 with GUMIXs1/P4MIXv1 codebooks); "
+                    "builds without them refuse 'type 106 (unknown)'",
+    RT_LUCEBOX_AFFINE: "a Lucebox build with ROCMFP2_AFFINE (type 107 as rocmfp2_affine)",
+    RT_LLAMA_CPP: "upstream llama.cpp",
+    RT_GGUF_PY: "gguf-py's reader and dequantizer",
+}
+
+
+def needs(runtime: str) -> str:
+    """What a runtime name in ``ds4quant.runtimes`` requires, in words."""
+    return NEEDS.get(runtime, "unknown runtime")
 _NO_SIDECARS = frozenset({RT_LLAMA_CPP, RT_GGUF_PY})
 
 
@@ -50,4 +76,9 @@ def loadable_by(tensors: Iterable[tuple[str, bool]], lucebox_books: bool) -> tup
             common -= _LUCEBOX_BUILDS
     if compact:
         common &= {RT_DS4QUANT}
+    if mix and RT_LUCEBOX in common:
+        # only MIX-capable builds know 105/106: say so, in the place the plain build had
+        common.discard(RT_LUCEBOX)
+        common.add(RT_LUCEBOX_MIX)
+        order = [RT_LUCEBOX_MIX if r == RT_LUCEBOX else r for r in order]
     return tuple(r for r in order if r in common)
