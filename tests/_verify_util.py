@@ -146,7 +146,7 @@ def mix_artifact(strix: Path, out: Path, *, loose_gumix: bool = False, lucebox: 
         if key == "ds4quant.runtimes":
             # what the contents allow (artifact.runtimes.loadable_by): compact stacks load in ds4quant only,
             # and Lucebox needs its blobs to cover every MIX tensor
-            value = ("ds4quant", "lucebox") if lucebox and not compact else ("ds4quant",)
+            value = ("ds4quant", "lucebox-mix") if lucebox and not compact else ("ds4quant",)
         w.add_kv(key, value, kv.type, kv.sub_type)
     w.add_blob("ds4quant.codebooks", write_table(table))
     full = CodebookTable(tuple(e for e in entries if e.expert_ids is None))
@@ -180,7 +180,16 @@ def mix_artifact(strix: Path, out: Path, *, loose_gumix: bool = False, lucebox: 
                   tuple(FileEntry.of(p, p.relative_to(out).as_posix()) for p in files),
                   tensor_entries(g2, codebooks={e.name: "ds4quant.codebooks" for e in entries}, errors=errors))
     write_manifest(out / "manifest.json", m2)
+    write_artifact_sums(out)
     return out
+
+
+def write_artifact_sums(out: Path) -> None:
+    """SHA256SUMS over the manifest's files and manifest.json, as convert writes it last."""
+    from ds4quant.checksums import write_sums
+
+    man = read_manifest(out / "manifest.json")
+    write_sums(out, names=[f.name for f in man.files] + ["manifest.json"])
 
 
 def flip(path: Path, offset: int, mask: int = 0x01) -> None:
@@ -267,4 +276,8 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
     from ds4quant.artifact import atomic_write_json
 
     atomic_write_json(out / "manifest.json", obj)
+    try:
+        write_artifact_sums(out)
+    except Exception:  # a manifest_edit made it unreadable on purpose: no sums then
+        (out / "SHA256SUMS").unlink(missing_ok=True)
     return out

@@ -193,15 +193,16 @@ def finished_report(out: Path, art_name: str, src, rec, plan, options, overrides
     from ds4quant.convert.report import TensorResult
 
     man = read_manifest(out / MANIFEST_NAME)
-    r = man.recipe
+    r = man.to_json()["recipe"]  # plain JSON values, as the plan's to_json gives
     imx = r.get("imatrix") or {}
     got = {
-        "source fingerprint": (man.source.get("fingerprint"), source_fp),
+        "source fingerprint": (man.to_json()["source"].get("fingerprint"), source_fp),
         "ds4quant version": (man.tool_version, options["tool_version"]),
         "--recipe": (r.get("name"), rec.name),
         "--tensor-type": (list(r.get("tensor_types") or []), [o.pattern + "=" + o.qtype for o in overrides]),
         "--imatrix (sha256)": (imx.get("sha256") if isinstance(imx, dict) else None, imx_sha),
-        "plan": (list(r.get("plan") or []), [c.to_json() for c in plan]),
+        # compared as JSON values: the manifest holds lists where the plan has tuples
+        "plan": (json.loads(json.dumps(list(r.get("plan") or []))), json.loads(json.dumps([c.to_json() for c in plan]))),
     }
     names = {f.name for f in man.files}
     ggufs = sorted(n for n in names if n.endswith(".gguf"))

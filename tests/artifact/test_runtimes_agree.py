@@ -39,7 +39,10 @@ def test_view_inspect_verify_and_card_agree(kind, kinds):
     compact = any(s.compact for s in v.stacks)
     mix = bool(v.mix_tensors)
     # the rule, restated: compact stacks load in ds4quant only; MIX needs Lucebox blobs for Lucebox
-    assert ("lucebox" in v.runtimes) == (not compact and (not mix or v.lucebox_books))
+    lucebox = not compact and (not mix or v.lucebox_books)
+    assert ("lucebox" in v.runtimes) == (lucebox and not mix)
+    # MIX types (105/106) exist only in MIX-capable Lucebox builds
+    assert ("lucebox-mix" in v.runtimes) == (lucebox and mix)
     assert v.runtimes[0] == "ds4quant"
 
     ins = inspect_artifact(path)
