@@ -238,7 +238,7 @@ def plan_tensors(
                 raise BadInputError(
                     f"{asked} is a block type; this tensor ({t.tensor_class}) must keep source precision, "
                     f"so only a float type (f32, f16, bf16) or 'source' may be asked for it", where=t.name,
-                    hint=f"narrow the --tensor-type pattern {rule[len('override:'):]!r}")
+                    hint=f"narrow the --tensor-type pattern '{rule[len('override:'):]}'")
         if asked == "adaptive":
             # decided later by ds4quant.adaptive (measure + allocate)
             out.append(TensorChoice(t.name, t.tensor_class, t.shape, t.source_dtype, asked, "adaptive", rule,
@@ -260,7 +260,7 @@ def plan_tensors(
     # so a recipe never silently differs from what the user asked for)
     for k, ov in enumerate(overrides):
         if k not in matched:
-            raise BadInputError(f"pattern {ov.pattern!r} matches no tensor", where="--tensor-type",
+            raise BadInputError(f"pattern '{ov.pattern}' matches no tensor", where="--tensor-type",
                                 hint="patterns are regular expressions searched in GGUF names such as "
                                      "blk.3.ffn_down_exps.weight; ds4quant inspect lists them")
     return out

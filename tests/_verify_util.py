@@ -206,7 +206,7 @@ _DROP = object()
 
 def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optional[dict] = None,
             payloads: Optional[dict] = None, loose: Optional[dict] = None, manifest_edit=None,
-            tags: bool = True) -> Path:
+            tags: bool = True, shapes: Optional[dict] = None) -> Path:
     """Copy an artifact with edits, then write a manifest that matches the new
     files (so only the check aimed at fails).
 
@@ -214,7 +214,8 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
     qtypes: tensor -> qtype to tag it with (payload kept); payloads: tensor ->
     new payload bytes; loose: suffix (".gumix.bin") -> bytes, or None to drop;
     manifest_edit: fn(dict) -> None applied to the manifest JSON object;
-    tags=False writes a foreign-style GGUF without ds4quant qtype tags.
+    tags=False writes a foreign-style GGUF without ds4quant qtype tags;
+    shapes: tensor -> new GGUF shape (give a payload of its size too).
     """
     out.mkdir(parents=True, exist_ok=True)
     src_gguf = gguf_of(folder)
@@ -246,7 +247,8 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
         if key not in g.kv and v is not None:
             w.add_kv(key, *v)
     for name, info in g.tensors.items():
-        w.add_tensor(name, qtypes.get(name, info.qtype), info.shape, payloads.get(name, bytes(g.tensor_data(name))))
+        w.add_tensor(name, qtypes.get(name, info.qtype), (shapes or {}).get(name, info.shape),
+                     payloads.get(name, bytes(g.tensor_data(name))))
     files = list(w.write())
     for p in folder.iterdir():
         if p.suffix == ".bin":
@@ -265,6 +267,8 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
     for c in obj["recipe"].get("plan", []):
         if c["name"] in qtypes:
             c["qtype"] = qtypes[c["name"]]
+        if c["name"] in (shapes or {}):
+            c["shape"] = list(shapes[c["name"]])
     old = {t["name"]: t for t in obj["tensors"]}
     m2 = Manifest(obj["tool_version"], obj["command"], obj["source"], obj["recipe"],
                   tuple(FileEntry.of(p, p.relative_to(out).as_posix()) for p in files),
