@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ds4quant.artifact import read_gguf_set, read_manifest, sha256_file
+from ds4quant.artifact import read_gguf_set, sha256_file
 from ds4quant.checksums import read_sums
 from ds4quant.cli import cli
 from ds4quant.convert import WORK_DIR, convert
@@ -228,3 +229,21 @@ def test_a_tensor_larger_than_the_split_limit_gets_its_own_split_and_is_reported
     assert len(files) == 3
     assert w.oversize == ((files[1].name, 4096, "big"),)
     assert all(f.stat().st_size > 0 for f in files)
+
+
+def test_convert_reports_and_warns_about_splits_over_the_limit(src, tmp_path):
+    out = tmp_path / "split"
+    res = CliRunner().invoke(cli, ["convert", str(src), str(out), "--recipe", "rocmfp4", "--split-max-size", "64K",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    warned = [x for x in res.output.splitlines() if x.startswith("ds4quant: warning: ")]
+    d = json.loads(res.output[res.output.index("{"):])
+    over = {o["file"]: o for o in d["oversize_splits"]}
+    assert over and len(warned) == len(over)
+    for p in out.glob("*.gguf"):
+        g = read_gguf_set(p)
+        data = sum(-(-t.nbytes // 32) * 32 for n, t in g.tensors.items() if Path(t.path) == p)
+        assert (p.name in over) == (data > 64 << 10), p.name
+        if p.name in over:
+            assert len([t for t in g.tensors.values() if Path(t.path) == p]) == 1
+            assert over[p.name]["bytes"] == data

@@ -131,7 +131,7 @@ def test_hash_mismatch_messages_show_where_the_digests_differ(strix, tmp_path):
     b = "0123456789abcdef0123456789" + "1" * 38
     sa, sb = show_digests(a, b)
     assert sa != sb and sa.startswith(a[:27]) and sb.startswith(b[:27])
-    assert show_digests(a, a) == (a[:16] + "...", a[:16] + "...")
+    assert show_digests(a[:20] + "f" * 44, a[:20] + "e" * 44) == (a[:20] + "f" * 8 + "...", a[:20] + "e" * 8 + "...")
 
     name = "blk.0.attn_norm.weight"
 
@@ -178,4 +178,9 @@ def test_runtimes_say_which_lucebox_build_an_artifact_needs():
     assert loadable_by([("rocmfp2_mix", False), ("rocmfp3", False)], True) == ("ds4quant", "lucebox-mix")
     assert loadable_by([("rocmfp2_mix", False)], False) == ("ds4quant",)
     assert loadable_by([("rocmfp2_affine", False), ("f32", False)], False) == ("ds4quant", "lucebox-affine")
+    assert loadable_by([("rocmfp2_affine", False), ("rocmfp2_mix", False)], True) == ("ds4quant",
+                                                                                      "lucebox-mix-affine")
+    assert loadable_by([("mxfp4", False), ("f32", False)], False) == ("ds4quant", "lucebox", "llama.cpp", "gguf-py")
+    assert loadable_by([("rocmfp3", True)], False) == ("ds4quant",)
+    assert loadable_by([("nope", False)], False) == ()
     assert "MIX" in needs("lucebox-mix") and "AFFINE" in needs("lucebox-affine")

@@ -53,6 +53,12 @@ def test_view_inspect_verify_and_card_agree(kind, kinds):
     rep = verify(path)
     assert rep.runtimes == v.runtimes and rep.summary["runtimes"] == list(v.runtimes)
     assert _card_runtimes(model_card(rep, path.name)) == list(v.runtimes)
+    # each runtime's requirement (which Lucebox build) is spelled out in the card and by inspect
+    from ds4quant.artifact.runtimes import needs
+
+    card = model_card(rep, path.name)
+    for r in v.runtimes:
+        assert f"- **{r}**: {needs(r)}" in card and f"  {r}: {needs(r)}" in res.output
 
     agree = set(v.stored_runtimes) == set(v.runtimes)
     checks = [c for c in rep.checks if c.name == "runtimes"]
