@@ -11,8 +11,15 @@ Stages (a job with a journal, so a killed run resumes), one module each:
 3. ``encode``: each output tensor into a piece file (atomic per piece),
    recording its size, sha256 and error figures in the journal;
 4. ``assemble``: the GGUF (or splits) from the pieces with the codebook
-   tables, atomically, then ``manifest.json`` and ``SHA256SUMS`` last; the
-   work folder is removed.
+   tables, atomically, then ``manifest.json`` and ``SHA256SUMS``; the work
+   folder goes last, so every state a killed run leaves either has its
+   journal (``--resume`` re-assembles from the checked pieces) or is a
+   finished artifact (``--resume`` recognises it).
+
+Around them, ``outdir``: OUTDIR never overlaps the source, ``--force``
+removes only convert's own files, and an exclusive lock keeps a second run
+out. File-system errors (a full disk, a read-only folder) are one line
+(``OutputError``) saying whether the work folder was kept for ``--resume``.
 
     rep = convert("samples/ds4-tiny", "out/tiny", "rocmfp2-strix")
     rep.bpw_experts, rep.runtimes       # 2.8333..., ("ds4quant", "lucebox")
@@ -24,7 +31,8 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -34,8 +42,8 @@ from ds4quant.artifact import sha256_file, write_manifest
 from ds4quant.convert.assemble import assemble, codebook_table, manifest
 from ds4quant.convert.encode import mxfp4_payload, run_encode
 from ds4quant.convert.plan import fit_fixed_mix_books, parse_size, plan_fingerprint, tensor_specs
-from ds4quant.convert.report import ConvertReport, TensorResult
 from ds4quant.convert.outdir import WORK_DIR, OutLock, check_no_overlap, clear_for_force
+from ds4quant.convert.report import ConvertReport, TensorResult
 from ds4quant.convert.resume import (
     FIXED,
     JOURNAL,
@@ -161,13 +169,29 @@ def convert(
         src.close()
 
 
+@dataclass(frozen=True)
 class _Job:
     """One convert run inside a locked OUTDIR (the stages of the module docstring)."""
 
-    def __init__(self, src, out, work, art_name, rec, plan, members, overrides, imx, imx_sha, imatrix, source_fp,
-                 options, split_bytes, loose_sidecars, adaptive, threads, command, progress):
-        self.__dict__.update(locals())
-        del self.__dict__["self"]
+    src: Any
+    out: Path
+    work: Path
+    art_name: str
+    rec: Recipe
+    plan: list
+    members: dict
+    overrides: list
+    imx: Any
+    imx_sha: Optional[str]
+    imatrix: Any
+    source_fp: str
+    options: dict
+    split_bytes: Optional[int]
+    loose_sidecars: bool
+    adaptive: Optional[AdaptiveOptions]
+    threads: Optional[int]
+    command: Optional[Sequence[str]]
+    progress: Optional[ProgressFn]
 
     def run(self, resume: bool, force: bool, created_out: bool, t_start: float) -> ConvertReport:
         out, work, rec = self.out, self.work, self.rec
