@@ -162,7 +162,9 @@ def _fit_effort(text: str) -> dict:
 @click.option("--no-lucebox", is_flag=True, help="adaptive: allow layouts only ds4quant's runtime loads.")
 @click.option("--loose-sidecars", is_flag=True, help="Also write NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in OUTDIR (same source and recipe).")
-@click.option("--force", is_flag=True, help="Replace the contents of a non-empty OUTDIR.")
+@click.option("--force", is_flag=True,
+              help="Replace an earlier convert's artifact in OUTDIR. Removes only files convert writes; "
+                   "refuses if OUTDIR holds others.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end; no progress lines.")
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
                 target_bpw, max_bytes, candidates, granularity, routing, fitter, fit_effort, cache_dir, no_lucebox,
