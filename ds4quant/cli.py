@@ -162,7 +162,9 @@ def _fit_effort(text: str) -> dict:
 @click.option("--no-lucebox", is_flag=True, help="adaptive: allow layouts only ds4quant's runtime loads.")
 @click.option("--loose-sidecars", is_flag=True, help="Also write NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in OUTDIR (same source and recipe).")
-@click.option("--force", is_flag=True, help="Replace the contents of a non-empty OUTDIR.")
+@click.option("--force", is_flag=True,
+              help="Replace an earlier convert's artifact in OUTDIR. Removes only files convert writes; "
+                   "refuses if OUTDIR holds others.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end; no progress lines.")
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
                 target_bpw, max_bytes, candidates, granularity, routing, fitter, fit_effort, cache_dir, no_lucebox,
@@ -191,6 +193,9 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
                   dense_qtype=dense_qtype, name=name, split_max_size=split_max_size, adaptive=adaptive,
                   loose_sidecars=loose_sidecars, resume=resume, force=force,
                   command=["ds4quant", *sys.argv[1:]], progress=progress)
+    for f, nbytes, tensor in rep.oversize_splits:
+        click.echo(f"ds4quant: warning: {f} holds {nbytes:,} bytes, over --split-max-size {split_max_size}: "
+                   f"tensor {tensor} is larger than the limit and got a split of its own", err=True)
     if as_json:
         _emit_json(rep.to_json())
         return
@@ -247,6 +252,10 @@ def inspect_cmd(artifact, variant_107, as_json):
     click.echo(f"expert bpw: {bpw:.4f}" if bpw is not None else "expert bpw: no routed expert tensors")
     click.echo(f"codebook tables: {', '.join(ins.codebook_tables) or 'none'}")
     click.echo(f"loadable by: {', '.join(ins.runtimes) or 'no known runtime'}")
+    from ds4quant.artifact.runtimes import needs
+
+    for r in ins.runtimes:
+        click.echo(f"  {r}: {needs(r)}")
     if ins.stored_runtimes is not None and set(ins.stored_runtimes) != set(ins.runtimes):
         click.echo(f"note: its ds4quant.runtimes key says {', '.join(ins.stored_runtimes) or 'none'}, "
                    "which its contents do not allow (ds4quant verify fails it)")

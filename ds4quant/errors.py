@@ -68,6 +68,16 @@ class ResumeMismatchError(Ds4quantError):
     """--resume found a journal whose inputs or recipe differ from this run."""
 
 
+class OutputError(Ds4quantError):
+    """The output location cannot be written: read-only, full, no permission.
+    A user error (exit 2): the message names the path, the cause, and what
+    was done with the work folder."""
+
+
+class OutputLockedError(OutputError):
+    """Another process holds the output folder's lock (the message names its pid)."""
+
+
 class BudgetError(BadInputError):
     """A size or bpw budget that no plan can meet."""
 

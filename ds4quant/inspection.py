@@ -101,6 +101,7 @@ class Inspection:
             "notes": list(self.notes),
             "recipe": _recipe_summary(self.manifest),
             "runtimes": list(self.runtimes),
+            "runtime_needs": {r: _needs(r) for r in self.runtimes},
             "stored_runtimes": None if self.stored_runtimes is None else list(self.stored_runtimes),
             "tensors": [t.to_json() for t in self.tensors],
         }
@@ -138,6 +139,12 @@ def inspect_artifact(path: "str | os.PathLike", *, variant_107: Optional[str] = 
     return Inspection(p, tuple(v.gguf_paths), tuple(rows), tuple(tables),
                       manifest.to_json() if manifest is not None else None, kv, tuple(v.gguf.notes),
                       v.runtimes, v.stored_runtimes)
+
+
+def _needs(runtime: str) -> str:
+    from ds4quant.artifact.runtimes import needs
+
+    return needs(runtime)
 
 
 def _plan(kv: dict) -> dict:

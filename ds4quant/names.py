@@ -106,6 +106,8 @@ KEY_DMIX = sidecar_key("dmix")
 
 MANIFEST_NAME = "manifest.json"
 SUMS_NAME = "SHA256SUMS"
+WORK_DIR_NAME = ".ds4quant-work"  # convert's journal and pieces while a run is unfinished
+LOCK_NAME = ".ds4quant.lock"  # convert's exclusive lock on its output folder
 
 # ---------------------------------------------------------------------------
 # GGUF keys: ds4quant's own

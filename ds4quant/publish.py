@@ -284,8 +284,11 @@ def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plot
               "`ds4quant.codebooks` (and, where Lucebox can load them, `deepseek4.*.sidecar`); pass "
               "`codebooks=` and `modes=` to `formats.decode`.", ""]
     L += ["## Runtimes", ""]
+    from ds4quant.artifact.runtimes import needs
+
     L += ["Runtimes that can load every tensor of this artifact: " +
           (", ".join(f"**{r}**" for r in rts) if rts else "none listed") + ".", ""]
+    L += [f"- **{r}**: {needs(r)}" for r in rts] + ([""] if rts else [])
     L += ["## Checksums", "", f"`{SUMS_NAME}` lists every file of this folder (`sha256sum -c {SUMS_NAME}`). "
                               "The artifact files:", ""]
     L += _table(["file", "bytes", "sha256"], [[f"`{f.name}`", f"{f.bytes:,}", f"`{f.sha256}`"] for f in man.files]

@@ -219,6 +219,7 @@ def plan_tensors(
     divide the tensor's row length.
     """
     overrides = list(overrides)
+    matched: set[int] = set()
     out = []
     for t in tensors:
         if t.tensor_class == "routed_expert":
@@ -227,9 +228,17 @@ def plan_tensors(
             asked, rule = recipe.dense_qtype, "dense-policy"
         else:
             asked, rule = "source", "keep-source"
-        for ov in overrides:
+        for k, ov in enumerate(overrides):
             if ov.regex.search(t.name):
                 asked, rule = ov.qtype, f"override:{ov.pattern}"
+                matched.add(k)
+        if rule.startswith("override:") and asked != "source" and keeps_source_precision(t):
+            qt = get_qtype(asked)
+            if qt.block_size != 1:
+                raise BadInputError(
+                    f"{asked} is a block type; this tensor ({t.tensor_class}) must keep source precision, "
+                    f"so only a float type (f32, f16, bf16) or 'source' may be asked for it", where=t.name,
+                    hint=f"narrow the --tensor-type pattern '{rule[len('override:'):]}'")
         if asked == "adaptive":
             # decided later by ds4quant.adaptive (measure + allocate)
             out.append(TensorChoice(t.name, t.tensor_class, t.shape, t.source_dtype, asked, "adaptive", rule,
@@ -247,7 +256,26 @@ def plan_tensors(
             qtype = asked
         _check_fits(t, qtype)
         out.append(TensorChoice(t.name, t.tensor_class, t.shape, t.source_dtype, asked, qtype, rule, t.surface, t.layer))
+    # a pattern that selects nothing is a typo, not a no-op: refuse it (an error, not a warning,
+    # so a recipe never silently differs from what the user asked for)
+    for k, ov in enumerate(overrides):
+        if k not in matched:
+            raise BadInputError(f"pattern '{ov.pattern}' matches no tensor", where="--tensor-type",
+                                hint="patterns are regular expressions searched in GGUF names such as "
+                                     "blk.3.ffn_down_exps.weight; ds4quant inspect lists them")
     return out
+
+
+# Tensors that must keep source precision whatever the recipe: norms, attention
+# sinks, the router's bias and the hash-routing tables (their values are read
+# one by one, never as a quantized matrix). A block qtype on them is refused.
+_PRECISION_CLASSES = frozenset({"norm", "hash_table"})
+_PRECISION_NAMES = re.compile(r"(attn_sinks\.weight|exp_probs_b\.bias)$")
+
+
+def keeps_source_precision(t: TensorSpec) -> bool:
+    """True for norms, sinks, router bias and hash tables (see ``_PRECISION_CLASSES``)."""
+    return t.tensor_class in _PRECISION_CLASSES or bool(_PRECISION_NAMES.search(t.name))
 
 
 def _check_fits(t: TensorSpec, qtype: str) -> None:

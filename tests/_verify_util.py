@@ -146,7 +146,7 @@ def mix_artifact(strix: Path, out: Path, *, loose_gumix: bool = False, lucebox: 
         if key == "ds4quant.runtimes":
             # what the contents allow (artifact.runtimes.loadable_by): compact stacks load in ds4quant only,
             # and Lucebox needs its blobs to cover every MIX tensor
-            value = ("ds4quant", "lucebox") if lucebox and not compact else ("ds4quant",)
+            value = ("ds4quant", "lucebox-mix") if lucebox and not compact else ("ds4quant",)
         w.add_kv(key, value, kv.type, kv.sub_type)
     w.add_blob("ds4quant.codebooks", write_table(table))
     full = CodebookTable(tuple(e for e in entries if e.expert_ids is None))
@@ -180,7 +180,16 @@ def mix_artifact(strix: Path, out: Path, *, loose_gumix: bool = False, lucebox: 
                   tuple(FileEntry.of(p, p.relative_to(out).as_posix()) for p in files),
                   tensor_entries(g2, codebooks={e.name: "ds4quant.codebooks" for e in entries}, errors=errors))
     write_manifest(out / "manifest.json", m2)
+    write_artifact_sums(out)
     return out
+
+
+def write_artifact_sums(out: Path) -> None:
+    """SHA256SUMS over the manifest's files and manifest.json, as convert writes it last."""
+    from ds4quant.checksums import write_sums
+
+    man = read_manifest(out / "manifest.json")
+    write_sums(out, names=[f.name for f in man.files] + ["manifest.json"])
 
 
 def flip(path: Path, offset: int, mask: int = 0x01) -> None:
@@ -197,7 +206,7 @@ _DROP = object()
 
 def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optional[dict] = None,
             payloads: Optional[dict] = None, loose: Optional[dict] = None, manifest_edit=None,
-            tags: bool = True) -> Path:
+            tags: bool = True, shapes: Optional[dict] = None) -> Path:
     """Copy an artifact with edits, then write a manifest that matches the new
     files (so only the check aimed at fails).
 
@@ -205,7 +214,8 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
     qtypes: tensor -> qtype to tag it with (payload kept); payloads: tensor ->
     new payload bytes; loose: suffix (".gumix.bin") -> bytes, or None to drop;
     manifest_edit: fn(dict) -> None applied to the manifest JSON object;
-    tags=False writes a foreign-style GGUF without ds4quant qtype tags.
+    tags=False writes a foreign-style GGUF without ds4quant qtype tags;
+    shapes: tensor -> new GGUF shape (give a payload of its size too).
     """
     out.mkdir(parents=True, exist_ok=True)
     src_gguf = gguf_of(folder)
@@ -237,7 +247,8 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
         if key not in g.kv and v is not None:
             w.add_kv(key, *v)
     for name, info in g.tensors.items():
-        w.add_tensor(name, qtypes.get(name, info.qtype), info.shape, payloads.get(name, bytes(g.tensor_data(name))))
+        w.add_tensor(name, qtypes.get(name, info.qtype), (shapes or {}).get(name, info.shape),
+                     payloads.get(name, bytes(g.tensor_data(name))))
     files = list(w.write())
     for p in folder.iterdir():
         if p.suffix == ".bin":
@@ -256,6 +267,8 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
     for c in obj["recipe"].get("plan", []):
         if c["name"] in qtypes:
             c["qtype"] = qtypes[c["name"]]
+        if c["name"] in (shapes or {}):
+            c["shape"] = list(shapes[c["name"]])
     old = {t["name"]: t for t in obj["tensors"]}
     m2 = Manifest(obj["tool_version"], obj["command"], obj["source"], obj["recipe"],
                   tuple(FileEntry.of(p, p.relative_to(out).as_posix()) for p in files),
@@ -267,4 +280,8 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
     from ds4quant.artifact import atomic_write_json
 
     atomic_write_json(out / "manifest.json", obj)
+    try:
+        write_artifact_sums(out)
+    except Exception:  # a manifest_edit made it unreadable on purpose: no sums then
+        (out / "SHA256SUMS").unlink(missing_ok=True)
     return out

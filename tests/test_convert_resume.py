@@ -173,3 +173,20 @@ def test_every_fixed_option_is_recorded_and_compared():
         (line,) = differences(a, b)
         assert line.startswith(FIXED[key] + ": journal ") and line.endswith(", this run changed")
     assert differences(a, dict(a)) == []
+
+
+def test_a_damaged_or_truncated_piece_is_encoded_again_not_reused(killed, tmp_path):
+    src, job, ref = killed
+    out = _copy_job(job, tmp_path)
+    j = Journal.load(out / WORK_DIR / JOURNAL)
+    pieces = sorted((out / WORK_DIR / "pieces").glob("*.bin"))
+    done = [p for p in pieces if p.stat().st_size > 8][:2]
+    assert len(j.done) >= 19 and len(done) == 2
+    same_size, truncated = done
+    raw = bytearray(same_size.read_bytes())
+    raw[len(raw) // 2] ^= 0x40  # one flipped bit: the size the journal holds, other bytes
+    same_size.write_bytes(bytes(raw))
+    truncated.write_bytes(truncated.read_bytes()[:-1])
+    rep = convert(src, out, "rocmfp2-strix", resume=True, name="tiny")
+    assert rep.reused == len(j.done) - 2
+    assert sha256_file(_gguf(out)) == sha256_file(_gguf(ref))

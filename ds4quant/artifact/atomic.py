@@ -110,15 +110,27 @@ class AtomicFile:
         self._state = "aborted"
 
 
+def with_path(e: OSError, path: PathLike) -> OSError:
+    """``e`` naming ``path`` when it names no file (a write() failing with ENOSPC names none)."""
+    if e.filename is not None:
+        return e
+    return type(e)(e.errno, e.strerror or str(e), os.fspath(path))
+
+
 @contextlib.contextmanager
 def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
     """Binary file handle whose content replaces ``path`` only if the block
     exits normally; on an exception the temp file is removed and any old
-    ``path`` is untouched."""
+    ``path`` is untouched. An OSError without a file name gets ``path``'s."""
     af = AtomicFile(path)
     try:
         yield af.file
         af.commit()
+    except OSError as e:
+        af.abort()
+        if e.filename is None:
+            raise with_path(e, path) from e
+        raise
     except BaseException:
         af.abort()
         raise

@@ -158,6 +158,9 @@ class GGUFWriter:
         self._kv: dict[str, KV] = {}
         self._tensors: dict[str, _Tensor] = {}
         self._state = "collecting"
+        # after plan(): (file name, padded tensor bytes, tensor) of each split over split_max_bytes
+        # (always a split of one tensor larger than the limit)
+        self.oversize: tuple[tuple[str, int, str], ...] = ()
         self._plan: Optional[GGUFPlan] = None
         self._headers: list[bytes] = []
 
@@ -296,6 +299,10 @@ class GGUFWriter:
             headers.append(bytes(header))
         self._plan = GGUFPlan(tuple(files), self.alignment)
         self._headers = headers
+        if self.split_max_bytes is not None:
+            self.oversize = tuple(
+                (pf.path.name, pf.size - pf.data_offset, pf.tensors[0].name) for pf in files
+                if pf.size - pf.data_offset > self.split_max_bytes)
         self._state = "planned"
         return self._plan
 
@@ -307,6 +314,7 @@ class GGUFWriter:
         self._need("planned")
         self._state = "writing"
         pending: list[AtomicFile] = []
+        pf = None
         try:
             for pf, header in zip(plan.files, self._headers):
                 af = AtomicFile(pf.path)
@@ -322,10 +330,14 @@ class GGUFWriter:
                 af.finish()
             for af in pending:
                 af.commit()
-        except BaseException:
+        except BaseException as e:
             for af in pending:
                 af.abort()
             self._state = "failed"
+            if isinstance(e, OSError) and e.filename is None and pf is not None:
+                from ds4quant.artifact.atomic import with_path
+
+                raise with_path(e, pf.path) from e
             raise
         self._state = "written"
         return tuple(pf.path for pf in plan.files)

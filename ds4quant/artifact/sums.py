@@ -64,14 +64,17 @@ def format_sums(entries: Iterable[tuple[str, str]]) -> bytes:
     return "".join(lines).encode("utf-8")
 
 
-def write_sums(folder: "str | os.PathLike", known: "dict[str, str] | None" = None) -> Path:
-    """Write ``folder/SHA256SUMS`` over every file under ``folder``, atomically.
+def write_sums(folder: "str | os.PathLike", known: "dict[str, str] | None" = None,
+               names: "Iterable[str] | None" = None) -> Path:
+    """Write ``folder/SHA256SUMS`` over every file under ``folder`` (or only ``names``,
+    folder-relative: an artifact lists its own files, never a stray one), atomically.
 
     known: name -> sha256 already computed (e.g. while copying), reused as is.
     """
     root = Path(folder)
     known = known or {}
-    entries = [(n, known.get(n) or sha256_file(root / n)) for n in list_files(root)]
+    listed = list_files(root) if names is None else sorted({_check_name(n, SUMS_NAME) for n in names} - {SUMS_NAME})
+    entries = [(n, known.get(n) or sha256_file(root / n)) for n in listed]
     return atomic_write_bytes(root / SUMS_NAME, format_sums(entries))
 
 

@@ -11,8 +11,15 @@ Stages (a job with a journal, so a killed run resumes), one module each:
 3. ``encode``: each output tensor into a piece file (atomic per piece),
    recording its size, sha256 and error figures in the journal;
 4. ``assemble``: the GGUF (or splits) from the pieces with the codebook
-   tables, atomically, then ``manifest.json`` and ``SHA256SUMS`` last; the
-   work folder is removed.
+   tables, atomically, then ``manifest.json`` and ``SHA256SUMS``; the work
+   folder goes last, so every state a killed run leaves either has its
+   journal (``--resume`` re-assembles from the checked pieces) or is a
+   finished artifact (``--resume`` recognises it).
+
+Around them, ``outdir``: OUTDIR never overlaps the source, ``--force``
+removes only convert's own files, and an exclusive lock keeps a second run
+out. File-system errors (a full disk, a read-only folder) are one line
+(``OutputError``) saying whether the work folder was kept for ``--resume``.
 
     rep = convert("samples/ds4-tiny", "out/tiny", "rocmfp2-strix")
     rep.bpw_experts, rep.runtimes       # 2.8333..., ("ds4quant", "lucebox")
@@ -24,7 +31,8 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -34,21 +42,25 @@ from ds4quant.artifact import sha256_file, write_manifest
 from ds4quant.convert.assemble import assemble, codebook_table, manifest
 from ds4quant.convert.encode import mxfp4_payload, run_encode
 from ds4quant.convert.plan import fit_fixed_mix_books, parse_size, plan_fingerprint, tensor_specs
+from ds4quant.convert.outdir import WORK_DIR, OutLock, check_no_overlap, clear_for_force
 from ds4quant.convert.report import ConvertReport, TensorResult
 from ds4quant.convert.resume import (
     FIXED,
     JOURNAL,
     MAY_CHANGE,
-    WORK_DIR,
     Journal,
     check_outdir,
     check_resume,
+    finished_report,
+    fs_error,
+    is_finished,
     resume_options,
 )
-from ds4quant.errors import BadInputError, Ds4quantError
+from ds4quant.errors import BadInputError, Ds4quantError, OutputError
 from ds4quant.formats import get_qtype, numba_threads
 from ds4quant.progress import ProgressEvent, ProgressFn
 from ds4quant.recipes import Override, Recipe, get_recipe, plan_tensors
+from ds4quant.sources.naming import deepseek4_kvs
 
 MANIFEST = "manifest.json"
 
@@ -85,10 +97,11 @@ def convert(
     never depend on ``threads``.
     """
     from ds4quant.sources import open_any_source
-    from ds4quant.sources.naming import deepseek4_kvs
 
     t_start = time.perf_counter()
     out = Path(outdir)
+    # first of all: an OUTDIR overlapping the source could be emptied by --force
+    check_no_overlap(source, out)
     rec = get_recipe(recipe)
     if dense_qtype is not None:
         get_qtype(dense_qtype)
@@ -115,11 +128,11 @@ def convert(
         specs = tensor_specs(src)
         plan = plan_tensors(rec, [s for s, _ in specs], overrides)
         members = {s.name: m for s, m in specs}
-        check_outdir(out, resume, force)
-        source_fp = src.fingerprint()
         art_name = name or f"{src.name}-{rec.name}"
         if "/" in art_name or art_name.startswith(".") or not art_name:
             raise BadInputError(f"bad artifact name {art_name!r}", where="--name")
+        check_outdir(out, resume, force)
+        source_fp = src.fingerprint()
         routing_sha = None
         if rec.adaptive and adaptive.routing is not None and Path(adaptive.routing).is_file():
             routing_sha = sha256_file(adaptive.routing)
@@ -127,62 +140,128 @@ def convert(
             source_fingerprint=source_fp, tool_version=__version__, recipe=rec.name,
             tensor_types=[o.pattern + "=" + o.qtype for o in overrides], dense_type=rec.dense_qtype,
             imatrix_sha=imx_sha, routing_sha=routing_sha, adaptive=adaptive if rec.adaptive else None)
-        journal_path = out / WORK_DIR / JOURNAL
-        # refuse a mismatched resume before the (long) adaptive measurement
-        old = Journal.load(journal_path) if resume and journal_path.exists() else None
-        if old is not None:
-            check_resume(old, options, old.plan_fingerprint)
-
-        books = Books()
-        adaptive_info = figures = None
-        with numba_threads(threads):
-            if rec.adaptive:
-                from ds4quant.adaptive import plan_adaptive
-
-                plan, adaptive_info, figures = plan_adaptive(src, plan, members, adaptive, imx, imx_sha, books,
-                                                             progress)
-            else:
-                fit_fixed_mix_books(plan, members, src, imx, books)
-        plan_fp = plan_fingerprint(rec, plan, imx_sha, adaptive.key() if rec.adaptive else None)
-
         created_out = not out.exists()
-        out.mkdir(parents=True, exist_ok=True)
-        work = out / WORK_DIR
-        pieces = work / "pieces"
-        if old is not None:
-            check_resume(old, options, plan_fp)
-            journal = old
-        else:
-            if force and out.exists():
-                for p in out.iterdir():
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
-            journal = Journal(journal_path, options, plan_fp)
-        pieces.mkdir(parents=True, exist_ok=True)
-        journal.save()
-
-        results: list[TensorResult] = []
         try:
-            results = run_encode(src, plan, members, imx, books, pieces, journal, threads, progress, figures)
-            table = codebook_table(plan, books, src.config.n_routed_experts)
-            files, cb_bytes, runtimes = assemble(out, art_name, rec, plan, deepseek4_kvs(src.config), pieces,
-                                                 split_bytes, source_fp, table, loose_sidecars, adaptive_info)
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create the output folder ({e.strerror or e}); nothing was written",
+                              where=str(e.filename or out)) from None
+        lock = OutLock(out)
+        try:
+            lock.acquire()
         except Ds4quantError:
-            # bad input mid-run: leave no artifact and no half-made folder
-            shutil.rmtree(work, ignore_errors=True)
             if created_out:
                 shutil.rmtree(out, ignore_errors=True)
             raise
-        man = manifest(out, files, src, rec, plan, results, overrides, imatrix, imx_sha, command, source_fp,
-                       runtimes, adaptive_info, table)
-        write_manifest(out / MANIFEST, man)
-        shutil.rmtree(work, ignore_errors=True)
-        from ds4quant.checksums import write_sums
-
-        # last: a folder with SHA256SUMS is complete, and every byte is covered
-        write_sums(out, known={f.name: f.sha256 for f in man.files})
+        work = out / WORK_DIR
+        try:
+            job = _Job(src, out, work, art_name, rec, plan, members, overrides, imx, imx_sha, imatrix, source_fp,
+                       options, split_bytes, loose_sidecars, adaptive, threads, command, progress)
+            return job.run(resume, force, created_out, t_start)
+        except Ds4quantError:
+            # refused before any work was recorded: leave no folder behind that we made
+            if created_out and not (work / JOURNAL).exists():
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        finally:
+            lock.release()
     finally:
         src.close()
 
+
+@dataclass(frozen=True)
+class _Job:
+    """One convert run inside a locked OUTDIR (the stages of the module docstring)."""
+
+    src: Any
+    out: Path
+    work: Path
+    art_name: str
+    rec: Recipe
+    plan: list
+    members: dict
+    overrides: list
+    imx: Any
+    imx_sha: Optional[str]
+    imatrix: Any
+    source_fp: str
+    options: dict
+    split_bytes: Optional[int]
+    loose_sidecars: bool
+    adaptive: Optional[AdaptiveOptions]
+    threads: Optional[int]
+    command: Optional[Sequence[str]]
+    progress: Optional[ProgressFn]
+
+    def run(self, resume: bool, force: bool, created_out: bool, t_start: float) -> ConvertReport:
+        out, work, rec = self.out, self.work, self.rec
+        journal_path = work / JOURNAL
+        # refuse a mismatched resume before the (long) adaptive measurement
+        old = Journal.load(journal_path) if resume and journal_path.exists() else None
+        if old is not None:
+            check_resume(old, self.options, old.plan_fingerprint)
+        finished = resume and old is None and is_finished(out)
+        if force and old is None:
+            clear_for_force(out, self.art_name)  # before any long work: refuses foreign files untouched
+
+        books = Books()
+        adaptive_info = figures = None
+        plan, adaptive = self.plan, self.adaptive
+        with numba_threads(self.threads):
+            if rec.adaptive:
+                from ds4quant.adaptive import plan_adaptive
+
+                plan, adaptive_info, figures = plan_adaptive(self.src, plan, self.members, adaptive, self.imx,
+                                                             self.imx_sha, books, self.progress)
+            else:
+                fit_fixed_mix_books(plan, self.members, self.src, self.imx, books)
+        plan_fp = plan_fingerprint(rec, plan, self.imx_sha, adaptive.key() if rec.adaptive else None)
+        if finished:
+            return finished_report(out, self.art_name, self.src, rec, plan, self.options, self.overrides,
+                                   self.imx_sha, self.source_fp, adaptive_info, t_start)
+
+        try:
+            if old is not None:
+                check_resume(old, self.options, plan_fp)
+                journal = old
+            else:
+                journal = Journal(journal_path, self.options, plan_fp)
+            pieces = work / "pieces"
+            pieces.mkdir(parents=True, exist_ok=True)
+            journal.save()
+            results: list[TensorResult] = []
+            try:
+                results = run_encode(self.src, plan, self.members, self.imx, books, pieces, journal, self.threads,
+                                     self.progress, figures)
+                table = codebook_table(plan, books, self.src.config.n_routed_experts)
+                files, cb_bytes, runtimes, oversize = assemble(
+                    out, self.art_name, rec, plan, deepseek4_kvs(self.src.config), pieces, self.split_bytes,
+                    self.source_fp, table, self.loose_sidecars, adaptive_info)
+            except Ds4quantError:
+                # bad input mid-run: leave no artifact and no half-made folder
+                shutil.rmtree(work, ignore_errors=True)
+                if created_out:
+                    shutil.rmtree(out, ignore_errors=True)
+                raise
+            man = manifest(out, files, self.src, rec, plan, results, self.overrides, self.imatrix, self.imx_sha,
+                           self.command, self.source_fp, runtimes, adaptive_info, table)
+            write_manifest(out / MANIFEST, man)
+            from ds4quant.checksums import write_sums
+
+            # a folder with SHA256SUMS and no work folder is complete; the sums list the artifact's
+            # own files only (never a stale temp file or the lock)
+            write_sums(out, known={f.name: f.sha256 for f in man.files},
+                       names=[f.name for f in man.files] + [MANIFEST])
+            shutil.rmtree(work, ignore_errors=True)
+        except OSError as e:
+            raise fs_error(e, out, work, created_out) from None
+
+        return _report(out, files, plan, results, cb_bytes, rec, self.source_fp, runtimes, adaptive_info, t_start,
+                       oversize)
+
+
+def _report(out, files, plan, results, cb_bytes, rec, source_fp, runtimes, adaptive_info, t_start,
+            oversize=()) -> ConvertReport:
     expert_bytes = sum(r.nbytes for r, c in zip(results, plan) if c.tensor_class == "routed_expert")
     expert_weights = sum(int(np.prod(c.shape)) for c in plan if c.tensor_class == "routed_expert")
     return ConvertReport(
@@ -200,4 +279,5 @@ def convert(
         runtimes=runtimes,
         reused=sum(1 for r in results if r.reused),
         adaptive=adaptive_info,
+        oversize_splits=tuple(oversize),
     )

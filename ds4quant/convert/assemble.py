@@ -83,9 +83,13 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
 def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, split_bytes: Optional[int],
              source_fp: str, table, loose_sidecars: bool, adaptive_info: Optional[dict]):
     """Write the GGUF set (all splits or none) and loose sidecars; (files, codebook bytes, runtimes)."""
-    # Stale files of an earlier attempt under this name would confuse readers.
-    for p in list(out.glob(f"{art_name}*.gguf")) + list(out.glob(f"{art_name}*.gguf.*.bin")):
-        p.unlink()
+    # Files of an earlier attempt (this name or, on a resume under a new --name, the one its
+    # manifest lists) and temp files a killed write left would confuse readers and the sums.
+    from ds4quant.convert.outdir import LOCK_NAME, WORK_DIR, own_files
+
+    for p in own_files(out, art_name)[0]:
+        if p.name not in (WORK_DIR, LOCK_NAME) and not p.is_dir():
+            p.unlink()
     w = GGUFWriter(out / f"{art_name}.gguf", split_max_bytes=split_bytes)
     for kv in kvs:
         w.add_kv(kv.key, kv.value, kv.type, kv.sub_type)
@@ -121,13 +125,46 @@ def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, spl
         piece = pieces / f"{i:05d}.bin"
         w.add_tensor(choice.name, choice.qtype, choice.shape, data=(lambda p=piece: _file_chunks(p)))
     files = list(w.write())
+    oversize = w.oversize
     if loose_sidecars and blobs is not None:
         for kind, blob in (("gumix", blobs.gumix), ("p4mix", blobs.p4mix)):
             if blob is not None:
                 side = files[0].with_name(files[0].name + sidecar_suffix(kind))
                 atomic_write_bytes(side, blob)
                 files.append(side)
-    return files, cb_bytes, runtimes
+    return files, cb_bytes, runtimes, oversize
+
+
+# Options that never change bytes (resume.MAY_CHANGE's output-side subset): dropped from the
+# recorded command so the manifest, and so SHA256SUMS, are the same for the same inputs.
+_NO_BYTES_FLAGS = ("--json", "--resume", "--force")
+_NO_BYTES_VALUED = ("--threads", "--cache-dir")
+
+# Figures of how a run went, not of what it made: kept for the report and --json only.
+_RUN_ONLY_KEYS = ("measure_seconds", "measures_reused")
+
+
+def normalized_command(argv) -> tuple[str, ...]:
+    """``argv`` without options that cannot change bytes (--threads N, --cache-dir D, --json,
+    --resume, --force; ``--opt=value`` forms too)."""
+    out, skip = [], False
+    for a in argv:
+        a = str(a)
+        if skip:
+            skip = False
+            continue
+        if a in _NO_BYTES_FLAGS or any(a.startswith(o + "=") for o in _NO_BYTES_VALUED):
+            continue
+        if a in _NO_BYTES_VALUED:
+            skip = True
+            continue
+        out.append(a)
+    return tuple(out)
+
+
+def artifact_allocation(adaptive_info: dict) -> dict:
+    """The adaptive allocation as the artifact records it: no timings or cache statistics."""
+    return {k: v for k, v in adaptive_info.items() if k not in _RUN_ONLY_KEYS}
 
 
 def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, overrides, imatrix, imx_sha, command,
@@ -148,11 +185,11 @@ def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, override
     recipe["imatrix"] = ({"path": str(imatrix), "sha256": imx_sha} if imatrix is not None else None)
     recipe["runtimes"] = list(runtimes)
     if adaptive_info is not None:
-        recipe["allocation"] = adaptive_info
+        recipe["allocation"] = artifact_allocation(adaptive_info)
     recipe["plan"] = [c.to_json() for c in plan]
     return Manifest(
         tool_version=__version__,
-        command=tuple(command if command is not None else sys.argv),
+        command=normalized_command(command if command is not None else sys.argv),
         source={"path": str(Path(src.path)), "fingerprint": source_fp, "format": src.format},
         recipe=recipe,
         files=tuple(FileEntry.of(p, p.relative_to(out).as_posix()) for p in files),

@@ -18,7 +18,7 @@ from typing import Iterator, Mapping, Optional
 import numpy as np
 
 from ds4quant.adaptive import Books, Measure
-from ds4quant.artifact import atomic_write
+from ds4quant.artifact import atomic_write, sha256_file
 from ds4quant.convert.plan import importance, load, members_of
 from ds4quant.convert.report import TensorResult
 from ds4quant.convert.resume import Journal, flush_on_exit
@@ -160,7 +160,10 @@ def run_encode(src: Source, plan, members, imx, books, pieces: Path, journal: Jo
         for i, choice in enumerate(plan):
             piece = pieces / f"{i:05d}.bin"
             prev = journal.done.get(choice.name)
-            if prev is not None and piece.is_file() and piece.stat().st_size == prev["bytes"]:
+            # a piece is reused only when its bytes are the ones the journal hashed: a truncated
+            # or damaged piece (same size, other bytes) is encoded again
+            if (prev is not None and piece.is_file() and piece.stat().st_size == prev["bytes"]
+                    and sha256_file(piece) == prev["sha256"]):
                 res = TensorResult.from_journal(prev)
             else:
                 res = encode_tensor(src, choice, mem[choice.name], imx, books, pool, piece,

@@ -80,6 +80,9 @@ class ConvertReport:
     runtimes: tuple[str, ...]
     reused: int = 0
     adaptive: Optional[dict] = None
+    # (file name, padded tensor bytes, its one tensor) of every split over --split-max-size:
+    # a tensor larger than the limit gets a split of its own, as llama.cpp's gguf-split does
+    oversize_splits: tuple[tuple[str, int, str], ...] = ()
 
     @property
     def bpw_experts(self) -> float:
@@ -123,4 +126,5 @@ class ConvertReport:
             "adaptive": self.adaptive,
             "source_fingerprint": self.source_fingerprint,
             "plan": [c.to_json() for c in self.plan],
+            "oversize_splits": [{"file": f, "bytes": b, "tensor": t} for f, b, t in self.oversize_splits],
         }

@@ -15,6 +15,7 @@ fires on a bug or a hand-edited journal.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +23,10 @@ from types import MappingProxyType
 from typing import Mapping, Optional
 
 from ds4quant.artifact import atomic_write_json
-from ds4quant.errors import BadInputError, ResumeMismatchError
+from ds4quant.convert.outdir import LOCK_NAME, WORK_DIR, stale_temp_files
+from ds4quant.errors import BadInputError, OutputError, ResumeMismatchError
+from ds4quant.names import MANIFEST_NAME, SUMS_NAME
 
-WORK_DIR = ".ds4quant-work"
 JOURNAL = "journal.json"
 JOURNAL_VERSION = 3
 _JOURNAL_EVERY_S = 2.0
@@ -151,21 +153,104 @@ class flush_on_exit:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.journal.save()
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.journal.save()
+        except OSError:
+            if exc_type is None:
+                raise
+            # already failing (a full disk, say): the journal on disk stays as last saved
         return False
 
 
+def is_finished(out: Path) -> bool:
+    """A folder a convert run completed: manifest.json and SHA256SUMS, no work folder."""
+    return (out / MANIFEST_NAME).is_file() and (out / SUMS_NAME).is_file() and not (out / WORK_DIR).exists()
+
+
 def check_outdir(out: Path, resume: bool, force: bool) -> None:
-    """OUTDIR must be absent, empty, a resumable job (--resume), or replaceable (--force)."""
+    """OUTDIR must be absent, empty, a resumable job or a finished artifact (--resume),
+    or replaceable (--force, which clears only convert's own files: outdir.clear_for_force)."""
     if not out.exists():
         return
     if not out.is_dir():
         raise BadInputError("exists and is not a folder", where=str(out))
-    entries = [p.name for p in out.iterdir()]
-    if not entries or force or (resume and WORK_DIR in entries):
+    entries = [p.name for p in out.iterdir() if p.name != LOCK_NAME]  # a killed run's lock is stale
+    if not entries or force or (resume and (WORK_DIR in entries or is_finished(out))):
         return
     raise BadInputError(
         "output folder is not empty", where=str(out),
         hint="pass --resume to continue an interrupted run, or --force to replace its contents",
     )
+
+
+def finished_report(out: Path, art_name: str, src, rec, plan, options, overrides, imx_sha, source_fp,
+                    adaptive_info, t_start: float):
+    """``--resume`` on a folder a run already completed: recognise it when its manifest
+    records this run's source, version, recipe, overrides, imatrix and plan, and report
+    it as is (every tensor reused); otherwise refuse, naming what differs."""
+    from ds4quant.artifact import read_manifest
+    from ds4quant.convert.report import TensorResult
+
+    man = read_manifest(out / MANIFEST_NAME)
+    r = man.to_json()["recipe"]  # plain JSON values, as the plan's to_json gives
+    imx = r.get("imatrix") or {}
+    got = {
+        "source fingerprint": (man.to_json()["source"].get("fingerprint"), source_fp),
+        "ds4quant version": (man.tool_version, options["tool_version"]),
+        "--recipe": (r.get("name"), rec.name),
+        "--tensor-type": (list(r.get("tensor_types") or []), [o.pattern + "=" + o.qtype for o in overrides]),
+        "--imatrix (sha256)": (imx.get("sha256") if isinstance(imx, dict) else None, imx_sha),
+        # compared as JSON values: the manifest holds lists where the plan has tuples
+        "plan": (json.loads(json.dumps(list(r.get("plan") or []))), json.loads(json.dumps([c.to_json() for c in plan]))),
+    }
+    names = {f.name for f in man.files}
+    ggufs = sorted(n for n in names if n.endswith(".gguf"))
+    diff = [f"{what}: artifact {_show(a)}, this run {_show(b)}" for what, (a, b) in got.items()
+            if a != b and what != "plan"]
+    if not diff and got["plan"][0] != got["plan"][1]:
+        diff = ["the tensor plan differs"]
+    if not diff and not any(n == f"{art_name}.gguf" or n.startswith(f"{art_name}-00001-of-") for n in ggufs):
+        diff = [f"artifact name: folder holds {', '.join(ggufs) or 'no GGUF'}, this run {art_name}"]
+    if diff:
+        raise ResumeMismatchError("cannot resume: the folder holds a finished artifact of another run: "
+                                  + "; ".join(diff), where=str(out), hint="start over with --force")
+    for p in stale_temp_files(out, art_name):
+        p.unlink()
+    from ds4quant.convert import _report
+
+    entries = {t.name: t for t in man.tensors}
+    results = []
+    for c in plan:
+        t = entries[c.name]
+        e = t.errors or {}
+        results.append(TensorResult(c.name, t.qtype, t.bytes, t.sha256, int(math.prod(t.shape)),
+                                    float(e.get("sse", 0.0)), float(e.get("ssx", 0.0)), e.get("weighted_sse"),
+                                    e.get("weighted_ssx"), 0.0, reused=True))
+    files = [out / f.name for f in man.files if f.name.endswith(".gguf") or ".gguf." in f.name]
+    cb = 0
+    if ggufs:
+        from ds4quant.artifact import read_gguf_set
+        from ds4quant.names import KEY_CODEBOOKS
+
+        g = read_gguf_set(out / ggufs[0])
+        cb = len(g.blob(KEY_CODEBOOKS)) if KEY_CODEBOOKS in g.kv else 0
+    return _report(out, files, plan, results, cb, rec, source_fp, tuple(r.get("runtimes") or ()), adaptive_info,
+                   t_start)
+
+
+def fs_error(e: OSError, out: Path, work: Path, created_out: bool) -> OutputError:
+    """A file-system error while writing: one line naming the path and the cause, and
+    what became of the work folder (kept for --resume when its journal is on disk)."""
+    path = e.filename or out
+    cause = e.strerror or type(e).__name__
+    if (work / JOURNAL).is_file():
+        fate = f"the work folder {work} is kept: fix the cause, then rerun with --resume"
+    else:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+        if created_out:
+            shutil.rmtree(out, ignore_errors=True)
+        fate = "nothing resumable was left"
+    return OutputError(f"cannot write ({cause}); {fate}", where=str(path))

@@ -258,3 +258,28 @@ def parse_config(cfg: Mapping[str, Any], where: str = "config.json") -> Ds4Confi
 
 def _int_like(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def compress_ratio_problems(c: Ds4Config, ape_rows: Mapping[int, int]) -> list[str]:
+    """Why a config's native ``compress_ratios`` read two ways (empty when it does not).
+
+    DeepSeek's own reference code takes ``compress_ratios[L]`` as layer L's
+    ratio; transformers (and ds4quant) read 0/4/128 as the attention *type*
+    and take the ratio from ``compress_rate_{csa,hca}``. When the two differ
+    the checkpoint means one thing to one reader and another to the other.
+    ape_rows: layer -> rows of its ``attn.compressor.ape`` (one per compressed
+    position, so the true ratio), named in the message when known.
+    """
+    codes = c.raw.get("compress_ratios") if c.raw is not None else None
+    if not isinstance(codes, list) or c.raw.get("layer_types") is not None:
+        return []
+    out = []
+    for layer, (code, rate) in enumerate(zip(codes, c.compress_ratios)):
+        if _int_like(code) and code != rate:
+            key = "compress_rate_hca" if code == 128 else "compress_rate_csa"
+            rows = ape_rows.get(layer)
+            out.append(f"config.json compress_ratios[{layer}] = {code}, but {key} = {rate}"
+                       + (f" and layers.{layer}.attn.compressor.ape has {rows} rows" if rows is not None else "")
+                       + f": DeepSeek's reference code reads ratio {code}, transformers and ds4quant {rate} "
+                         f"(make compress_ratios[{layer}] and {key} agree)")
+    return out

@@ -16,6 +16,16 @@ from ds4quant.artifact.view import ArtifactView, Problem
 from ds4quant.records import Check
 
 
+def show_digests(a: str, b: str, least: int = 16) -> tuple[str, str]:
+    """Two hex digests cut to a common length that shows where they differ
+    (the first differing digit and 7 more, at least ``least`` digits)."""
+    a, b = str(a), str(b)
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    n = max(least, first + 8)
+    cut = lambda d: d if len(d) <= n else d[:n] + "..."  # noqa: E731
+    return cut(a), cut(b)
+
+
 @dataclass(frozen=True)
 class Options:
     """verify()'s arguments, checked."""

@@ -14,7 +14,7 @@ from ds4quant import names
 from ds4quant.errors import CorruptDataError, Ds4quantError
 from ds4quant.metrics import sqnr_db
 from ds4quant.records import MANIFEST
-from ds4quant.verify._run import Context
+from ds4quant.verify._run import Context, show_digests
 
 _CHUNK = 8 << 20
 
@@ -64,10 +64,44 @@ def manifest_and_sums(ctx: Context) -> None:
         _check_manifest(ctx)
     if v.sums is not None:
         _check_sums(ctx)
-    elif v.manifest is not None:
-        ctx.ok("sha256sums", "no SHA256SUMS: manifest.json is checked against the GGUF, but its fields the GGUF "
-                             "does not repeat (command line, plan details, figures of exact tensors) are covered "
-                             "by no hash; --source re-measures the figures", MANIFEST)
+    if v.manifest is not None:
+        _check_complete(ctx)
+
+
+# Files a release may carry beside the artifact (publish's card and report), listed in
+# SHA256SUMS but not in manifest.json. Hidden files, temp files and GGUF-set files never are.
+def _release_extra(name: str) -> bool:
+    parts = name.split("/")
+    return not (any(p.startswith(".") for p in parts) or name.endswith((".tmp", ".gguf", ".bin")))
+
+
+def _check_complete(ctx: Context) -> None:
+    """Check ``complete``: a folder convert finished (SHA256SUMS, written last, present; no
+    work folder left) holding nothing its manifest (or, for release extras, SHA256SUMS) does not list."""
+    import os
+
+    from ds4quant.names import SUMS_NAME
+    from ds4quant.names import WORK_DIR_NAME as WORK_DIR
+
+    v = ctx.view
+    if v.sums is None:
+        ctx.fail("complete", "missing: convert writes SHA256SUMS last, so a folder without it is unfinished "
+                             "(or the file was removed); rerun convert with --resume", SUMS_NAME)
+    if (v.folder / WORK_DIR).exists():
+        ctx.fail("complete", "a convert work folder is left: the run did not finish; rerun convert with --resume",
+                 WORK_DIR)
+    listed = {f.name for f in v.manifest.files} | {MANIFEST, SUMS_NAME}
+    sums = v.sums or {}
+    for dirpath, dirs, files in os.walk(v.folder):
+        rel_dir = os.path.relpath(dirpath, v.folder)
+        dirs[:] = sorted(d for d in dirs if not (rel_dir == "." and d == WORK_DIR))
+        for fn in sorted(files):
+            rel = fn if rel_dir == "." else f"{Path(rel_dir).as_posix()}/{fn}"
+            if rel in listed or (rel in sums and _release_extra(rel)):
+                continue
+            ctx.fail("complete", "file is not listed in manifest.json" +
+                     (" (a temp file of an interrupted write)" if fn.endswith(".tmp") else ""), rel)
+    ctx.passed_if_clean("complete", "SHA256SUMS present, no work folder, every file listed", MANIFEST)
 
 
 def _check_manifest(ctx: Context) -> None:
@@ -89,8 +123,8 @@ def _check_manifest(ctx: Context) -> None:
             run.fail("manifest.files", f"is {size} bytes, manifest.json says {f.bytes}", f.name)
         have = file_sha.get(f.name) or sha256_file(p)
         if have != f.sha256:
-            run.fail("manifest.files", f"sha256 {have[:16]}... differs from manifest.json's {f.sha256[:16]}...",
-                     f.name)
+            a, b = show_digests(have, f.sha256)
+            run.fail("manifest.files", f"sha256 {a} differs from manifest.json's {b}", f.name)
     for p in list(g.files) + list(v.sidecars):
         rel = v.rel(p)
         if rel not in listed:
@@ -114,8 +148,8 @@ def _check_manifest(ctx: Context) -> None:
         if diffs:
             run.fail("manifest.tensors", "GGUF and manifest.json disagree: " + ", ".join(diffs), f, name)
         if tensor_sha.get(name) != t.sha256:
-            run.fail("manifest.tensors", f"payload sha256 {tensor_sha.get(name, '?')[:16]}... differs from "
-                                         f"manifest.json's {t.sha256[:16]}...", f, name)
+            a, b = show_digests(tensor_sha.get(name, "?"), t.sha256)
+            run.fail("manifest.tensors", f"payload sha256 {a} differs from manifest.json's {b}", f, name)
     run.passed_if_clean("manifest.tensors", f"{len(entries)} tensors: qtype, variant, type, shape, bytes and "
                                             "payload sha256 match", MANIFEST)
 
@@ -220,7 +254,8 @@ def _check_sums(ctx: Context) -> None:
             continue
         have = file_sha.get(name) or sha256_file(p)
         if have != want:
-            run.fail("sha256sums", f"sha256 {have[:16]}... differs from SHA256SUMS's {want[:16]}...", name)
+            a, b = show_digests(have, want)
+            run.fail("sha256sums", f"sha256 {a} differs from SHA256SUMS's {b}", name)
     try:
         present = list_files(folder)
     except Ds4quantError as e:

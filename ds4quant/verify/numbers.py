@@ -21,7 +21,7 @@ from ds4quant import names
 from ds4quant.errors import Ds4quantError
 from ds4quant.metrics import ErrorFigures, Sums, error_sums, sqnr_db
 from ds4quant.records import MANIFEST
-from ds4quant.verify._run import Context
+from ds4quant.verify._run import Context, show_digests
 
 _DECODE_CHUNK_WEIGHTS = 4 << 20  # weights decoded per call (whole experts; at least one)
 
@@ -96,15 +96,35 @@ def _from_source(ctx: Context) -> None:
         kv = v.kv.get(names.KEY_SOURCE_FINGERPRINT)
         claimed = claimed or (kv.value if kv is not None else None)
         if claimed is not None and claimed != fp:
-            ctx.fail("source", f"the artifact was made from source {claimed[:16]}..., this source is {fp[:16]}...",
-                     str(source))
+            a, b = show_digests(claimed, fp)
+            ctx.fail("source", f"the artifact was made from source {a}, this source is {b}", str(source))
         else:
             ctx.ok("source", f"source {fp[:16]}... " + ("matches the artifact's fingerprint" if claimed
                                                          else "(the artifact records no fingerprint)"), str(source))
+        _check_source_config(ctx, src)
         _measure_all(ctx, src, imx)
         ctx.source_fingerprint = fp
     finally:
         src.close()
+
+
+def _check_source_config(ctx: Context, src) -> None:
+    """Check ``source_config``: a source config that its readers read two ways."""
+    from ds4quant.sources.config import compress_ratio_problems
+
+    rows = {}
+    for layer in range(src.config.num_hidden_layers):
+        n = f"layers.{layer}.attn.compressor.ape"
+        try:
+            rows[layer] = int(src.info(n).shape_logical[0])
+        except (Ds4quantError, KeyError, IndexError):
+            pass
+    where = str(Path(ctx.options.source) / "config.json") if Path(ctx.options.source).is_dir() else \
+        str(ctx.options.source)
+    for p in compress_ratio_problems(src.config, rows):
+        ctx.fail("source_config", p, where)
+    ctx.passed_if_clean("source_config", "the source config reads the same to DeepSeek's code and to transformers",
+                        where)
 
 
 def _measure_all(ctx: Context, src, imx) -> None:
@@ -176,6 +196,17 @@ def _measure_all(ctx: Context, src, imx) -> None:
         ctx.passed_if_clean("numbers.manifest", "manifest.json's convert-time sse/ssx match the decoded figures")
 
 
+def shape_mismatch(logical: tuple, ne: tuple) -> str:
+    """Which dims of a GGUF shape disagree with a source tensor of ``logical`` ([out, in]) shape."""
+    want = tuple(reversed(logical)) if logical else (1,)
+    if len(want) != len(ne):
+        return (f"source shape {list(logical)} has {len(logical)} dims (GGUF order {list(want)}); the GGUF shape "
+                f"{list(ne)} has {len(ne)}")
+    bad = [f"ne[{i}] is {g} in the GGUF but {w} in the source" for i, (g, w) in enumerate(zip(ne, want)) if g != w]
+    what = " (the same dims, transposed)" if sorted(want) == sorted(ne) else ""
+    return f"source shape {list(logical)} (GGUF order {list(want)}) vs GGUF shape {list(ne)}{what}: " + "; ".join(bad)
+
+
 class _Mismatch(Exception):
     """The source and the artifact do not line up for one tensor (a failed check)."""
 
@@ -201,8 +232,8 @@ def _measure(v, src, imx, name: str, info, base: str, members, stack, entry) -> 
         m = members[0]
         sinfo = src.info(m.name)
         want = tuple(reversed(sinfo.shape_logical)) if sinfo.shape_logical else (1,)
-        if math.prod(want) != math.prod(info.shape) or want[0] != cols:
-            raise _Mismatch(f"source shape {list(sinfo.shape_logical)} does not fit GGUF shape {list(info.shape)}")
+        if tuple(want) != tuple(info.shape):
+            raise _Mismatch(shape_mismatch(tuple(sinfo.shape_logical), tuple(info.shape)))
         data = v.tensor_data(name)
         if info.qtype == "i32":
             # integer tables (hash routing): small ids, exact in float32

@@ -56,7 +56,12 @@ def check_shapes(ctx: Context) -> None:
                          f, name)
         if not sn.compact and E is not None and info.shape[2] != E:
             ctx.fail("shapes", f"a full stack holds {info.shape[2]} experts, {names.KEY_EXPERT_COUNT} = {E}", f, name)
-    ctx.passed_if_clean("shapes", f"{len(v.tensors)} tensors: row rules and expert-stack shapes hold", ctx.first)
+    from ds4quant.artifact.ds4 import shape_problems
+
+    for name, detail in shape_problems(v.kv, {n: i.shape for n, i in v.tensors.items()}):
+        ctx.fail("shapes", detail, Path(v.tensors[name].path).name, name)
+    ctx.passed_if_clean("shapes", f"{len(v.tensors)} tensors: row rules, expert-stack shapes and every tensor's "
+                                  "shape against the deepseek4 keys hold", ctx.first)
 
 
 def check_ds4_keys(ctx: Context) -> None:

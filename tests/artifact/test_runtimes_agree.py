@@ -39,7 +39,10 @@ def test_view_inspect_verify_and_card_agree(kind, kinds):
     compact = any(s.compact for s in v.stacks)
     mix = bool(v.mix_tensors)
     # the rule, restated: compact stacks load in ds4quant only; MIX needs Lucebox blobs for Lucebox
-    assert ("lucebox" in v.runtimes) == (not compact and (not mix or v.lucebox_books))
+    lucebox = not compact and (not mix or v.lucebox_books)
+    assert ("lucebox" in v.runtimes) == (lucebox and not mix)
+    # MIX types (105/106) exist only in MIX-capable Lucebox builds
+    assert ("lucebox-mix" in v.runtimes) == (lucebox and mix)
     assert v.runtimes[0] == "ds4quant"
 
     ins = inspect_artifact(path)
@@ -50,6 +53,12 @@ def test_view_inspect_verify_and_card_agree(kind, kinds):
     rep = verify(path)
     assert rep.runtimes == v.runtimes and rep.summary["runtimes"] == list(v.runtimes)
     assert _card_runtimes(model_card(rep, path.name)) == list(v.runtimes)
+    # each runtime's requirement (which Lucebox build) is spelled out in the card and by inspect
+    from ds4quant.artifact.runtimes import needs
+
+    card = model_card(rep, path.name)
+    for r in v.runtimes:
+        assert f"- **{r}**: {needs(r)}" in card and f"  {r}: {needs(r)}" in res.output
 
     agree = set(v.stored_runtimes) == set(v.runtimes)
     checks = [c for c in rep.checks if c.name == "runtimes"]

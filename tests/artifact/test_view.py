@@ -154,7 +154,8 @@ def test_runtimes_come_from_the_contents(art):
     kind, path = art
     v = open_artifact(path)
     compact = any(s.compact for s in v.stacks)
-    assert v.runtimes == (("ds4quant",) if compact else ("ds4quant", "lucebox"))
+    mix = bool(v.mix_tensors)
+    assert v.runtimes == (("ds4quant",) if compact else ("ds4quant", "lucebox-mix" if mix else "lucebox"))
     stored = tuple(str(x) for x in v.kv[names.KEY_RUNTIMES].value)
     assert v.stored_runtimes == stored
     runtime_problems = [p for p in v.problems() if p.check == "runtimes"]
