@@ -6,8 +6,8 @@
 What it writes (facts: shared/spec/ds4-reference-model.md "[A2]", "[C]";
 ds4-and-lucebox.md §2):
 
-- config.json with native DeepSeek keys (compress_ratios, num_hash_layers,
-  qk_rope_head_dim, compress_rate_{csa,hca}), the FP8 quantization_config and
+- config.json with native DeepSeek keys (num_hash_layers, qk_rope_head_dim,
+  compress_rate_{csa,hca}; layer_types for the attention types), the FP8 quantization_config and
   expert_dtype fp4, and "torch_dtype": "bfloat16" (without a dtype transformers
   cannot load F8_E8M0 tensors: pitfall 1);
 - model.safetensors.index.json and two shards with official tensor names:
@@ -60,9 +60,11 @@ HF_KWARGS = {
     "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
 }
 
-# The same model in native DeepSeek keys ([A2]): compress_ratios 0/4/128 name the
-# attention type per layer (128 = heavily compressed), and compress_rate_hca=16
-# sets that type's actual rate.
+# The same model in native DeepSeek keys ([A2]), except the attention types: the
+# native compress_ratios would have to say 128 for the heavily compressed layer
+# (the only value transformers' legacy map knows for it) while its real rate is
+# 16, a contradiction DeepSeek's own code reads as rate 128. layer_types names
+# the types and compress_rate_{csa,hca} their rates, so every reader agrees.
 NATIVE_CONFIG = {
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",
@@ -86,7 +88,8 @@ NATIVE_CONFIG = {
     "routed_scaling_factor": 1.5,
     "swiglu_limit": 10.0,
     "num_hash_layers": 2,
-    "compress_ratios": [0, 4, 128, 4],
+    "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                    "heavily_compressed_attention", "compressed_sparse_attention"],
     "compress_rate_csa": 4,
     "compress_rate_hca": 16,
     "compress_rope_theta": 160000.0,
@@ -459,9 +462,11 @@ types sliding / CSA / HCA / CSA) stored the way DeepSeek ships V4:
 | norms, `hc_*`, `attn_sink`, `ape`, `ffn.gate.bias` | `F32` |
 | `layers.{{0,1}}.ffn.gate.tid2eid` | `I64` [512, 4], 4 distinct experts per token (Zipf-like popularity) |
 
-`config.json` uses the native DeepSeek keys (`compress_ratios` [0, 4, 128, 4] name
-the attention type per layer and `compress_rate_hca` 16 sets the HCA rate;
-`num_hash_layers` 2; `qk_rope_head_dim` 16), the FP8 `quantization_config` and
+`config.json` uses the native DeepSeek keys (`compress_rate_csa` 4 and
+`compress_rate_hca` 16 set the compression rates; `num_hash_layers` 2;
+`qk_rope_head_dim` 16) with `layer_types` naming the attention types (the native
+`compress_ratios` would have to call the HCA layer 128 while its rate and its
+compressor's 16 position-embedding rows say 16), the FP8 `quantization_config` and
 `expert_dtype` fp4, and `torch_dtype` bfloat16 (needed to load F8_E8M0 tensors).
 
 Routed experts are drawn heavy-tailed (Student-t entries, a per-expert scale
