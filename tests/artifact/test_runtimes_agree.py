@@ -68,8 +68,6 @@ def test_view_inspect_verify_and_card_agree(kind, kinds):
         assert "ds4quant verify fails it" in res.output
 
 
-@pytest.mark.xfail(reason="convert computes the key by its own rule until it calls artifact.runtimes.loadable_by "
-                          "(helper H2); verify already fails such artifacts", strict=False)
 @pytest.mark.parametrize("kind", ALL)
 def test_convert_stores_what_the_contents_allow(kind, kinds):
     v = open_artifact(kinds(kind))

@@ -191,6 +191,7 @@ def test_single_file_checkpoint(tmp_path, src):
 def _edit_config(d, **changes):
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(changes)
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # None: drop the key
     (d / "config.json").write_text(json.dumps(cfg))
 
 
@@ -199,7 +200,7 @@ def _edit_config(d, **changes):
     ({"hidden_size": 512}, "hidden_size", ""),
     ({"n_routed_experts": 8}, "expert 8 but config.json has n_routed_experts=8", "experts.8."),
     ({"n_routed_experts": 32, "num_experts_per_tok": 4}, "missing", "experts.16."),
-    ({"num_hidden_layers": 3, "compress_ratios": [0, 4, 128]}, "layer 3 but", "layers.3."),
+    ({"num_hidden_layers": 3, "layer_types": None, "compress_ratios": [0, 4, 128]}, "layer 3 but", "layers.3."),
     ({"vocab_size": 1024}, "vocab_size", ""),
     ({"num_hash_layers": 1}, "routes by score", "layers.1.ffn.gate.tid2eid"),
 ])
@@ -345,8 +346,8 @@ def test_config_matches_transformers_folding():
     ({"hidden_size": 256.0}, BadInputError, "integer"),
     ({"hidden_size": True}, BadInputError, "integer"),
     ({"num_experts_per_tok": 17}, BadInputError, "num_experts_per_tok"),
-    ({"compress_ratios": [0, 4, 16, 4]}, UnsupportedFormatError, "0, 4, 128"),
-    ({"compress_ratios": [0, 4]}, BadInputError, "each of the 4 layers"),
+    ({"compress_ratios": [0, 4, 16, 4], "layer_types": None}, UnsupportedFormatError, "0, 4, 128"),
+    ({"compress_ratios": [0, 4], "layer_types": None}, BadInputError, "each of the 4 layers"),
     ({"scoring_func": "softmax"}, UnsupportedFormatError, "softmax"),
     ({"model_type": "llama"}, UnsupportedFormatError, "not DeepSeek-V4"),
     ({"quantization_config": {"quant_method": "awq"}}, UnsupportedFormatError, "awq"),
