@@ -292,6 +292,65 @@ def _bf16_repair(c: np.ndarray, population: int) -> tuple[np.ndarray, bool]:
     return np.array(bits, dtype=np.uint16), repaired
 
 
+@numba.njit(cache=True, nogil=True)
+def _bf16_val_nb(b):
+    return np.array([np.uint32(b) << np.uint32(16)], dtype=np.uint32).view(np.float32)[0]
+
+
+@numba.njit(cache=True, nogil=True)
+def _step_up_nb(b):
+    if b & 0x7FFF == 0:
+        return 0x0080
+    return b + 1 if b < 0x8000 else b - 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _step_down_nb(b):
+    if b & 0x7FFF == 0:
+        return 0x8080
+    return b - 1 if b < 0x8000 else b + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _bf16_repair_nb(c):
+    """Numba twin of _bf16_repair's arithmetic: (bits int64 (L,), repaired, ok)."""
+    n = c.shape[0]
+    bits = np.empty(n, np.int64)
+    u = c.view(np.uint32)
+    for j in range(n):
+        v = np.uint64(u[j])
+        bits[j] = np.int64((v + np.uint64(0x7FFF) + ((v >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16))
+    repaired = False
+    for j in range(1, n):
+        if _bf16_val_nb(bits[j]) <= _bf16_val_nb(bits[j - 1]):
+            bits[j] = _step_up_nb(bits[j - 1])
+            repaired = True
+    if _bf16_val_nb(bits[n - 1]) > np.float32(1.0):
+        bits[n - 1] = 0x3F80
+        for j in range(n - 1, 0, -1):
+            if _bf16_val_nb(bits[j - 1]) >= _bf16_val_nb(bits[j]):
+                bits[j - 1] = _step_down_nb(bits[j])
+    ok = True
+    for j in range(n):
+        v = _bf16_val_nb(bits[j])
+        if not (np.isfinite(v) and v >= np.float32(-1.0) and v <= np.float32(1.0)):
+            ok = False
+        if j > 0 and not (_bf16_val_nb(bits[j - 1]) < v):
+            ok = False
+    return bits, repaired, ok
+
+
+def _bf16_repair_fast(c: np.ndarray, population: int) -> tuple[np.ndarray, bool]:
+    """``_bf16_repair`` with the loop in numba: the same bits, flag and refusals."""
+    c = np.ascontiguousarray(c, dtype=np.float32)
+    if not (np.all(np.isfinite(c)) and np.all(np.abs(c) <= 1.0)):
+        return _bf16_repair(c, population)  # raises the reference's message
+    bits, repaired, ok = _bf16_repair_nb(c)
+    if not ok:
+        return _bf16_repair(c, population)  # raises the reference's message
+    return bits.astype(np.uint16), bool(repaired)
+
+
 # --------------------------------------------------------------------------
 # public entry point
 
