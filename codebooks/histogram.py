@@ -198,8 +198,12 @@ class Histogram:
         books, repaired = [], []
         for p in range(2):
             hp = h[p] if _seq_sum(h[p]) > 0 else fallback
-            centres = _lloyd(hp, levels)
-            bits, rep = _bf16_repair(centres, p)
+            if self._impl == "ref":
+                centres = _lloyd(hp, levels)
+                bits, rep = _bf16_repair(centres, p)
+            else:
+                centres = _lloyd_fast(hp, levels)
+                bits, rep = _bf16_repair_fast(centres, p)
             books.append(bits)
             repaired.append(rep)
         out = (np.stack(books).astype(np.uint32) << 16).view(np.float32)
@@ -245,6 +249,58 @@ def _lloyd(h: np.ndarray, levels: int) -> np.ndarray:
                     c[j] = np.float32(_seq_sum(hx[lo:hi]) / wt)
         c.sort()
     return c
+
+
+@numba.njit(cache=True, nogil=True)
+def _lloyd_nb(h, levels, coords):
+    """Numba twin of _lloyd after its mass check: every double sum in index
+    order, the cluster of a bin = the count of boundaries below its coord."""
+    n = h.shape[0]
+    mass = 0.0
+    for b in range(n):
+        mass += h[b]
+    c = np.empty(levels, dtype=np.float32)
+    for j in range(levels):
+        target = mass * (j + 0.5) / levels
+        run = 0.0
+        hit = 4096
+        for b in range(4096):
+            run += h[b]
+            if run >= target:
+                hit = b
+                break
+        c[j] = coords[hit]
+    hx = np.empty(n)
+    for b in range(n):
+        hx[b] = h[b] * np.float64(coords[b])
+    bounds = np.empty(levels - 1, dtype=np.float32)
+    wt = np.empty(levels)
+    sx = np.empty(levels)
+    for _ in range(24):
+        for j in range(levels - 1):
+            bounds[j] = np.float32(np.float32(0.5) * np.float32(c[j] + c[j + 1]))
+        wt[:] = 0.0
+        sx[:] = 0.0
+        seen = np.zeros(levels, dtype=np.bool_)
+        cl = 0
+        for b in range(n):
+            while cl < levels - 1 and bounds[cl] < coords[b]:
+                cl += 1
+            wt[cl] += h[b]
+            sx[cl] += hx[b]
+            seen[cl] = True
+        for j in range(levels):
+            if seen[j] and wt[j] > 0:
+                c[j] = np.float32(sx[j] / wt[j])
+        c.sort()
+    return c
+
+
+def _lloyd_fast(h: np.ndarray, levels: int) -> np.ndarray:
+    """``_lloyd`` in numba (same centres bit for bit)."""
+    if not (_seq_sum(h) > 0):
+        return _lloyd(h, levels)  # raises the reference's message
+    return _lloyd_nb(np.ascontiguousarray(h, dtype=np.float64), levels, COORDS)
 
 
 # --------------------------------------------------------------------------
