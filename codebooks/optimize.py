@@ -30,8 +30,8 @@ import numba
 import numpy as np
 
 from ds4quant import formats
-from ds4quant.codebooks.histogram import (_bf16_repair, _bf16_repair_fast, _check_importance, _check_matrix,
-                                          _importance_list, fit_reference)
+from ds4quant.codebooks.histogram import (_bf16_repair, _bf16_repair_fast, _bf16_repair_nb, _check_importance,
+                                          _check_matrix, _importance_list, fit_reference)
 from ds4quant.errors import BadInputError, CodebookError
 from ds4quant.formats._bits import unpack_bits
 from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106, _check_status, _choose
@@ -66,9 +66,40 @@ def _project(levels: np.ndarray, repair=_bf16_repair) -> np.ndarray:
     return (np.stack(out).astype(np.uint32) << 16).view(np.float32)
 
 
+@numba.njit(cache=True, nogil=True)
+def _project_nb(books, scales):
+    """Scale sorted float64 books (2, L) by their power of two, round to
+    float32, clip to [-1, 1] and bf16-repair: (bits int64 (2, L), ok)."""
+    L = books.shape[1]
+    bits = np.empty((2, L), np.int64)
+    ok = True
+    c = np.empty(L, np.float32)
+    for p in range(2):
+        for j in range(L):
+            v = np.float32(books[p, j] * scales[p])
+            c[j] = min(max(v, np.float32(-1.0)), np.float32(1.0)) if np.isfinite(v) else v
+            if not (np.isfinite(c[j]) and abs(c[j]) <= np.float32(1.0)):
+                ok = False
+        b, _, good = _bf16_repair_nb(c)
+        ok = ok and good
+        bits[p] = b
+    return bits, ok
+
+
 def _project_fast(levels: np.ndarray) -> np.ndarray:
-    """``_project`` with the numba repair (same bits)."""
-    return _project(levels, _bf16_repair_fast)
+    """``_project`` with the loops in numba (same bits; the power of two is
+    still numpy's log2 of the same float, so it cannot differ)."""
+    lv = np.sort(np.asarray(levels, dtype=np.float64), axis=1)
+    scales = np.empty(2)
+    for p in range(2):
+        ml = float(np.max(np.abs(lv[p])))
+        if not (ml > 0 and np.isfinite(ml)):
+            return _project(levels, _bf16_repair_fast)  # the linspace fallback
+        scales[p] = 2.0 ** -np.ceil(np.log2(ml))
+    bits, ok = _project_nb(lv, scales)
+    if not ok:
+        return _project(levels, _bf16_repair)  # raises the reference's message
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 class _Problem:
