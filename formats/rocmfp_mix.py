@@ -737,6 +737,11 @@ def _pack_chosen_nb(codes, out_b, out_e, mode, bits, out):
                 out[r, o + qs_bytes + hh] = np.uint8(be | (out_b[g + hh] << 7)) if mode == 1 else np.uint8(be)
 
 
+_choose_serial_nb = numba.njit(cache=True, nogil=True)(_choose_nb.py_func)
+_choose_fixed_serial_nb = numba.njit(cache=True, nogil=True)(_choose_fixed_nb.py_func)
+_SERIAL_HALVES = 4 * _TILE * _TILES_PER_TASK
+
+
 def _choose(x: np.ndarray, importance, books: np.ndarray, mode: int, bits: int):
     """Per half of x (rows, cols): book int64 (G,), byte int64 (G,), codes
     uint8 (G, 16), status int8 (G,) (codes of a refused half are garbage)."""
@@ -748,11 +753,15 @@ def _choose(x: np.ndarray, importance, books: np.ndarray, mode: int, bits: int):
     codes = np.empty((G, _HALF), dtype=np.uint8)
     has_w = importance is not None
     wq = importance.reshape(-1, _HALF) if has_w else np.zeros((1, _HALF), dtype=np.float32)
+    # a few tasks: the serial twin (same code, prange as range) skips the
+    # thread-pool launch, which costs more than it saves on small matrices
+    serial = G <= _SERIAL_HALVES or numba.get_num_threads() == 1
     if mode == 1:
-        _choose_nb(h, wq, has_w, books, np.ascontiguousarray(_splits(books)), _max_level(books), out_b, out_e, codes,
-                   status)
+        fn = _choose_serial_nb if serial else _choose_nb
+        fn(h, wq, has_w, books, np.ascontiguousarray(_splits(books)), _max_level(books), out_b, out_e, codes, status)
     else:
-        _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status)
+        fn = _choose_fixed_serial_nb if serial else _choose_fixed_nb
+        fn(h, wq, has_w, bits, out_e, codes, status)
     return out_b, out_e, codes, status
 
 
