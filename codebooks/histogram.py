@@ -28,6 +28,9 @@ _HALF = 16
 _ZERO_HALF_MASS = 16.0  # a zero half adds 16.0 to population 0, bin 2048 (§10 step 3)
 _PEAKY_RATIO = 0.52  # rms/max below this -> population 0
 LLOYD_ITERATIONS = 24
+# True: Histogram.fit runs the numpy Lloyd and repair for every impl (the
+# pre-numba code path, kept as the timing anchor of benchmarks/adaptive.py).
+_LEGACY_LLOYD = False
 _REF_ROWS = 256  # rows per numpy-reference chunk
 
 # coord(b) as float32 (exact: 2b/4096 and the subtraction are exact).
@@ -198,8 +201,12 @@ class Histogram:
         books, repaired = [], []
         for p in range(2):
             hp = h[p] if _seq_sum(h[p]) > 0 else fallback
-            centres = _lloyd(hp, levels)
-            bits, rep = _bf16_repair(centres, p)
+            if self._impl == "ref" or _LEGACY_LLOYD:
+                centres = _lloyd(hp, levels)
+                bits, rep = _bf16_repair(centres, p)
+            else:
+                centres = _lloyd_fast(hp, levels)
+                bits, rep = _bf16_repair_fast(centres, p)
             books.append(bits)
             repaired.append(rep)
         out = (np.stack(books).astype(np.uint32) << 16).view(np.float32)
@@ -247,6 +254,58 @@ def _lloyd(h: np.ndarray, levels: int) -> np.ndarray:
     return c
 
 
+@numba.njit(cache=True, nogil=True)
+def _lloyd_nb(h, levels, coords):
+    """Numba twin of _lloyd after its mass check: every double sum in index
+    order, the cluster of a bin = the count of boundaries below its coord."""
+    n = h.shape[0]
+    mass = 0.0
+    for b in range(n):
+        mass += h[b]
+    c = np.empty(levels, dtype=np.float32)
+    for j in range(levels):
+        target = mass * (j + 0.5) / levels
+        run = 0.0
+        hit = 4096
+        for b in range(4096):
+            run += h[b]
+            if run >= target:
+                hit = b
+                break
+        c[j] = coords[hit]
+    hx = np.empty(n)
+    for b in range(n):
+        hx[b] = h[b] * np.float64(coords[b])
+    bounds = np.empty(levels - 1, dtype=np.float32)
+    wt = np.empty(levels)
+    sx = np.empty(levels)
+    for _ in range(24):
+        for j in range(levels - 1):
+            bounds[j] = np.float32(np.float32(0.5) * np.float32(c[j] + c[j + 1]))
+        wt[:] = 0.0
+        sx[:] = 0.0
+        seen = np.zeros(levels, dtype=np.bool_)
+        cl = 0
+        for b in range(n):
+            while cl < levels - 1 and bounds[cl] < coords[b]:
+                cl += 1
+            wt[cl] += h[b]
+            sx[cl] += hx[b]
+            seen[cl] = True
+        for j in range(levels):
+            if seen[j] and wt[j] > 0:
+                c[j] = np.float32(sx[j] / wt[j])
+        c.sort()
+    return c
+
+
+def _lloyd_fast(h: np.ndarray, levels: int) -> np.ndarray:
+    """``_lloyd`` in numba (same centres bit for bit)."""
+    if not (_seq_sum(h) > 0):
+        return _lloyd(h, levels)  # raises the reference's message
+    return _lloyd_nb(np.ascontiguousarray(h, dtype=np.float64), levels, COORDS)
+
+
 # --------------------------------------------------------------------------
 # bf16 rounding and the bf16-epsilon-v1 repair
 
@@ -290,6 +349,65 @@ def _bf16_repair(c: np.ndarray, population: int) -> tuple[np.ndarray, bool]:
             f"cannot separate adaptive codebook levels in BF16 (population {population}: {vals})"
         )
     return np.array(bits, dtype=np.uint16), repaired
+
+
+@numba.njit(cache=True, nogil=True)
+def _bf16_val_nb(b):
+    return np.array([np.uint32(b) << np.uint32(16)], dtype=np.uint32).view(np.float32)[0]
+
+
+@numba.njit(cache=True, nogil=True)
+def _step_up_nb(b):
+    if b & 0x7FFF == 0:
+        return 0x0080
+    return b + 1 if b < 0x8000 else b - 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _step_down_nb(b):
+    if b & 0x7FFF == 0:
+        return 0x8080
+    return b - 1 if b < 0x8000 else b + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _bf16_repair_nb(c):
+    """Numba twin of _bf16_repair's arithmetic: (bits int64 (L,), repaired, ok)."""
+    n = c.shape[0]
+    bits = np.empty(n, np.int64)
+    u = c.view(np.uint32)
+    for j in range(n):
+        v = np.uint64(u[j])
+        bits[j] = np.int64((v + np.uint64(0x7FFF) + ((v >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16))
+    repaired = False
+    for j in range(1, n):
+        if _bf16_val_nb(bits[j]) <= _bf16_val_nb(bits[j - 1]):
+            bits[j] = _step_up_nb(bits[j - 1])
+            repaired = True
+    if _bf16_val_nb(bits[n - 1]) > np.float32(1.0):
+        bits[n - 1] = 0x3F80
+        for j in range(n - 1, 0, -1):
+            if _bf16_val_nb(bits[j - 1]) >= _bf16_val_nb(bits[j]):
+                bits[j - 1] = _step_down_nb(bits[j])
+    ok = True
+    for j in range(n):
+        v = _bf16_val_nb(bits[j])
+        if not (np.isfinite(v) and v >= np.float32(-1.0) and v <= np.float32(1.0)):
+            ok = False
+        if j > 0 and not (_bf16_val_nb(bits[j - 1]) < v):
+            ok = False
+    return bits, repaired, ok
+
+
+def _bf16_repair_fast(c: np.ndarray, population: int) -> tuple[np.ndarray, bool]:
+    """``_bf16_repair`` with the loop in numba: the same bits, flag and refusals."""
+    c = np.ascontiguousarray(c, dtype=np.float32)
+    if not (np.all(np.isfinite(c)) and np.all(np.abs(c) <= 1.0)):
+        return _bf16_repair(c, population)  # raises the reference's message
+    bits, repaired, ok = _bf16_repair_nb(c)
+    if not ok:
+        return _bf16_repair(c, population)  # raises the reference's message
+    return bits.astype(np.uint16), bool(repaired)
 
 
 # --------------------------------------------------------------------------

@@ -26,12 +26,15 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numba
 import numpy as np
 
 from ds4quant import formats
-from ds4quant.codebooks.histogram import _bf16_repair, _check_importance, _check_matrix, _importance_list, fit_reference
+from ds4quant.codebooks.histogram import (_bf16_repair, _bf16_repair_fast, _bf16_repair_nb, _check_importance,
+                                          _check_matrix, _importance_list, fit_reference)
 from ds4quant.errors import BadInputError, CodebookError
 from ds4quant.formats._bits import unpack_bits
+from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106, _check_status, _choose
 from ds4quant.formats.ue4m3 import UE4M3
 
 
@@ -49,7 +52,7 @@ class OptimizedFit:
     refined_error: float
 
 
-def _project(levels: np.ndarray) -> np.ndarray:
+def _project(levels: np.ndarray, repair=_bf16_repair) -> np.ndarray:
     """Any finite (2, L) -> bf16-exact, strictly increasing, max|l| in (0.5, 1]."""
     out = []
     for p, book in enumerate(np.asarray(levels, dtype=np.float64)):
@@ -58,9 +61,45 @@ def _project(levels: np.ndarray) -> np.ndarray:
         if not (ml > 0 and np.isfinite(ml)):
             book, ml = np.linspace(-1.0, 1.0, len(book)), 1.0
         book = (book * 2.0 ** -np.ceil(np.log2(ml))).astype(np.float32)
-        bits, _ = _bf16_repair(np.clip(book, np.float32(-1), np.float32(1)), p)
+        bits, _ = repair(np.clip(book, np.float32(-1), np.float32(1)), p)
         out.append(bits)
     return (np.stack(out).astype(np.uint32) << 16).view(np.float32)
+
+
+@numba.njit(cache=True, nogil=True)
+def _project_nb(books, scales):
+    """Scale sorted float64 books (2, L) by their power of two, round to
+    float32, clip to [-1, 1] and bf16-repair: (bits int64 (2, L), ok)."""
+    L = books.shape[1]
+    bits = np.empty((2, L), np.int64)
+    ok = True
+    c = np.empty(L, np.float32)
+    for p in range(2):
+        for j in range(L):
+            v = np.float32(books[p, j] * scales[p])
+            c[j] = min(max(v, np.float32(-1.0)), np.float32(1.0)) if np.isfinite(v) else v
+            if not (np.isfinite(c[j]) and abs(c[j]) <= np.float32(1.0)):
+                ok = False
+        b, _, good = _bf16_repair_nb(c)
+        ok = ok and good
+        bits[p] = b
+    return bits, ok
+
+
+def _project_fast(levels: np.ndarray) -> np.ndarray:
+    """``_project`` with the loops in numba (same bits; the power of two is
+    still numpy's log2 of the same float, so it cannot differ)."""
+    lv = np.sort(np.asarray(levels, dtype=np.float64), axis=1)
+    scales = np.empty(2)
+    for p in range(2):
+        ml = float(np.max(np.abs(lv[p])))
+        if not (ml > 0 and np.isfinite(ml)):
+            return _project(levels, _bf16_repair_fast)  # the linspace fallback
+        scales[p] = 2.0 ** -np.ceil(np.log2(ml))
+    bits, ok = _project_nb(lv, scales)
+    if not ok:
+        return _project(levels, _bf16_repair)  # raises the reference's message
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 class _Problem:
@@ -108,6 +147,94 @@ class _Problem:
         return _project(levels.reshape(2, L)), total
 
 
+@numba.njit(cache=True, nogil=True)
+def _terms_stats_nb(h, wq, has_w, books, out_b, out_e, codes, mode, fixed, terms, num, den, stats):
+    """Per element of h float32 (G, 16): terms = (x - y)^2 * w in float64
+    (y the decoded float32 value, w the raw importance, none without), and
+    with ``stats`` the Lloyd sums num[b*L + j] += (w*S)*x, den += (w*S)*S in
+    element order (np.bincount's order, so the sums are the legacy ones)."""
+    G = h.shape[0]
+    L = books.shape[1]
+    hpr = wq.shape[0]
+    for g in range(G):
+        be = out_e[g]
+        bk = out_b[g]
+        s = UE4M3[be]
+        s64 = np.float64(s)
+        for i in range(16):
+            c = codes[g, i]
+            if mode == 1:
+                y = np.float32(s * books[bk, c])
+            else:
+                y = np.float32(fixed[c] * s)
+            x64 = np.float64(h[g, i])
+            d = x64 - np.float64(y)
+            t = d * d
+            if has_w:
+                w64 = np.float64(wq[g % hpr, i])
+                terms[g, i] = t * w64
+            else:
+                w64 = 1.0
+                terms[g, i] = t
+            if stats:
+                idx = bk * L + c
+                ws = w64 * s64
+                num[idx] += ws * x64
+                den[idx] += ws * s64
+
+
+class _FastProblem:
+    """``_Problem`` with the vectorised MIX search and fused error / Lloyd
+    sums: the same float64 figures and books bit for bit, no bytes packed or
+    decoded, and each distinct (books, mode) evaluated once."""
+
+    def __init__(self, qtype: str, mats: list, imps: list) -> None:
+        self.qt = formats.get_qtype(qtype)
+        self.mats = [np.ascontiguousarray(m, dtype=np.float32) for m in mats]
+        self.imps = imps
+        self.bits = 2 if self.qt.codebook_levels == 4 else 3
+        self.fixed = _FIXED_106 if self.bits == 2 else _FIXED_105
+        self._memo: dict = {}
+
+    def _run(self, books: np.ndarray, mode: int, stats: bool):
+        L = self.qt.codebook_levels
+        books = np.ascontiguousarray(books, dtype=np.float32)
+        num = np.zeros(2 * L)
+        den = np.zeros(2 * L)
+        total = 0.0
+        for x, q in zip(self.mats, self.imps):
+            ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
+            _check_status(self.qt, st, x.shape[1] // 16)
+            h = x.reshape(-1, 16)
+            has_w = q is not None
+            wq = q.reshape(-1, 16) if has_w else np.zeros((1, 16), np.float32)
+            terms = np.empty(h.shape, np.float64)
+            n1 = np.zeros(2 * L)
+            d1 = np.zeros(2 * L)
+            _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
+            # the legacy figure: np.sum over the (rows, cols) float64 array
+            total += float(np.sum(terms.reshape(x.shape)))
+            num += n1
+            den += d1
+        return total, num, den
+
+    def error(self, books: np.ndarray, mode: int) -> float:
+        # mode 0 ignores the books: one evaluation per problem
+        key = (mode, books.tobytes() if mode == 1 else b"")
+        if key not in self._memo:
+            self._memo[key] = self._run(books, mode, False)[0]
+        return self._memo[key]
+
+    def lloyd_step(self, books: np.ndarray) -> tuple[np.ndarray, float]:
+        L = self.qt.codebook_levels
+        total, num, den = self._run(books, 1, True)
+        self._memo.setdefault((1, np.ascontiguousarray(books, dtype=np.float32).tobytes()), total)
+        levels = books.astype(np.float64).reshape(-1).copy()
+        used = den > 0
+        levels[used] = num[used] / den[used]
+        return _project_fast(levels.reshape(2, L)), total
+
+
 def fit_optimized(
     matrices: Sequence[np.ndarray],
     qtype: str,
@@ -117,6 +244,7 @@ def fit_optimized(
     iterations: int = 8,
     restarts: int = 2,
     max_rows: Optional[int] = None,
+    impl: str = "fast",
 ) -> OptimizedFit:
     """Fit one expert's book pair (and mode) for the MIX encoder's own error.
 
@@ -126,6 +254,8 @@ def fit_optimized(
     seed: a stable identity (tensor name, expert id) that seeds the restarts.
     max_rows: refine on at most this many evenly spaced rows per matrix (the
         final choice is always made on all rows).
+    impl: "fast" (vectorised search, fused sums, memoised errors) or
+        "legacy" (encode + decode per step, the timing anchor); same result.
     Returns an OptimizedFit whose error is <= the reference books' error.
     """
     qt = formats.get_qtype(qtype)
@@ -133,6 +263,10 @@ def fit_optimized(
         raise BadInputError(f"fit_optimized: {qt.name} is not a MIX qtype")
     if iterations < 0 or restarts < 0:
         raise BadInputError("fit_optimized: iterations and restarts must be >= 0")
+    if impl not in ("fast", "legacy"):
+        raise BadInputError(f"fit_optimized: impl must be 'fast' or 'legacy', got {impl!r}")
+    P = _FastProblem if impl == "fast" else _Problem
+    project = _project_fast if impl == "fast" else _project
     mats = [_check_matrix(m, i) for i, m in enumerate(matrices)]
     if not mats:
         raise BadInputError("fit_optimized: no matrices")
@@ -141,10 +275,10 @@ def fit_optimized(
         if not np.all(np.isfinite(m)):
             raise CodebookError(f"fit_optimized: matrix {i} has non-finite values")
     L = qt.codebook_levels
-    full = _Problem(qt.name, mats, imps)
+    full = P(qt.name, mats, imps)
     if max_rows is not None and any(m.shape[0] > max_rows for m in mats):
         pick = lambda m: m[np.linspace(0, m.shape[0] - 1, max_rows).round().astype(int)]  # noqa: E731
-        fit = _Problem(qt.name, [pick(m) if m.shape[0] > max_rows else m for m in mats], imps)
+        fit = P(qt.name, [pick(m) if m.shape[0] > max_rows else m for m in mats], imps)
     else:
         fit = full
 
@@ -152,13 +286,13 @@ def fit_optimized(
         ref_books, _ = fit_reference(mats, L, imps)
     except CodebookError:
         ref_books = None
-    uniform = _project(np.tile(np.linspace(-1.0, 1.0, L), (2, 1)))
+    uniform = project(np.tile(np.linspace(-1.0, 1.0, L), (2, 1)))
     starts = [uniform] if ref_books is None else [ref_books, uniform]
     rng = np.random.default_rng(zlib.crc32(f"fit_optimized/{qt.name}/{seed}".encode()))
     base = uniform if ref_books is None else ref_books
     for _ in range(restarts):
         spacing = np.mean(np.diff(base.astype(np.float64), axis=1), axis=1, keepdims=True)
-        starts.append(_project(base + rng.normal(0.0, 0.25, base.shape) * spacing))
+        starts.append(project(base + rng.normal(0.0, 0.25, base.shape) * spacing))
 
     best_books, best_err = None, np.inf
     for books in starts:

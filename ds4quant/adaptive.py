@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
@@ -183,6 +184,27 @@ class Books:
         return k in self._m
 
 
+_LEGACY = False
+
+
+@contextmanager
+def legacy_kernels():
+    """Run the measure stage on its pre-issue-14 kernels (MIX encode per
+    candidate with a binary-search NL, encode + decode + unpack per Lloyd
+    step, numpy Lloyd and bf16 repair): the same figures, books and plan,
+    slower. The anchor that benchmarks/adaptive.py times in the same run."""
+    global _LEGACY
+    from ds4quant.codebooks import histogram
+    from ds4quant.formats import rocmfp_mix
+
+    old = (_LEGACY, rocmfp_mix._LEGACY_ENCODE, histogram._LEGACY_LLOYD)
+    _LEGACY = rocmfp_mix._LEGACY_ENCODE = histogram._LEGACY_LLOYD = True
+    try:
+        yield
+    finally:
+        _LEGACY, rocmfp_mix._LEGACY_ENCODE, histogram._LEGACY_LLOYD = old
+
+
 def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: AdaptiveOptions, seed: str):
     """(books, mode, ref_books_error or None) for one expert matrix."""
     from ds4quant.codebooks import fit_optimized, fit_reference
@@ -192,7 +214,8 @@ def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: Adapt
         books, _ = fit_reference([x], L, imp)
         return books, 1, None
     fit = fit_optimized([x], qtype, imp, seed=seed, iterations=opts.fit_iterations,
-                        restarts=opts.fit_restarts, max_rows=opts.fit_max_rows)
+                        restarts=opts.fit_restarts, max_rows=opts.fit_max_rows,
+                        impl="legacy" if _LEGACY else "fast")
     return fit.books, fit.mode, fit.reference_error
 
 
