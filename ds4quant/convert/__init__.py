@@ -85,6 +85,7 @@ def convert(
     never depend on ``threads``.
     """
     from ds4quant.sources import open_any_source
+    from ds4quant.convert.tokenizer import tokenizer_kvs
     from ds4quant.sources.naming import deepseek4_kvs
 
     t_start = time.perf_counter()
@@ -164,7 +165,8 @@ def convert(
         try:
             results = run_encode(src, plan, members, imx, books, pieces, journal, threads, progress, figures)
             table = codebook_table(plan, books, src.config.n_routed_experts)
-            files, cb_bytes, runtimes = assemble(out, art_name, rec, plan, deepseek4_kvs(src.config), pieces,
+            kvs = deepseek4_kvs(src.config) + tokenizer_kvs(src.path, src.config.vocab_size)
+            files, cb_bytes, runtimes = assemble(out, art_name, rec, plan, kvs, pieces,
                                                  split_bytes, source_fp, table, loose_sidecars, adaptive_info)
         except Ds4quantError:
             # bad input mid-run: leave no artifact and no half-made folder
