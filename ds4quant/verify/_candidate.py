@@ -57,6 +57,29 @@ def blas_threads(n: int) -> Iterator[None]:
             put(ctypes.c_int(old))
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch, numpy's BLAS and numba on one thread inside the block.
+
+    Why: the reference's bits depend on torch's thread count (spec
+    ds4-reference-model.md §Q4), so one fixed count makes the response hash
+    the same on every machine; and on a small, shared machine spinning worker
+    pools cost more than they give: a 32-token greedy response took 37.6 s
+    with 2 torch threads and 2.1 s with 1 (2 cores, load 15).
+    """
+    import numba
+
+    from ds4quant.runtime.reference import torch_threads
+
+    old = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        with torch_threads(1), blas_threads(1):
+            yield
+    finally:
+        numba.set_num_threads(old)
+
+
 def dense_into(model, view) -> list[str]:
     """Overwrite every non-expert tensor of ``model`` with the artifact's decoded
     one. Returns problems (one line each, naming the tensor): an artifact tensor

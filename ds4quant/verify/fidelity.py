@@ -173,7 +173,8 @@ def measure(ctx: Context) -> dict:
     if len(placements) > 2:
         raise BadInputError("at most two placements (the second is compared with the first)", where="--placement")
     tok, tok_kind = _tokenizer(o.source)
-    ref = load_reference(o.source)
+    with C.one_thread():
+        ref = load_reference(o.source)
     cfg = ref.config
     seqs, eval_what = eval_tokens(o, tok, cfg.vocab_size, cfg.max_position_embeddings)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -192,7 +193,7 @@ def measure(ctx: Context) -> dict:
     res: dict[str, Any] = {"requested": True, "measured": True, "mode": o.mode, "tokenizer": tok_kind,
                            "eval": eval_what, "eval_tokens": len(pos),
                            "placements": [str(p) if p is not None else "cpu:0 (one CPU owner)" for p in placements]}
-    with C.blas_threads(1), torch.no_grad():
+    with C.one_thread(), torch.no_grad():
         with C.trace_moe(ref, keep_inputs=True) as rtr:
             ref_logits = C.logits_of(ref, seqs, pad)[rows, cols]
         ref_resp = fd.greedy_response(ref, prompt, RESPONSE_TOKENS, tok.eos_token_id)
