@@ -59,6 +59,7 @@ def test_verify_checks_the_keys_against_the_source(copy_art, tmp_path):
     shutil.copytree(COPY, other)
     d = json.loads((other / "tokenizer.json").read_text())
     d["added_tokens"][2]["content"] = "<padx>"
+    d["model"]["vocab"]["<padx>"] = d["model"]["vocab"].pop("<pad>")
     (other / "tokenizer.json").write_text(json.dumps(d))
     from ds4quant.convert.tokenizer import compare_tokenizer
     from ds4quant.artifact.view import open_artifact
