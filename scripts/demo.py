@@ -32,6 +32,10 @@ SAMPLE = ROOT / "samples" / "ds4-copy"
 CALIB_SEED = "ds4quant/demo/calibration"
 CALIB_SEQS = 32
 MODE = "fast"
+# Codebook fitting effort for the MIX candidates: the library default (6
+# iterations over up to 512 rows) took about 90 s per expert tensor on 2 busy
+# cores, 18 minutes for the sample; this keeps the demo to a few minutes.
+FIT = dict(fit_iterations=2, fit_max_rows=128)
 PROTOCOL = "exact-copy"
 
 
@@ -87,9 +91,10 @@ def run(out: Path) -> dict:
     t0 = time.perf_counter()
     adaptive = convert(
         SAMPLE, out / "adaptive", "adaptive", imatrix=imatrix, force=True,
-        adaptive=AdaptiveOptions(target_bpw=target, routing=str(routing), cache_dir=str(out / ".measure-cache")),
+        adaptive=AdaptiveOptions(target_bpw=target, routing=str(routing), cache_dir=str(out / ".measure-cache"),
+                                 **FIT),
         command=cmd(out / "adaptive", "--recipe", "adaptive", "--target-bpw", f"{target!r}", "--imatrix",
-                    str(imatrix), "--routing", str(routing)))
+                    str(imatrix), "--routing", str(routing), "--fit-effort", f"{FIT['fit_iterations']},1,{FIT['fit_max_rows']}"))
     arts.append(("adaptive (same size)", adaptive, time.perf_counter() - t0))
 
     rows = []

@@ -163,3 +163,14 @@ def test_report_and_card_carry_the_fidelity_section(fast_rep, tmp_path):
     assert "KL mean / p99" in md and "**60/60**" in md or "**59/60**" in md
     assert "_Not measured._" not in md
     assert (tmp_path / "r" / PLOT_FIDELITY).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_refuses_fidelity_options_without_fidelity(mx):
+    from click.testing import CliRunner
+
+    from ds4quant.cli import cli
+
+    r = CliRunner().invoke(cli, ["verify", str(mx), "--protocol", "exact-copy"])
+    assert r.exit_code == 2 and "--fidelity" in r.output
+    r = CliRunner().invoke(cli, ["verify", str(mx), "--fidelity"])
+    assert r.exit_code == 2 and "--source" in r.output
