@@ -42,7 +42,7 @@ PLOT_FIDELITY = "fidelity_per_layer.png"
 RUNTIME_BEGIN = "<!-- ds4quant:runtime-fidelity:begin -->"
 RUNTIME_END = "<!-- ds4quant:runtime-fidelity:end -->"
 RUNTIME_PLACEHOLDER = (
-    "_Not measured._ `ds4quant verify ARTIFACT --source SRC --fidelity [--protocol exact-copy]` runs the model "
+    "_Not measured yet._ `ds4quant verify ARTIFACT --source SRC --fidelity [--protocol exact-copy]` runs the model "
     "through the bundled runtime against the transformers reference: MoE output error per layer, logit KL "
     "divergence, top-1 agreement, perplexity ratio, response hashes, identity across placements and the "
     "exact-copy protocol (see DESIGN.md, \"Fidelity\")."
