@@ -297,8 +297,23 @@ def _verify_progress(enabled: bool):
               help="Flag lossy tensors below this SQNR (default: a floor per qtype).")
 @click.option("--variant-107", default=None, metavar="QTYPE",
               help="Name the codec of untagged ggml type 107 tensors (rocmfp2, rocmfp2_affine, rocmfp2_s40).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object {ok, checks, tensors, summary}.")
-def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, as_json):
+@click.option("--fidelity", "fidelity", is_flag=True,
+              help="Run the model through the bundled runtime against the transformers reference (needs --source): "
+                   "KL, top-1, PPL ratio, MoE error per layer, response and MoE-output hashes.")
+@click.option("--placement", "placements", multiple=True, type=click.Path(path_type=str),
+              help="Placement file for --fidelity (default: one CPU owner); give it twice to compare two placements.")
+@click.option("--mode", type=click.Choice(["exact", "fast"]), default="fast", show_default=True,
+              help="Runtime numeric mode for --fidelity (exact: the bitwise identity definition, slower).")
+@click.option("--tokens", "tokens_file", default=None, type=click.Path(path_type=str),
+              help="Evaluation token ids for --fidelity (one sequence per line, or a JSON list of lists).")
+@click.option("--text", "text_file", default=None, type=click.Path(path_type=str),
+              help="Evaluation text for --fidelity (UTF-8; blank-line-separated documents, the source's tokenizer).")
+@click.option("--protocol", type=click.Choice(["exact-copy"]), default=None,
+              help="Also run the exact-copy protocol (20 identifiers x 3 contexts; needs the source's "
+                   "tokenizer.json and task.json).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object {ok, checks, tensors, summary[, fidelity]}.")
+def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, fidelity, placements, mode,
+               tokens_file, text_file, protocol, as_json):
     """Check that an artifact (or release folder, or bare .gguf) is sound:
     types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
     file hashes against manifest.json (and SHA256SUMS). With --source, decode
@@ -311,6 +326,9 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
       ds4quant verify out/tiny-strix
       ds4quant verify out/tiny-strix --source samples/ds4-tiny --report out/tiny-strix-report
       ds4quant verify release/ --json
+      ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --protocol exact-copy
+      ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --mode exact \\
+          --placement a.json --placement b.json
     """
     from ds4quant.verify import verify
 
@@ -320,7 +338,8 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
         check_report_dir(report_dir, artifact)
     progress = _verify_progress(source is not None and not as_json and sys.stderr.isatty())
     rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
-                 progress=progress)
+                 progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
+                 text=text_file, protocol=protocol)
     report_path = None
     if report_dir is not None:
         from ds4quant.report import write_report
@@ -342,6 +361,14 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
                 line += f", weighted rel error {s['expert_weighted_rel_error']:.4g}"
             if s["numbers_from"]:
                 line += f" ({'decoded vs source' if s['numbers_from'] == 'source' else 'convert-time, from manifest.json'})"
+            click.echo(line)
+        f = rep.fidelity
+        if f.get("measured"):
+            line = (f"fidelity ({f['mode']} mode, {f['eval_tokens']} tokens): KL mean {f['kl_mean']:.4g} "
+                    f"p99 {f['kl_p99']:.4g}, top-1 {100 * f['top1']:.2f}%, PPL ratio {f['ppl_ratio']:.4f}, "
+                    f"response {f['response_sha256'][:16]}")
+            if f.get("exact_copy"):
+                line += f", exact copy {f['exact_copy']['passes']}/{f['exact_copy']['trials']}"
             click.echo(line)
         if report_path is not None:
             click.echo(f"report: {report_path}")

@@ -102,6 +102,23 @@ KEY_P4MIX = sidecar_key("p4mix")
 KEY_DMIX = sidecar_key("dmix")
 
 # ---------------------------------------------------------------------------
+# GGUF keys: the tokenizer (llama.cpp's names, written from the source's tokenizer.json)
+
+KEY_TOK_MODEL = "tokenizer.ggml.model"
+KEY_TOK_PRE = "tokenizer.ggml.pre"
+KEY_TOK_TOKENS = "tokenizer.ggml.tokens"
+KEY_TOK_TOKEN_TYPE = "tokenizer.ggml.token_type"
+KEY_TOK_SCORES = "tokenizer.ggml.scores"
+KEY_TOK_MERGES = "tokenizer.ggml.merges"
+KEY_TOK_BOS = "tokenizer.ggml.bos_token_id"
+KEY_TOK_EOS = "tokenizer.ggml.eos_token_id"
+KEY_TOK_PAD = "tokenizer.ggml.padding_token_id"
+KEY_TOK_UNK = "tokenizer.ggml.unknown_token_id"
+KEY_TOK_ADD_BOS = "tokenizer.ggml.add_bos_token"
+KEY_TOK_ADD_EOS = "tokenizer.ggml.add_eos_token"
+KEY_TOK_PREFIX = "tokenizer.ggml."
+
+# ---------------------------------------------------------------------------
 # artifact folder files
 
 MANIFEST_NAME = "manifest.json"

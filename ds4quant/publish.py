@@ -81,10 +81,15 @@ def publish(
     overwrite: bool = False,
     threshold_db: Optional[float] = None,
     hub_token: Optional[str] = None,
+    fidelity: bool = False,
+    protocol: Optional[str] = None,
+    mode: str = "fast",
 ) -> PublishReport:
     """Verify ``artifact`` (an artifact folder with manifest.json) and write the
     release folder ``outdir``; optionally upload it to ``hf_repo``.
 
+    fidelity / protocol / mode: measure fidelity through the runtime (``verify(fidelity=True)``,
+    needs ``source``); the model card then carries the figures.
     Raises UnsoundArtifactError when a check fails (nothing is written),
     HubError when the upload fails (the local release stays complete).
     """
@@ -97,7 +102,8 @@ def publish(
     out = Path(outdir)
     if out.resolve() == art.resolve() or art.resolve() in out.resolve().parents:
         raise BadInputError("the release folder must lie outside the artifact folder", where=str(out))
-    rep = verify(art, source=source, imatrix=imatrix, threshold_db=threshold_db)
+    rep = verify(art, source=source, imatrix=imatrix, threshold_db=threshold_db, fidelity=fidelity,
+                 protocol=protocol, mode=mode)
     if not rep.ok:
         bad = rep.failed
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
@@ -118,10 +124,10 @@ def publish(
         shutil.copyfile(art / MANIFEST, tmp / MANIFEST)
         # the report and card describe the release, not where the artifact happened to be
         shown = replace(rep, artifact=Path(out.name), files=tuple(tmp / n for n in names))
-        from ds4quant.report import PLOT_BITS, PLOT_ERROR, PLOT_HIST, write_report
+        from ds4quant.report import PLOT_BITS, PLOT_ERROR, PLOT_FIDELITY, PLOT_HIST, write_report
 
         write_report(shown, tmp / REPORT_DIR, title=f"Verify report: {out.name}")
-        plots = tuple(f for f in (PLOT_ERROR, PLOT_BITS, PLOT_HIST) if (tmp / REPORT_DIR / f).is_file())
+        plots = tuple(f for f in (PLOT_ERROR, PLOT_BITS, PLOT_HIST, PLOT_FIDELITY) if (tmp / REPORT_DIR / f).is_file())
         atomic_write_bytes(tmp / README, model_card(shown, out.name, hf_repo, plots).encode("utf-8"))
         write_sums(tmp, known)
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
@@ -202,7 +208,17 @@ def _layer_qtype_table(rep: VerifyReport) -> list[str]:
 def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plots: tuple[str, ...] = ()) -> str:
     """README.md of a release: what it is, where it came from, sizes, fidelity,
     plots (file names under report/), how to load it, which runtimes can, checksums."""
-    from ds4quant.report import PLOT_BITS, PLOT_ERROR, PLOT_HIST, _table, fidelity_rows, fmt_db, fmt_num
+    from ds4quant.report import (
+        PLOT_BITS,
+        PLOT_ERROR,
+        PLOT_FIDELITY,
+        PLOT_HIST,
+        _table,
+        fidelity_rows,
+        fidelity_section,
+        fmt_db,
+        fmt_num,
+    )
 
     man = rep.manifest
     s = rep.summary
@@ -257,7 +273,11 @@ def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plot
         L += ["No error figures were recorded.", ""]
     header, frows = fidelity_rows(rep)
     L += _table(header, frows) + [""]
-    titles = {PLOT_ERROR: "error per layer and surface", PLOT_BITS: "bits per weight", PLOT_HIST: "error histogram"}
+    L += ["### Through the runtime", ""]
+    sec = fidelity_section(rep, {p: p for p in plots}, plot_prefix=f"{REPORT_DIR}/")
+    L += [sec if sec is not None else "Not measured at publish (`ds4quant publish --fidelity` measures it).", ""]
+    titles = {PLOT_ERROR: "error per layer and surface", PLOT_BITS: "bits per weight", PLOT_HIST: "error histogram",
+              PLOT_FIDELITY: "MoE output error per layer"}
     L += ["## Plots", ""]
     L += [f"![{titles.get(f, f)}]({REPORT_DIR}/{f})" for f in plots] + [""]
     L += [f"The full verify report is [{REPORT_DIR}/report.md]({REPORT_DIR}/report.md) "

@@ -221,5 +221,9 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         """The ``--json`` object: ok, checks, tensors, summary (no timings: same input, same JSON)."""
-        return {"ok": self.ok, "checks": [c.to_json() for c in self.checks],
-                "tensors": [t.to_json() for t in self.tensors], "summary": self.summary}
+        out = {"ok": self.ok, "checks": [c.to_json() for c in self.checks],
+               "tensors": [t.to_json() for t in self.tensors], "summary": self.summary}
+        if self.fidelity.get("measured"):
+            # seconds are left out: same input, same JSON
+            out["fidelity"] = {k: v for k, v in self.fidelity.items() if k != "seconds"}
+        return out

@@ -10,9 +10,14 @@ software/date metadata in the PNGs, so the same report gives the same bytes):
 - ``error_histogram.png``: per-expert SQNR (decoded) or per-tensor SQNR
   (convert-time figures).
 
-The section "Fidelity through the runtime" is a placeholder between two
-marker comments (``RUNTIME_BEGIN`` / ``RUNTIME_END``); pass
-``runtime_section`` to fill it.
+- ``fidelity_per_layer.png``: with ``verify --fidelity``, the MoE output's
+  relative error per layer against the reference (local: the layer fed the
+  reference's input; propagated: in the candidate's own run), log scale.
+
+The section "Fidelity through the runtime" sits between two marker comments
+(``RUNTIME_BEGIN`` / ``RUNTIME_END``): the measured figures when the report
+has them (``fidelity_section``), else a placeholder; ``runtime_section``
+replaces it.
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ REPORT_JSON = "verify.json"
 PLOT_ERROR = "error_per_layer.png"
 PLOT_BITS = "bits_heatmap.png"
 PLOT_HIST = "error_histogram.png"
+PLOT_FIDELITY = "fidelity_per_layer.png"
 RUNTIME_BEGIN = "<!-- ds4quant:runtime-fidelity:begin -->"
 RUNTIME_END = "<!-- ds4quant:runtime-fidelity:end -->"
 RUNTIME_PLACEHOLDER = (
-    "_Not measured yet._ This section will hold fidelity through the bundled runtime: MoE layer outputs "
-    "against the reference, logit KL divergence and top-1 agreement, response hashes, and identity "
-    "across placements (see DESIGN.md, \"Fidelity\")."
+    "_Not measured yet._ `ds4quant verify ARTIFACT --source SRC --fidelity [--protocol exact-copy]` runs the model "
+    "through the bundled runtime against the transformers reference: MoE output error per layer, logit KL "
+    "divergence, top-1 agreement, perplexity ratio, response hashes, identity across placements and the "
+    "exact-copy protocol (see DESIGN.md, \"Fidelity\")."
 )
 FIGSIZE = (7.0, 4.0)  # inches
 DPI = 100
@@ -199,6 +206,33 @@ def plot_error_histogram(rep: VerifyReport) -> Optional[bytes]:
         return _png(fig)
 
 
+def plot_fidelity_per_layer(rep: VerifyReport) -> Optional[bytes]:
+    """MoE output relative error per layer (log scale); None without fidelity figures."""
+    import matplotlib
+
+    rows = (rep.fidelity or {}).get("layers") or []
+    if not rows:
+        return None
+    floor = 1e-12  # an exact layer (error 0) is drawn at the floor of the log axis
+    with matplotlib.rc_context(_RC):
+        fig = _figure()
+        ax = fig.add_subplot(1, 1, 1)
+        xs = [r["layer"] for r in rows]
+        ax.plot(xs, [max(floor, r["moe_rel_error"]) for r in rows], marker="o", label="local (reference input)")
+        ax.plot(xs, [max(floor, r["moe_rel_error_propagated"]) for r in rows], marker="s",
+                label="propagated (candidate run)")
+        ax.set_yscale("log")
+        ax.set_xticks(xs)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("MoE output relative error (lower is better)")
+        f = rep.fidelity
+        ax.set_title(f"MoE output vs reference ({f.get('mode')} mode; KL mean {f.get('kl_mean', float('nan')):.3g})")
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+        fig.tight_layout()
+        return _png(fig)
+
+
 # ----------------------------------------------------------------------------
 # markdown
 
@@ -240,6 +274,46 @@ def fidelity_rows(rep: VerifyReport) -> tuple[list[str], list[list[str]]]:
             r += ["-" if e is None else fmt_num(e.cosine, ".6f"), "-" if e is None else fmt_num(e.max_abs, ".4g")]
         rows.append(r)
     return header, rows
+
+
+def fidelity_section(rep: VerifyReport, plots: dict, plot_prefix: str = "") -> Optional[str]:
+    """Markdown of the measured fidelity figures (None when not measured)."""
+    f = rep.fidelity or {}
+    if not f.get("measured"):
+        return None
+    L = [f"Measured by `verify --fidelity` in **{f['mode']}** mode on placement(s) "
+         f"{', '.join(f'`{p}`' for p in f['placements'])}: the transformers reference over the source against the "
+         f"same model with every dense tensor from the artifact and the runtime's routed experts; "
+         f"{f['eval_tokens']} evaluation tokens ({f['eval']}; tokenizer: {f['tokenizer']}).", ""]
+    rows = [["KL mean / p99 (nats)", f"{fmt_num(f['kl_mean'], '.4g')} / {fmt_num(f['kl_p99'], '.4g')}"],
+            ["top-1 agreement", f"{100 * f['top1']:.2f}%"],
+            ["perplexity ratio (candidate / reference)", fmt_num(f["ppl_ratio"], ".5f")],
+            ["greedy response sha256", f"`{f['response_sha256']}`" +
+             (" (= reference)" if f.get("response_matches_reference") else " (differs from the reference)")]]
+    if f.get("moe_output_sha256"):
+        rows.append(["MoE output sha256 (exact mode)", f"`{f['moe_output_sha256']}`"])
+    sp = f.get("second_placement")
+    if sp:
+        rows.append(["second placement", ("identical" if sp["identical"] else "**different**") +
+                     f" (MoE `{sp['moe_output_sha256'][:16]}`, response `{sp['response_sha256'][:16]}`)"])
+    ec = f.get("exact_copy")
+    if ec:
+        rows.append(["exact-copy protocol", f"**{ec['passes']}/{ec['trials']}** (task `{ec['task']}`; the source "
+                                            f"{ec['reference_passes']}/{ec['trials']})"])
+    L += _table(["", ""], rows) + [""]
+    if PLOT_FIDELITY in plots:
+        L += [f"![MoE output error per layer]({plot_prefix}{plots[PLOT_FIDELITY]})", ""]
+    L += _table(["layer", "MoE rel. error (local)", "MoE rel. error (propagated)"],
+                [[str(r["layer"]), fmt_num(r["moe_rel_error"], ".3e"), fmt_num(r["moe_rel_error_propagated"], ".3e")]
+                 for r in f["layers"]]) + [""]
+    if ec and ec["failed"]:
+        L += [f"Failed exact-copy trials ({len(ec['failed'])}):", ""]
+        L += _table(["identifier", "repeat", "expected", "got"],
+                    [[f"`{x['identifier']}`", str(x["repeat"]), f"`{x['expected']}`", f"`{x['got']}`"]
+                     for x in ec["failed"][:20]]) + [""]
+        if len(ec["failed"]) > 20:
+            L += [f"(and {len(ec['failed']) - 20} more in verify.json)", ""]
+    return "\n".join(L).rstrip("\n")
 
 
 def render_markdown(rep: VerifyReport, plots: dict, runtime_section: Optional[str] = None,
@@ -305,7 +379,8 @@ def render_markdown(rep: VerifyReport, plots: dict, runtime_section: Optional[st
     else:
         L += ["No lossy error figures.", ""]
 
-    L += ["## Fidelity through the runtime", "", RUNTIME_BEGIN, runtime_section or RUNTIME_PLACEHOLDER, RUNTIME_END, ""]
+    section = runtime_section or fidelity_section(rep, plots) or RUNTIME_PLACEHOLDER
+    L += ["## Fidelity through the runtime", "", RUNTIME_BEGIN, section, RUNTIME_END, ""]
     return "\n".join(L)
 
 
@@ -333,7 +408,7 @@ def write_report(rep: VerifyReport, out_dir: "str | os.PathLike", *, runtime_sec
     out.mkdir(exist_ok=True)
     plots = {}
     for fname, fn in ((PLOT_ERROR, plot_error_per_layer), (PLOT_BITS, plot_bits_heatmap),
-                      (PLOT_HIST, plot_error_histogram)):
+                      (PLOT_HIST, plot_error_histogram), (PLOT_FIDELITY, plot_fidelity_per_layer)):
         png = fn(rep)
         if png is not None:
             atomic_write_bytes(out / fname, png)

@@ -44,6 +44,7 @@ from ds4quant.convert.encode import mxfp4_payload, run_encode
 from ds4quant.convert.plan import fit_fixed_mix_books, parse_size, plan_fingerprint, tensor_specs
 from ds4quant.convert.outdir import WORK_DIR, OutLock, check_no_overlap, clear_for_force
 from ds4quant.convert.report import ConvertReport, TensorResult
+from ds4quant.convert.tokenizer import tokenizer_kvs
 from ds4quant.convert.resume import (
     FIXED,
     JOURNAL,
@@ -235,7 +236,9 @@ class _Job:
                                      self.progress, figures)
                 table = codebook_table(plan, books, self.src.config.n_routed_experts)
                 files, cb_bytes, runtimes, oversize = assemble(
-                    out, self.art_name, rec, plan, deepseek4_kvs(self.src.config), pieces, self.split_bytes,
+                    out, self.art_name, rec, plan,
+                    deepseek4_kvs(self.src.config) + tokenizer_kvs(self.src.path, self.src.config.vocab_size),
+                    pieces, self.split_bytes,
                     self.source_fp, table, self.loose_sidecars, adaptive_info)
             except Ds4quantError:
                 # bad input mid-run: leave no artifact and no half-made folder

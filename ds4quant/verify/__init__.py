@@ -31,7 +31,10 @@ its stages (``STAGES``), one module each, run in order:
 4. ``numbers`` (``source=``): every tensor decoded and compared with the
    source (relative MSE, SQNR dB, importance-weighted error with
    ``imatrix=``, max abs error, cosine, finiteness), floors per qtype;
-5. ``fidelity``: the place of the runtime's measurements (not yet measured).
+5. ``fidelity``: the tokenizer keys against the source's tokenizer.json, and
+   with ``fidelity=True`` the model through the bundled runtime against the
+   transformers reference (KL, top-1, PPL ratio, per-layer MoE error, response
+   and MoE-output hashes, the exact-copy protocol; ``verify/fidelity.py``).
 
     rep = verify("out/tiny-strix", source="samples/ds4-tiny")
     rep.ok, rep.summary["expert_sqnr_db"]
@@ -91,6 +94,12 @@ def verify(
     threshold_db: Optional[float] = None,
     variant_107: Optional[str] = None,
     progress: Optional[Callable[[dict], None]] = None,
+    fidelity: bool = False,
+    placements: tuple = (),
+    mode: str = "fast",
+    tokens: "str | os.PathLike | None" = None,
+    text: "str | os.PathLike | None" = None,
+    protocol: Optional[str] = None,
 ) -> VerifyReport:
     """Check an artifact folder, release folder or bare GGUF (see module doc).
 
@@ -98,6 +107,10 @@ def verify(
     imatrix: importance matrix for the weighted error (needs ``source``).
     threshold_db: one SQNR floor for every lossy tensor instead of the table.
     progress: called with one dict per decoded tensor (index, total, name, qtype, sqnr_db, seconds).
+    fidelity: measure the model through the runtime (needs ``source``) on ``placements`` (up to two
+    placement files; none: one CPU owner) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
+    file) or ``text`` (UTF-8 file) or the built-in documents; ``protocol="exact-copy"`` adds the
+    exact-copy protocol. Figures go to ``rep.fidelity`` (see ``ds4quant.verify.fidelity``).
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
     from ds4quant.artifact.tags import check_variant_107
@@ -110,13 +123,28 @@ def verify(
     if imatrix is not None and source is None:
         raise BadInputError("an importance matrix weights the error against the source; pass the source too",
                             where="--imatrix", hint="add --source SRC")
+    if fidelity:
+        from ds4quant.runtime.owners.base import MODES
+
+        if source is None:
+            raise BadInputError("fidelity compares the artifact with its source model", where="--fidelity",
+                                hint="add --source SRC")
+        if mode not in MODES:
+            raise BadInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}", where="--mode")
+        if tokens is not None and text is not None:
+            raise BadInputError("give --tokens or --text, not both", where="--tokens")
+    elif placements or tokens is not None or text is not None or protocol is not None:
+        raise BadInputError("--placement, --tokens, --text and --protocol belong to the fidelity measurement",
+                            where="verify", hint="add --fidelity")
     lay = locate(artifact)
     if lay.kind != "gguf" and lay.manifest is None:
         raise BadInputError(f"no {MANIFEST} in the folder", where=str(lay.path),
                             hint="pass the .gguf file itself for structure checks only")
     view = ArtifactView(lay, variant_107)
     ctx = Context(view, Options(None if source is None else Path(source), None if imatrix is None else Path(imatrix),
-                                threshold_db, progress))
+                                threshold_db, progress, bool(fidelity), tuple(placements), mode,
+                                None if tokens is None else Path(tokens), None if text is None else Path(text),
+                                protocol))
     for stage in STAGES:
         stage(ctx)
     return _report(ctx, time.perf_counter() - t0)

@@ -35,6 +35,11 @@ class Options:
     threshold_db: Optional[float] = None
     progress: Optional[Callable[[dict], None]] = None
     fidelity: bool = False
+    placements: tuple = ()  # placement files (or mappings); empty: one CPU owner
+    mode: str = "fast"
+    tokens: Optional[Path] = None
+    text: Optional[Path] = None
+    protocol: Optional[str] = None
 
 
 @dataclass
