@@ -17,7 +17,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ds4quant.formats._components import decode_row_nb
+from ds4quant.formats import _scale_search as _ss
+from ds4quant.formats._components import K_MIX, K_SCALE, UE4M3, decode_row_nb
 
 TILE_BYTES = 1 << 20  # scratch tile: about 1 MiB of float32, cache sized
 GEMM_MIN_TOKENS = 8  # from here BLAS on decoded tiles beats the fused GEMV
@@ -53,6 +54,87 @@ def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, out):
         decode_row_nb(kind, p0, p1, data[r0 + j], cols, lut, mode, out[j], out[j].view(np.uint32))
 
 
+# Pair tables (2-bit and 3-bit codes with 16-weight scale groups: rocmfp2,
+# rocmfp2_s40, rocmfp3 and the MIX pair): for few tokens the GEMV never
+# decodes a weight. P[bk, t, p, c] = lev[bk, c & m] * x[t, 2p] + lev[bk, c >> b]
+# * x[t, 2p + 1] for every pair code c of weights 2p, 2p + 1, so a 16-weight
+# group costs 8 table reads and one scale multiply. Tables are
+# (cols / 2) * 4^b floats per book and token: 32 KiB / 256 KiB at 4096 / 2048
+# input features, L2 sized.
+
+
+def _pair_kind(kind: int, p0: int, p1: int) -> int:
+    """Code width for the pair-table GEMV (2 or 3), or 0 when the layout has none."""
+    if kind == K_SCALE and p1 == 16 and int(_ss.BITS[p0]) in (2, 3):
+        return int(_ss.BITS[p0])
+    if kind == K_MIX and p0 in (2, 3):
+        return p0
+    return 0
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def pair_tables_nb(lut, bits, x, P):
+    nbk, T, npair, ncode = P.shape
+    m = (1 << bits) - 1
+    for p in numba.prange(npair):
+        for bk in range(nbk):
+            for t in range(T):
+                x0 = x[t, 2 * p]
+                x1 = x[t, 2 * p + 1]
+                for c in range(ncode):
+                    P[bk, t, p, c] = lut[bk, c & m, 0] * x0 + lut[bk, c >> bits, 0] * x1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _pair_row(P, bk, t, row, o, bits, pb):
+    # the 16 weights (8 pairs) of one scale group starting at pair pb
+    acc = np.float32(0.0)
+    if bits == 2:
+        for c in range(4):
+            v = np.int64(row[o + c])
+            acc += P[bk, t, pb + 2 * c, v & 15] + P[bk, t, pb + 2 * c + 1, v >> 4]
+    else:
+        for c in range(4):
+            pos = 12 * c
+            w = (np.int64(row[o + (pos >> 3)]) | (np.int64(row[o + (pos >> 3) + 1]) << 8)) >> (pos & 7)
+            acc += P[bk, t, pb + 2 * c, w & 63] + P[bk, t, pb + 2 * c + 1, (w >> 6) & 63]
+    return acc
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def pair_matmul_nb(kind, p0, bits, data, cols, mode, P, out):
+    """out[t, j] = sum over scale groups of scale * (sum of the group's pair-table reads)."""
+    rows = data.shape[0]
+    T = P.shape[1]
+    nb = cols // 32
+    qsb = 4 * bits
+    bb = qsb + 2
+    sc = _ss.SCALES[p0]
+    for j in numba.prange(rows):
+        row = data[j]
+        for t in range(T):
+            tot = np.float32(0.0)
+            for b in range(nb):
+                o = b * bb
+                for h in range(2):
+                    meta = np.int64(row[o + qsb + h])
+                    if kind == K_SCALE:
+                        s = sc[meta]
+                        bk = 0
+                    elif mode == 1:
+                        s = UE4M3[meta & 0x7F]
+                        bk = meta >> 7
+                    else:
+                        s = UE4M3[meta]
+                        bk = 0
+                    if bits == 2:
+                        g = _pair_row(P, bk, t, row, o + 4 * h, 2, 16 * b + 8 * h)
+                    else:
+                        g = _pair_row(P, bk, t, row, o + 6 * h, 3, 16 * b + 8 * h)
+                    tot += g * s
+            out[t, j] = tot
+
+
 def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.ndarray, mode: int,
                 x: np.ndarray) -> np.ndarray:
     """x float32 (T, cols) @ decode(data).T -> float32 (T, rows), tile by tile."""
@@ -63,7 +145,13 @@ def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: n
     T = x.shape[0]
     out = np.empty((T, rows), np.float32)
     if T < GEMM_MIN_TOKENS:
-        if T and rows:
+        bits = _pair_kind(kind, p0, p1)
+        if bits and T and rows:
+            nbk = 2 if kind == K_MIX else 1
+            P = np.empty((nbk, T, cols // 2, 1 << (2 * bits)), np.float32)
+            pair_tables_nb(lut, bits, readonly(x, np.float32), P)
+            pair_matmul_nb(kind, p0, bits, data, cols, mode, P, out)
+        elif T and rows:
             fused_matmul_nb(kind, p0, p1, data, cols, lut, mode, readonly(x, np.float32), out)
         return out
     tile = max(8, min(rows, TILE_BYTES // (4 * cols)))
