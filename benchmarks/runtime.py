@@ -241,8 +241,11 @@ def _direct_stacks(recipe: str, experts: int, hidden: int, ffn: int, layer: int 
             kw = {}
             if formats.QTYPES[qt].is_mix:
                 L = formats.QTYPES[qt].codebook_levels
-                kw = dict(codebooks=formats.bf16_round(np.sort(r.uniform(-1, 1, (2, L)), axis=-1).astype(np.float32)),
-                          mode=1)
+                while True:  # bf16 rounding can merge neighbours; books must be strictly increasing
+                    b = formats.bf16_round(np.sort(r.uniform(-1, 1, (2, L)), axis=-1).astype(np.float32))
+                    if np.all(np.diff(b, axis=-1) > 0):
+                        break
+                kw = dict(codebooks=b, mode=1)
             q = formats.encode(qt, w, **kw)
             datas.append(np.tile(q, (rows // chunk, 1)))
             bks.append(kw.get("codebooks"))

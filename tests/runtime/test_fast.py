@@ -15,7 +15,9 @@ from tests.runtime import _synth as S
 @pytest.mark.parametrize("tokens", [1, 3, Fm.GEMM_MIN_TOKENS])
 @pytest.mark.parametrize("name", ["rocmfp2", "rocmfp2_s40", "rocmfp3", "rocmfp4", "rocmfp2_mix", "rocmfp3_mix",
                                   "rocmfp2_affine", "q8_0"])
-def test_fast_matmul_close_to_decode(name, tokens):
+@pytest.mark.parametrize("widths", [Fm.PAIR_WIDTHS, (2, 3)])  # (2, 3): the 3-bit pair tables too
+def test_fast_matmul_close_to_decode(name, tokens, widths, monkeypatch):
+    monkeypatch.setattr(Fm, "PAIR_WIDTHS", widths)
     qt = formats.QTYPES[name]
     rows, cols = 40, 256
     kw, books, mode = {}, None, 1
