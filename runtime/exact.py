@@ -49,16 +49,23 @@ Readings of PLAN.md made precise here (R4's torch owner follows them):
    exact: z >= -10 gives n >= -15, and z <= 709 keeps p * 2^n finite, so a
    torch ``p * 2.0**n`` computes the same bits.
 
-How the CPU owner gets the exact sum fast (``exact_matmul_nb``): every
+How the CPU owner gets the exact sum fast (``exact_matmul``): every
 product W_ji * a_i is exact in float64 (24 + 8 significant bits). A weight
 row has whi (every |W| < 2^whi) and wlo (every W a multiple of 2^wlo, from
 the lowest set bit); a token row has ahi = max(s_b + 7) and alo = min(s_b)
 over its nonzero blocks. When ``whi + ahi + ceil(log2(cols)) - (wlo + alo)
 <= 53`` every partial sum, in any order, is a multiple of 2^(wlo + alo)
 below 2^(wlo + alo + 53): exact in float64, so the float64 sum is the exact
-sum and one conversion to float32 is the definition's rounding. Otherwise
-the slot is flagged and ``exact_dot_fallback`` computes it with Python
-integers. ``exact_dot_ref`` is the slow, obviously correct reference.
+sum and one conversion to float32 is the definition's rounding. Because the
+order is free, the float64 dot may be reassociated and fused (FMA of an
+exact product is the same sum): ``_dot_f64`` is vectorised with exactly
+those two fastmath flags, and from ``GEMM_MIN_TOKENS`` tokens per expert the
+product is decoded tiles times BLAS dgemm. A sum that is exactly zero is
+mapped to +0.0 (``+ 0.0``) whatever sign the reduction left. whi/wlo depend
+only on the weights: ``row_spans`` computes them once per expert (the CPU
+owner caches them). Otherwise the slot is flagged and
+``exact_dot_fallback`` computes it with Python integers. ``exact_dot_ref``
+is the slow, obviously correct reference.
 """
 
 from __future__ import annotations
