@@ -21,6 +21,17 @@ Steps, all in one run:
 4. the worker owner (``worker:0``) per call against the same owner kind in
    process, when the build has it.
 
+``--direct`` skips the conversion (too slow at DS4 shapes on a small host):
+the owner's stacks are built straight from ``formats.encode`` of a 64-row
+seeded chunk per (expert, projection), tiled to the full per-expert shape
+(DS4's 2048 x 4096 / 4096 x 2048), ``--experts`` experts in one layer
+(memory: the predecoded anchor is 12x the bytes), recipes ``strix``
+(rocmfp2 gate/up, rocmfp3 down) and ``mix`` (rocmfp2_mix gate/up,
+rocmfp3_mix down, the MIX qtypes adaptive assigns). Times are the best of
+``--repeat`` in process CPU seconds and wall seconds (CPU time is the
+robust one on a shared host); pin threads with NUMBA_NUM_THREADS and
+OPENBLAS_NUM_THREADS for a like-for-like comparison.
+
 Ratios printed: fast / upper (target >= 0.5 at batch 1, >= 0.8 at 64),
 fast vs lower (target >= 5x faster at batch 1), exact / fast (target <= 3).
 """
@@ -208,6 +219,137 @@ def _ratios(r: dict, batches: list[int]) -> dict:
     return out
 
 
+DIRECT_RECIPES = {"strix": {"gate": "rocmfp2", "up": "rocmfp2", "down": "rocmfp3"},
+                  "mix": {"gate": "rocmfp2_mix", "up": "rocmfp2_mix", "down": "rocmfp3_mix"}}
+
+
+def _direct_stacks(recipe: str, experts: int, hidden: int, ffn: int, layer: int = LAYER):
+    """(stacks, books [(tensor, ids, entry)], decode kwargs {(proj, e): (qtype, data, cols, kw)})."""
+    from ds4quant import formats
+    from ds4quant.codebooks import CodebookEntry
+    from ds4quant.names import Proj, stack_name
+    from ds4quant.runtime.owners.base import ExpertStack
+
+    chunk = 64
+    stacks, books, dec = [], [], {}
+    for proj, qt in DIRECT_RECIPES[recipe].items():
+        rows, cols = (ffn, hidden) if proj != "down" else (hidden, ffn)
+        datas, bks = [], []
+        for e in range(experts):
+            r = np.random.default_rng([e, len(proj), cols])
+            w = (r.standard_normal((chunk, cols)) * 0.02).astype(np.float32)
+            kw = {}
+            if formats.QTYPES[qt].is_mix:
+                L = formats.QTYPES[qt].codebook_levels
+                while True:  # bf16 rounding can merge neighbours; books must be strictly increasing
+                    b = formats.bf16_round(np.sort(r.uniform(-1, 1, (2, L)), axis=-1).astype(np.float32))
+                    if np.all(np.diff(b, axis=-1) > 0):
+                        break
+                kw = dict(codebooks=b, mode=1)
+            q = formats.encode(qt, w, **kw)
+            datas.append(np.tile(q, (rows // chunk, 1)))
+            bks.append(kw.get("codebooks"))
+            dec[(proj, e)] = (qt, datas[-1], cols, dict(codebooks=bks[-1], modes=1) if kw else {})
+        name = stack_name(layer, Proj(proj), qt)
+        st = ExpertStack(name, layer, proj, qt, rows, cols, tuple(range(experts)), np.stack(datas))
+        stacks.append(st)
+        if bks[0] is not None:
+            books.append((name, st.expert_ids, CodebookEntry(name, qt, np.ones(experts, np.uint8), np.stack(bks),
+                                                             expert_ids=st.expert_ids, n_global=experts)))
+    return stacks, books, dec
+
+
+def _cpu_best(fn, repeat: int) -> tuple[float, float]:
+    fn()
+    cpu = wall = float("inf")
+    for _ in range(repeat):
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        cpu, wall = min(cpu, time.process_time() - c), min(wall, time.perf_counter() - t)
+    return cpu, wall
+
+
+def bench_direct(recipe: str, experts: int, hidden: int, ffn: int, topk: int, batches: list[int], repeat: int,
+                 worker: bool) -> dict:
+    from ds4quant import formats
+    from ds4quant.runtime.owners.cpu import CpuOwner
+
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    stacks, books, dec = _direct_stacks(recipe, experts, hidden, ffn)
+    build_s = time.perf_counter() - t0
+    o = CpuOwner("cpu:0")
+    t0 = time.perf_counter()
+    for st in stacks:
+        o.add_stack(st)
+    for b in books:
+        o.register_books(*b)
+    res = {"artifact": f"direct-{recipe}", "owner": "cpu:0", "experts": experts, "hidden": hidden, "ffn": ffn,
+           "topk": topk, "build_s": build_s, "load_s": time.perf_counter() - t0,
+           "resident_bytes": int(o.resident_bytes()), "rss_before_kb": rss0,
+           "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+    def decode(e):
+        return [formats.decode(dec[(p, e)][0], dec[(p, e)][1], dec[(p, e)][2], **dec[(p, e)][3])
+                for p in ("gate", "up", "down")]
+
+    for T in batches:
+        r = np.random.default_rng(T)
+        idx = np.stack([r.permutation(experts)[:topk] for _ in range(T)]).reshape(-1)
+        xs = np.repeat(r.standard_normal((T, hidden)).astype(np.float32), topk, axis=0)
+        used = sorted(set(idx.tolist()))
+        outs = {}
+        for mode in ("fast", "exact"):
+            res[f"{mode}_b{T}_cpu_s"], res[f"{mode}_b{T}_s"] = _cpu_best(
+                lambda: outs.__setitem__(mode, o.run_slots(LAYER, xs, idx, mode)), repeat)
+        pre = {e: decode(e) for e in used}
+
+        def run(get):
+            out = np.zeros_like(xs)
+            for e in used:
+                rows = np.flatnonzero(idx == e)
+                wg, wu, wd = get(e)
+                out[rows] = _swiglu(xs[rows] @ wg.T, xs[rows] @ wu.T, np.float32(10.0)) @ wd.T
+            return out
+
+        res[f"upper_cpu_s_b{T}"], res[f"upper_s_b{T}"] = _cpu_best(lambda: run(pre.__getitem__), repeat)
+        res["upper_bytes"] = max(res.get("upper_bytes", 0), int(sum(a.nbytes for v in pre.values() for a in v)))
+        del pre
+        res[f"lower_cpu_s_b{T}"], res[f"lower_s_b{T}"] = _cpu_best(lambda: run(decode), 1)
+        res["lower_bytes"] = int(sum(st.data[0].nbytes for st in stacks) * experts)
+        f, e = outs["fast"], outs["exact"]
+        res[f"fast_vs_exact_rel_b{T}"] = float(np.linalg.norm(f - e) / max(np.linalg.norm(e), 1e-30))
+    res["span_cache_bytes"] = o.span_cache_bytes()
+    o.close()
+    if worker and importlib.util.find_spec("ds4quant.runtime.owners.worker"):
+        from ds4quant.runtime.owners.worker import measure_call_cost
+
+        for mode in ("fast", "exact"):
+            for c in measure_call_cost("cpu", stacks, LAYER, books=books, batches=batches, repeats=repeat, mode=mode):
+                res[f"worker_{mode}_b{c.batch}"] = {"in_process_us": c.in_process_us, "worker_us": c.worker_us,
+                                                     "overhead_us": c.overhead_us, "identical": c.identical}
+    return res
+
+
+def _print_direct(r: dict, batches: list[int]) -> None:
+    print(f"== {r['artifact']}: {r['experts']} experts x (gate/up {r['ffn']}x{r['hidden']}, down "
+          f"{r['hidden']}x{r['ffn']}), top-{r['topk']}; resident {r['resident_bytes'] / 2**20:.1f} MiB, "
+          f"predecoded anchor {r['upper_bytes'] / 2**20:.1f} MiB, span cache {r['span_cache_bytes'] / 2**10:.0f} KiB")
+    for T in batches:
+        f, e, u, lo = (r[f"fast_b{T}_cpu_s"], r[f"exact_b{T}_cpu_s"], r[f"upper_cpu_s_b{T}"], r[f"lower_cpu_s_b{T}"])
+        print(f"  batch {T:3d} (CPU ms): fast {f * 1e3:9.2f}  exact {e * 1e3:9.2f}  upper {u * 1e3:9.2f}  "
+              f"lower {lo * 1e3:9.2f} | fast/upper {u / f:.2f}  fast vs lower {lo / f:.1f}x  exact/fast {e / f:.2f}"
+              f"  fast-vs-exact rel L2 {r[f'fast_vs_exact_rel_b{T}']:.2e}")
+        print(f"            (wall ms): fast {r[f'fast_b{T}_s'] * 1e3:9.2f}  exact {r[f'exact_b{T}_s'] * 1e3:9.2f}  "
+              f"upper {r[f'upper_s_b{T}'] * 1e3:9.2f}  lower {r[f'lower_s_b{T}'] * 1e3:9.2f}")
+    for k, v in r.items():
+        if k.startswith("worker_"):
+            print(f"  {k}: in process {v['in_process_us']:.0f} us, worker {v['worker_us']:.0f} us, "
+                  f"overhead {v['overhead_us']:.0f} us, identical {v['identical']}")
+    print(f"  add_stack+register {r['load_s']:.3f} s, peak RSS {r['peak_rss_kb'] / 1024:.1f} MiB "
+          f"(before {r['rss_before_kb'] / 1024:.1f} MiB), resident {r['resident_bytes'] / 2**20:.1f} MiB")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
@@ -218,7 +360,22 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="folder for the source and artifacts (kept; default a temp dir)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--direct", action="store_true", help="stacks from formats.encode, no conversion (see above)")
+    ap.add_argument("--experts", type=int, default=16, help="--direct: experts in the layer")
+    ap.add_argument("--no-worker", action="store_true", help="--direct: skip the worker cost")
     a = ap.parse_args(argv)
+    if a.direct:
+        dims = QUICK if a.quick else FULL
+        batches = [int(b) for b in a.batches.split(",")]
+        recipes = [r for r in a.recipes.split(",") if r in DIRECT_RECIPES] or list(DIRECT_RECIPES)
+        rep = [bench_direct(r, a.experts, dims["hidden"], dims["moe_inter"], dims["topk"], batches, a.repeat,
+                            not a.no_worker) for r in recipes]
+        if a.json:
+            print(json.dumps(rep, indent=1))
+        else:
+            for r in rep:
+                _print_direct(r, batches)
+        return 0
     owner = a.owner or _default_owner()
     if a.child_load:
         _child_load(a.child_load, owner)

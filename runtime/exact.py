@@ -49,16 +49,23 @@ Readings of PLAN.md made precise here (R4's torch owner follows them):
    exact: z >= -10 gives n >= -15, and z <= 709 keeps p * 2^n finite, so a
    torch ``p * 2.0**n`` computes the same bits.
 
-How the CPU owner gets the exact sum fast (``exact_matmul_nb``): every
+How the CPU owner gets the exact sum fast (``exact_matmul``): every
 product W_ji * a_i is exact in float64 (24 + 8 significant bits). A weight
 row has whi (every |W| < 2^whi) and wlo (every W a multiple of 2^wlo, from
 the lowest set bit); a token row has ahi = max(s_b + 7) and alo = min(s_b)
 over its nonzero blocks. When ``whi + ahi + ceil(log2(cols)) - (wlo + alo)
 <= 53`` every partial sum, in any order, is a multiple of 2^(wlo + alo)
 below 2^(wlo + alo + 53): exact in float64, so the float64 sum is the exact
-sum and one conversion to float32 is the definition's rounding. Otherwise
-the slot is flagged and ``exact_dot_fallback`` computes it with Python
-integers. ``exact_dot_ref`` is the slow, obviously correct reference.
+sum and one conversion to float32 is the definition's rounding. Because the
+order is free, the float64 dot may be reassociated and fused (FMA of an
+exact product is the same sum): ``_dot_f64`` is vectorised with exactly
+those two fastmath flags, and from ``GEMM_MIN_TOKENS`` tokens per expert the
+product is decoded tiles times BLAS dgemm. A sum that is exactly zero is
+mapped to +0.0 (``+ 0.0``) whatever sign the reduction left. whi/wlo depend
+only on the weights: ``row_spans`` computes them once per expert (the CPU
+owner caches them). Otherwise the slot is flagged and
+``exact_dot_fallback`` computes it with Python integers. ``exact_dot_ref``
+is the slow, obviously correct reference.
 """
 
 from __future__ import annotations
@@ -277,34 +284,45 @@ def row_span_nb(w, bits):
     return hi, lo, True
 
 
-@numba.njit(**_NB)
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _dot_f64(w, a, t, cols):
-    # Eight partial sums: each is a sub-sum under the same span bound, so
-    # exact; the grouping is free to choose and lets LLVM vectorise.
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    for i in range(0, cols, 8):
-        s0 += np.float64(w[i]) * a[t, i]
-        s1 += np.float64(w[i + 1]) * a[t, i + 1]
-        s2 += np.float64(w[i + 2]) * a[t, i + 2]
-        s3 += np.float64(w[i + 3]) * a[t, i + 3]
-        s4 += np.float64(w[i + 4]) * a[t, i + 4]
-        s5 += np.float64(w[i + 5]) * a[t, i + 5]
-        s6 += np.float64(w[i + 6]) * a[t, i + 6]
-        s7 += np.float64(w[i + 7]) * a[t, i + 7]
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    # Reassociation and FMA only (no nsz/nnan/arcp): under the span bound
+    # every product and every partial sum, in any order, is exact, so the
+    # vectorised reduction LLVM builds from these flags is the exact sum.
+    # The caller maps a -0.0 sum to +0.0 (acc + 0.0, outside this function).
+    acc = 0.0
+    for i in range(cols):
+        acc += np.float64(w[i]) * a[t, i]
+    return acc
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, aT, tok_hi, tok_lo, log2c, out, flags, bad_rows):
+def row_spans_nb(kind, p0, p1, data, cols, lut, mode, whi, wlo, bad):
+    """Per encoded row: whi/wlo (int32) of its decoded weights, bad = 1 for
+    a NaN/Inf weight. Depends only on the weights: computed once per expert."""
+    rows = data.shape[0]
+    chunk = 8
+    for c in numba.prange((rows + chunk - 1) // chunk):
+        w = np.empty(cols, np.float32)
+        wb = w.view(np.uint32)
+        for j in range(c * chunk, min(rows, c * chunk + chunk)):
+            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
+            hi, lo, finite = row_span_nb(w, wb)
+            whi[j] = hi
+            wlo[j] = lo
+            bad[j] = 0 if finite else 1
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, whi, wlo, tok_hi, tok_lo, log2c, out, flags):
     """out[t, j] = D(W_j, a_t) for the encoded rows data uint8 (rows, row_bytes).
 
-    a float64 (T, cols) and aT, its transpose (cols, T) (used when T > 1:
-    the token loop is innermost, so it vectorises without reassociating any
-    token's sum). Decodes each row once into a scratch row (never a whole
-    matrix), checks the span bound per (row, token) and sets flags[t, j] = 1
-    where the float64 sum is not provably exact (out is then left for the
-    fallback). A row with NaN/Inf weights sets bad_rows[j] = 1. Rows run in
-    parallel; every output is computed alone, so threads never change a bit.
+    a float64 (T, cols); whi/wlo the rows' spans (``row_spans_nb``, finite
+    rows only). Decodes each row once into an L1-sized scratch row, checks
+    the span bound per (row, token) and sets flags[t, j] = 1 where the
+    float64 sum is not provably exact (out is then left for the fallback).
+    Rows run in parallel; every output is computed alone, so threads never
+    change a bit.
     """
     rows = data.shape[0]
     T = a.shape[0]
@@ -312,28 +330,19 @@ def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, aT, tok_hi, tok_lo, 
     for c in numba.prange((rows + chunk - 1) // chunk):
         w = np.empty(cols, np.float32)
         wb = w.view(np.uint32)
-        acc = np.empty(T, np.float64)
         for j in range(c * chunk, min(rows, c * chunk + chunk)):
-            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
-            whi, wlo, finite = row_span_nb(w, wb)
-            if not finite:
-                bad_rows[j] = 1
-                continue
-            if T == 1:
-                acc[0] = _dot_f64(w, a, 0, cols)
-            else:
-                for t in range(T):
-                    acc[t] = 0.0
-                for i in range(cols):
-                    wi = np.float64(w[i])
-                    if wi != 0.0:
-                        for t in range(T):
-                            acc[t] += wi * aT[i, t]
+            need = False
             for t in range(T):
-                if whi + tok_hi[t] + log2c - (wlo + tok_lo[t]) > _SPAN_BITS:
+                if whi[j] + tok_hi[t] + log2c - (wlo[j] + tok_lo[t]) > _SPAN_BITS:
                     flags[t, j] = 1
                 else:
-                    out[t, j] = np.float32(acc[t])
+                    need = True
+            if not need:
+                continue
+            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
+            for t in range(T):
+                if flags[t, j] == 0:
+                    out[t, j] = np.float32(_dot_f64(w, a, t, cols) + 0.0)  # + 0.0: -0.0 -> +0.0
 
 
 @numba.njit(**_NB)
@@ -393,12 +402,36 @@ def quantize_rows(x: np.ndarray, what: str = "activations"):
     return a, s, hi, lo
 
 
+def row_spans(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.ndarray, mode: int):
+    """(whi int32 (rows,), wlo int32 (rows,), bad uint8 (rows,)) of one expert's
+    encoded rows: what the span check needs from the weights, computed once
+    (the CPU owner caches it per expert)."""
+    data, lut = readonly(data), readonly(lut, np.float32)
+    rows = data.shape[0]
+    whi = np.empty(rows, np.int32)
+    wlo = np.empty(rows, np.int32)
+    bad = np.zeros(rows, np.uint8)
+    if rows:
+        row_spans_nb(kind, p0, p1, data, cols, lut, mode, whi, wlo, bad)
+    for v in (whi, wlo, bad):
+        v.setflags(write=False)
+    return whi, wlo, bad
+
+
+#: Tokens per expert from which the float64 product runs as decoded tiles
+#: times BLAS dgemm (any summation order is exact under the span bound, FMA
+#: included, so BLAS gives the exact sum too); below it, the fused row kernel.
+GEMM_MIN_TOKENS = 8
+_TILE_BYTES = 1 << 20
+
+
 def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.ndarray, mode: int,
-                 x: np.ndarray, quant, *, what: str) -> np.ndarray:
+                 x: np.ndarray, quant, *, what: str, spans=None) -> np.ndarray:
     """D of every row of x against one expert's encoded rows: float32 (T, rows).
 
     kind/p0/p1: ``formats._components.row_kind``; lut/mode: ``row_lut`` and the
-    MIX expert's mode. quant: ``quantize_rows(x)``.
+    MIX expert's mode. quant: ``quantize_rows(x)``. spans: ``row_spans`` of
+    the same rows (computed here when None).
     """
     a, s, hi, lo = quant
     data, lut, a = readonly(data), readonly(lut, np.float32), readonly(a)
@@ -406,12 +439,29 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
     T = a.shape[0]
     out = np.zeros((T, rows), np.float32)
     flags = np.zeros((T, rows), np.uint8)
-    bad = np.zeros(rows, np.uint8)
-    if T and rows:
-        log2c = int(math.ceil(math.log2(cols)))
-        exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, readonly(a.T), hi, lo, log2c, out, flags, bad)
+    if not (T and rows):
+        return out
+    whi, wlo, bad = spans if spans is not None else row_spans(kind, p0, p1, data, cols, lut, mode)
     if bad.any():
         raise BadInputError(f"exact mode: weight row {int(np.argmax(bad))} has a NaN or Inf value", where=what)
+    log2c = int(math.ceil(math.log2(cols)))
+    if T < GEMM_MIN_TOKENS:
+        exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, whi, wlo, hi, lo, log2c, out, flags)
+    else:
+        from ds4quant.runtime.fast import decode_tile_nb
+
+        tile = max(8, min(rows, _TILE_BYTES // (4 * cols)))
+        scratch = np.empty((tile, cols), np.float32)
+        span_t = (hi - lo + log2c)[:, None]
+        for r0 in range(0, rows, tile):
+            r1 = min(rows, r0 + tile)
+            w = scratch[: r1 - r0]
+            decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, w)
+            acc = a @ w.astype(np.float64).T
+            acc += 0.0  # an exact zero sum is +0.0
+            over = (span_t + (whi[r0:r1] - wlo[r0:r1])[None, :]) > _SPAN_BITS
+            out[:, r0:r1] = acc
+            flags[:, r0:r1] = over
     if flags.any():
         w = np.empty(cols, np.float32)
         qi = np.rint(np.ldexp(a, -np.repeat(s, BLOCK, axis=1))).astype(np.int64)

@@ -49,6 +49,9 @@ class CpuOwner:
         self.registry = DecodeTableRegistry(identity)
         self._stacks: dict[str, ExpertStack] = {}
         self._where: dict[tuple[int, str, int], tuple[str, int]] = {}  # (layer, proj, expert) -> (tensor, local)
+        # (tensor, local) -> exact.row_spans: depends only on the weights (and a
+        # MIX expert's books), so computed on an expert's first exact call, not per call
+        self._spans: dict[tuple[str, int], tuple] = {}
 
     # ---------------------------------------------------------------- residency
 
@@ -80,6 +83,11 @@ class CpuOwner:
 
     def register_books(self, tensor: str, expert_ids: Sequence[int], entry) -> None:
         self.registry.register(tensor, self._stacks.get(tensor), expert_ids, entry)
+        self._drop_spans(tensor)  # new books, new decoded weights
+
+    def _drop_spans(self, tensor: str) -> None:
+        for k in [k for k in self._spans if k[0] == tensor]:
+            del self._spans[k]
 
     def remove_stack(self, tensor: str) -> None:
         """Unregister the tensor's decode table (if any), then free it."""
@@ -91,6 +99,7 @@ class CpuOwner:
         for e in stack.expert_ids:
             del self._where[(stack.layer, stack.proj, e)]
         del self._stacks[tensor]
+        self._drop_spans(tensor)
 
     def experts(self, layer: int) -> tuple[int, ...]:
         sets = [{e for (l, p, e) in self._where if l == layer and p == proj} for proj in _PROJS]
@@ -98,6 +107,11 @@ class CpuOwner:
 
     def resident_bytes(self) -> int:
         return sum(s.nbytes for s in self._stacks.values()) + self.registry.nbytes()
+
+    def span_cache_bytes(self) -> int:
+        """Bytes of the exact-mode row spans cached so far (9 per row of an expert
+        used in exact mode; not artifact bytes, so not in ``resident_bytes``)."""
+        return sum(v.nbytes for sp in self._spans.values() for v in sp)
 
     def held_bytes(self, layer: int, proj: str, expert: int) -> np.ndarray:
         """The encoded rows this owner holds for one expert (placement checks)."""
@@ -111,6 +125,7 @@ class CpuOwner:
         self.registry.unregister_all()  # tables first, then the tensors
         self._stacks.clear()
         self._where.clear()
+        self._spans.clear()
 
     # ---------------------------------------------------------------- compute
 
@@ -128,7 +143,13 @@ class CpuOwner:
             lut = row_lut(stack.qtype, all_books[hit[1]], mode)
         else:
             lut, mode = row_lut(stack.qtype), 1
-        return kind, p0, p1, X.readonly(stack.data[hit[1]]), stack.cols, lut, mode, stack
+        return kind, p0, p1, X.readonly(stack.data[hit[1]]), stack.cols, lut, mode, stack, hit
+
+    def _row_spans(self, op):
+        spans = self._spans.get(op[8])
+        if spans is None:
+            spans = self._spans[op[8]] = X.row_spans(*op[:7])
+        return spans
 
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
         if mode not in MODES:
@@ -158,8 +179,8 @@ class CpuOwner:
             uv = fast_matmul(*u[:7], xs)
             return fast_matmul(*d[:7], swiglu_fast(gv, uv, self.swiglu_limit))
         sub = tuple(q[rows] for q in quant)
-        gv = X.exact_matmul(*g[:7], xs, sub, what=g[7].tensor)
-        uv = X.exact_matmul(*u[:7], xs, sub, what=u[7].tensor)
+        gv = X.exact_matmul(*g[:7], xs, sub, what=g[7].tensor, spans=self._row_spans(g))
+        uv = X.exact_matmul(*u[:7], xs, sub, what=u[7].tensor, spans=self._row_spans(u))
         h = X.swiglu(gv, uv, self.swiglu_limit)
         hq = X.quantize_rows(h, f"{self.identity} layer {layer} expert {e} SwiGLU output")
-        return X.exact_matmul(*d[:7], h, hq, what=d[7].tensor)
+        return X.exact_matmul(*d[:7], h, hq, what=d[7].tensor, spans=self._row_spans(d))

@@ -124,8 +124,9 @@ def _matmul(name, data, cols, books, mode, x):
     return X.exact_matmul(kind, p0, p1, data, cols, lut, mode, x, X.quantize_rows(x), what=name)
 
 
+@pytest.mark.parametrize("tokens", [6, X.GEMM_MIN_TOKENS + 1])  # the fused row kernel, then BLAS dgemm tiles
 @pytest.mark.parametrize("name", S.EXACT_QTYPES)
-def test_exact_matmul_matches_reference(name):
+def test_exact_matmul_matches_reference(name, tokens):
     qt = formats.QTYPES[name]
     cols = 256
     w = S.weights(name, 0, "gate", 1, 12, cols)
@@ -137,12 +138,31 @@ def test_exact_matmul_matches_reference(name):
         kw = dict(codebooks=books)
     data = formats.encode(name, w, **kw)
     x = _hard_rows(6, cols)
+    if tokens > 6:
+        x = np.concatenate([x, -x[: tokens - 6] * np.float32(3.0)])
     got = _matmul(name, data, cols, books, mode, x)
     W = formats.decode(name, data, cols, **kw)
     for t in range(x.shape[0]):
         q, s = X.quantize_row_ref(x[t])
         ref = np.array([X.exact_dot_ref(W[j], q, s) for j in range(W.shape[0])], np.float32)
         assert np.array_equal(_bits(got[t]), _bits(ref)), f"{name} token {t}: {np.flatnonzero(_bits(got[t]) != _bits(ref))}"
+
+
+@pytest.mark.parametrize("tokens", [1, X.GEMM_MIN_TOKENS])
+def test_an_exact_zero_sum_is_positive_zero(tokens):
+    # every product is -0.0 (negative weights times zero activations) or
+    # cancels exactly: a reassociated float64 reduction or BLAS may end at
+    # -0.0, the definition says +0.0
+    w = np.full((3, 64), -0.5, np.float32)
+    w[2, 32:] = 0.5
+    x = np.zeros((tokens, 64), np.float32)
+    x[:, 32:] = 0.0
+    x[0, 0] = 0.0
+    xs = np.ones((tokens, 64), np.float32)
+    for xx in (x, xs):
+        got = _matmul("f32", w.view(np.uint8), 64, np.zeros((2, 4), np.float32), 1, xx)
+        zero = got == 0
+        assert zero.any() and not np.signbit(got[zero]).any()
 
 
 def _bf16_row(vals, cols=64):
@@ -175,9 +195,10 @@ def test_fallback_on_an_adversarial_exponent_spread():
     kind, p0, p1 = row_kind("bf16")
     out = np.zeros((1, 1), np.float32)
     flags = np.zeros((1, 1), np.uint8)
-    bad = np.zeros(1, np.uint8)
+    whi, wlo, bad = X.row_spans(kind, p0, p1, data, 64, row_lut("bf16"), 1)
+    assert (whi[0], wlo[0], bad[0]) == (25, 0, 0)  # |w| < 2^25, every w a multiple of 2^0
     X.exact_matmul_nb(kind, p0, p1, X.readonly(data), 64, row_lut("bf16"), 1,
-                      X.readonly(quant[0]), X.readonly(quant[0].T), quant[2], quant[3], 6, out, flags, bad)
+                      X.readonly(quant[0]), whi, wlo, quant[2], quant[3], 6, out, flags)
     assert flags[0, 0] == 1  # the span check refused the float64 path
     got = _matmul("bf16", data, 64, np.zeros((2, 4), np.float32), 1, x)
     assert got[0, 0] == np.float32(2.0**24 + 2)
