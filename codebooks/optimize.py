@@ -34,7 +34,8 @@ from ds4quant.codebooks.histogram import (_bf16_repair, _bf16_repair_fast, _bf16
                                           _check_matrix, _importance_list, fit_reference)
 from ds4quant.errors import BadInputError, CodebookError
 from ds4quant.formats._bits import unpack_bits
-from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106, _check_status, _choose
+from ds4quant.formats._mix_search import _choose
+from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106, _check_status
 from ds4quant.formats.ue4m3 import UE4M3
 
 

@@ -20,7 +20,7 @@ from ds4quant.codebooks import fit_reference
 from ds4quant.codebooks.histogram import BINS, _bf16_repair, _bf16_repair_fast, _lloyd, _lloyd_fast
 from ds4quant.codebooks.optimize import _project, _project_fast, fit_optimized
 from ds4quant.convert import convert
-from ds4quant.formats import rocmfp_mix
+from ds4quant.formats import _mix_search, rocmfp_mix
 from ds4quant.formats.ue4m3 import UE4M3, nearest_nb
 from tests.test_adaptive import IMATRIX, ROUTING, SAMPLE, _gguf
 
@@ -99,7 +99,7 @@ def test_nearest_by_bisection_equals_the_linear_scan():
         for k in (-1, 0, 1):
             ts.append((arr.view(np.int32) + k).view(F))
     t = np.concatenate(ts)
-    got = np.array([rocmfp_mix._nearest_nb(v) for v in t[:: max(1, len(t) // 60_000)]])
+    got = np.array([_mix_search._nearest_nb(v) for v in t[:: max(1, len(t) // 60_000)]])
     want = np.array([nearest_nb(v) for v in t[:: max(1, len(t) // 60_000)]])
     assert np.array_equal(got, want)
 

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "samples"))
 
 import make_ds4_tiny as tiny  # noqa: E402
+import _synthetic_values as sv  # noqa: E402
 import make_synthetic as ms  # noqa: E402
 
 from ds4quant.convert import convert  # noqa: E402
@@ -100,7 +101,7 @@ def test_expert_encoder_matches_the_tiny_samples_fp4_encoder(layer, expert, whic
 
 def test_experts_are_heavy_tailed_with_near_dead_ones():
     spec = ms.preset("tiny", experts=32)
-    dead = ms._dead_experts(spec, 1)
+    dead = sv._dead_experts(spec, 1)
     assert len(dead) == 1
     rms = {e: float(np.sqrt(np.mean(ms.expert_values(spec, 1, e, "w1") ** 2))) for e in range(32)}
     live = [v for e, v in rms.items() if e not in dead]
@@ -114,7 +115,7 @@ def test_experts_are_heavy_tailed_with_near_dead_ones():
 
 
 def test_t_table_is_a_unit_variance_symmetric_student_t():
-    main, tail = ms.T_MAIN, ms.T_TAIL
+    main, tail = sv.T_MAIN, sv.T_TAIL
     k = np.arange(1, 65535)
     assert np.all(np.diff(main[1:65535]) >= 0) and np.all(np.diff(tail) >= 0)
     assert np.array_equal(main[k], -main[65535 - k])
@@ -122,7 +123,7 @@ def test_t_table_is_a_unit_variance_symmetric_student_t():
     var = np.mean(main[k].astype(np.float64) ** 2)
     assert 0.95 < var < 1.0  # the last 2^-15 of the mass (in the tail table) carries the rest
     # t4 quantiles, closed form, against known values: P(T4 <= 2.776445) = 0.975
-    assert ms._t4_quantile(np.array([0.975]))[0] == pytest.approx(2.776445, abs=1e-6)
+    assert sv._t4_quantile(np.array([0.975]))[0] == pytest.approx(2.776445, abs=1e-6)
 
 
 def test_a_tensor_does_not_depend_on_the_model_size_or_order():

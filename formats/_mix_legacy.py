@@ -1,0 +1,172 @@
+"""The pre-vectorisation MIX encode kernels (one row per prange iteration).
+
+``_encode_nb`` (mode 1, §9.4) and ``_encode_fixed_nb`` (mode 0) give the same
+bytes and refusals as the vectorised search in ``_mix_search``; they run only
+when ``rocmfp_mix._LEGACY_ENCODE`` is set, as the timing anchor of
+benchmarks/adaptive.py. A refused row gets status 1 (a non-finite half) or 2
+(no finite-error candidate) and the index of the half in fail_half.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ds4quant.formats._mix_search import _fixed_code_nb
+from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV, nearest_nb
+
+
+@numba.njit(cache=True, nogil=True)
+def _nl_nb(v, split):
+    lo = 0
+    hi = split.shape[0]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if v <= split[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@numba.njit(cache=True, nogil=True)
+def _put_code(qs, i, code, bits):
+    # LE bit stream: code bit j -> stream bit bits*i + j (§3, §5)
+    pos = bits * i
+    byte = pos >> 3
+    sh = pos & 7
+    qs[byte] |= np.uint8((code << sh) & 0xFF)
+    if sh + bits > 8:
+        qs[byte + 1] |= np.uint8(code >> (8 - sh))
+
+
+@numba.njit(cache=True, inline="always")
+def _scan_half(x, r, c0, w, has_w):
+    """One half's max |x|, whether all 16 values are finite, and whether every
+    importance weight is finite and >= 0 (§9.4 steps 1-3)."""
+    zero_f = np.float32(0.0)
+    m = zero_f
+    finite = True
+    w_ok = True
+    for i in range(16):
+        v = x[r, c0 + i]
+        if not np.isfinite(v):
+            finite = False
+        a = abs(v)
+        if a > m:
+            m = a
+        if has_w:
+            q = w[c0 + i]
+            if not (np.isfinite(q) and q >= zero_f):
+                w_ok = False
+    return m, finite, w_ok
+
+
+@numba.njit(cache=True, parallel=True, nogil=True)
+def _encode_nb(x, w, has_w, books, split, ml, bits, out, status, fail_half):
+    rows, cols = x.shape
+    nb = cols // 32
+    qs_bytes = 32 * bits // 8
+    bb = qs_bytes + 2
+    inf = np.float32(np.inf)
+    zero_f = np.float32(0.0)
+    for r in numba.prange(rows):
+        for blk in range(nb):
+            o = blk * bb
+            for hh in range(2):
+                c0 = blk * 32 + hh * 16
+                m, finite, w_ok = _scan_half(x, r, c0, w, has_w)
+                if not finite:
+                    status[r] = 1
+                    fail_half[r] = blk * 2 + hh
+                    break
+                if m == zero_f:
+                    bk = 0
+                    be = 0
+                else:
+                    best = inf
+                    bk = 0
+                    be = 1
+                    for b in range(2):
+                        if not (ml[b] > zero_f):
+                            continue
+                        centre = nearest_nb(np.float32(m / ml[b]))
+                        for delta in range(-2, 3):
+                            e = centre + delta
+                            if e < 1 or e > 126:
+                                continue
+                            s = UE4M3[e]
+                            inv = UE4M3_INV[e]
+                            err = zero_f
+                            for i in range(16):
+                                xi = x[r, c0 + i]
+                                j = _nl_nb(np.float32(xi * inv), split[b])
+                                d = np.float32(xi - np.float32(s * books[b, j]))
+                                wi = w[c0 + i] if has_w else np.float32(1.0)
+                                err = np.float32(err + np.float32(np.float32(wi * d) * d))
+                            if not w_ok:
+                                err = inf
+                            if err < best or (err == best and (b < bk or (b == bk and e < be))):
+                                best = err
+                                bk = b
+                                be = e
+                    if best == inf:
+                        status[r] = 2
+                        fail_half[r] = blk * 2 + hh
+                        break
+                inv = UE4M3_INV[be]
+                for i in range(16):
+                    v = np.float32(x[r, c0 + i] * inv) if be > 0 else zero_f
+                    _put_code(out[r, o:o + qs_bytes], hh * 16 + i, _nl_nb(v, split[bk]), bits)
+                out[r, o + qs_bytes + hh] = np.uint8(be | (bk << 7))
+            if status[r] != 0:
+                break
+
+
+@numba.njit(cache=True, parallel=True, nogil=True)
+def _encode_fixed_nb(x, w, has_w, fixed, bits, out, status, fail_half):
+    rows, cols = x.shape
+    nb = cols // 32
+    qs_bytes = 32 * bits // 8
+    bb = qs_bytes + 2
+    inf = np.float32(np.inf)
+    zero_f = np.float32(0.0)
+    for r in numba.prange(rows):
+        for blk in range(nb):
+            o = blk * bb
+            for hh in range(2):
+                c0 = blk * 32 + hh * 16
+                m, finite, w_ok = _scan_half(x, r, c0, w, has_w)
+                if not finite:
+                    status[r] = 1
+                    fail_half[r] = blk * 2 + hh
+                    break
+                be = 0
+                if m != zero_f:
+                    best = inf
+                    be = 1
+                    if w_ok:
+                        for e in range(1, 127):
+                            s = UE4M3[e]
+                            inv = UE4M3_INV[e]
+                            err = zero_f
+                            for i in range(16):
+                                xi = x[r, c0 + i]
+                                y = np.float32(s * fixed[_fixed_code_nb(np.float32(xi * inv), bits)])
+                                d = np.float32(xi - y)
+                                wi = w[c0 + i] if has_w else np.float32(1.0)
+                                err = np.float32(err + np.float32(np.float32(wi * d) * d))
+                            if err < best:
+                                best = err
+                                be = e
+                    if best == inf:
+                        status[r] = 2
+                        fail_half[r] = blk * 2 + hh
+                        break
+                inv = UE4M3_INV[be]
+                for i in range(16):
+                    v = np.float32(x[r, c0 + i] * inv) if be > 0 else zero_f
+                    _put_code(out[r, o:o + qs_bytes], hh * 16 + i, _fixed_code_nb(v, bits), bits)
+                out[r, o + qs_bytes + hh] = np.uint8(be)
+            if status[r] != 0:
+                break

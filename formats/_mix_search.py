@@ -1,0 +1,386 @@
+"""The vectorised MIX search (§9.4 mode 1, and ds4quant's mode 0) and packing.
+
+The same candidates, comparisons and float32 sums as
+``_mix_legacy._encode_nb`` / ``_encode_fixed_nb``, with SIMD lanes over a tile of halves
+(each lane's error is still the sequential float32 sum in element order;
+lanes never mix), so the choices are bit-identical. NL(v) becomes a select
+chain over the splits: for non-decreasing splits the last split below v
+gives the same level as the binary search (ties to the lower level), and v
+is never NaN here (non-finite halves are refused before their codes count).
+
+``_choose`` returns per half the book, the scale byte, the codes and a
+status; ``_pack_chosen_nb`` writes the blocks from them (the codec in
+``rocmfp_mix`` checks the status first).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV
+
+_F32 = np.float32
+_HALF = 16
+
+
+def _splits(books: np.ndarray) -> np.ndarray:
+    """NL's split points per book: 0.5 * (level[j] + level[j+1]), sum rounded
+    first (§9.4), float32 (2, L-1)."""
+    with np.errstate(over="ignore"):
+        return (_F32(0.5) * (books[:, :-1] + books[:, 1:])).astype(np.float32)
+
+
+def _max_level(books: np.ndarray) -> np.ndarray:
+    """ML per book: max_j |level_b[j]|, float32 (2,)."""
+    return np.abs(books).max(axis=1).astype(np.float32)
+
+
+
+
+@numba.njit(cache=True, nogil=True)
+def _fixed_code_nb(v, bits):
+    """Mode-0 element quantiser (see rocmfp_mix._fixed_codes_ref), one value."""
+    if bits == 2:
+        if v <= np.float32(-0.5):
+            return 0
+        if v <= np.float32(0.5):
+            return 1
+        if v <= np.float32(1.5):
+            return 2
+        return 3
+    a = abs(v)
+    idx = 0
+    if a > np.float32(0.5):
+        idx = 1
+    if a > np.float32(1.5):
+        idx = 2
+    if a > np.float32(3.0):
+        idx = 3
+    if v < np.float32(0.0) and idx != 0:
+        idx |= 4
+    return idx
+
+
+_TILE = 64  # halves per SIMD tile
+_TILES_PER_TASK = 16  # tiles per prange task (scratch is allocated per task)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nearest_nb(t):
+    """``ue4m3.nearest_nb`` (the first byte of least float32 |S(e) - t|) by
+    bisection: below the first byte with S(e) >= t the rounded distance never
+    rises, above it never falls, so the least is at that byte or the one
+    below, and a tie run (huge t) is walked down to its first byte."""
+    if not (t > np.float32(0.0)) or not np.isfinite(t):
+        return 0
+    lo = 1
+    hi = 127
+    while lo < hi:  # first e in 1..126 with S(e) >= t, 127 if none
+        mid = (lo + hi) // 2
+        if UE4M3[mid] >= t:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == 127:
+        e = 126
+    elif lo > 1 and abs(UE4M3[lo - 1] - t) <= abs(UE4M3[lo] - t):
+        e = lo - 1
+    else:
+        return lo
+    d = abs(UE4M3[e] - t)
+    while e > 1 and abs(UE4M3[e - 1] - t) == d:
+        e -= 1
+    return e
+
+
+@numba.njit(cache=True, nogil=True)
+def _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin):
+    """Transpose halves t0..t0+n of h (G, 16) into xt/wt (16, _TILE); per
+    lane its max |x|, whether its weights are usable and its values finite
+    (§9.4 steps 1-3). Lanes >= n are zero halves with weight 1."""
+    hpr = wq.shape[0]
+    zero_f = np.float32(0.0)
+    for k in range(_TILE):
+        if k >= n:
+            for i in range(16):
+                xt[i, k] = zero_f
+                wt[i, k] = np.float32(1.0)
+            mx[k] = zero_f
+            wok[k] = True
+            fin[k] = True
+            continue
+        g = t0 + k
+        r = (g % hpr) if has_w else 0
+        m = zero_f
+        f = True
+        ok = True
+        for i in range(16):
+            v = h[g, i]
+            if not np.isfinite(v):
+                f = False
+            a = abs(v)
+            if a > m:
+                m = a
+            xt[i, k] = v
+            if has_w:
+                q = wq[r, i]
+                if not (np.isfinite(q) and q >= zero_f):
+                    ok = False
+                wt[i, k] = q
+            else:
+                wt[i, k] = np.float32(1.0)
+        mx[k] = m
+        wok[k] = ok
+        fin[k] = f
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _cand_err4_nb(xt, wt, s, inv, err, lv, sp):
+    """err[k] = sum_i (w*d)*d over the tile's lanes for one candidate per lane
+    (scale s[k], 1/S inv[k]); one pass per element, the NL select chain
+    unrolled so the lane loop vectorises. 4 levels."""
+    l0, l1, l2, l3 = lv[0], lv[1], lv[2], lv[3]
+    s0, s1, s2 = sp[0], sp[1], sp[2]
+    for i in range(16):
+        for k in range(_TILE):
+            x = xt[i, k]
+            v = np.float32(x * inv[k])
+            y = l0
+            y = l1 if v > s0 else y
+            y = l2 if v > s1 else y
+            y = l3 if v > s2 else y
+            d = np.float32(x - np.float32(s[k] * y))
+            err[k] = np.float32(err[k] + np.float32(np.float32(wt[i, k] * d) * d))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _cand_err8_nb(xt, wt, s, inv, err, lv, sp):
+    """_cand_err4_nb for 8 levels."""
+    l0, l1, l2, l3, l4, l5, l6, l7 = lv[0], lv[1], lv[2], lv[3], lv[4], lv[5], lv[6], lv[7]
+    s0, s1, s2, s3, s4, s5, s6 = sp[0], sp[1], sp[2], sp[3], sp[4], sp[5], sp[6]
+    for i in range(16):
+        for k in range(_TILE):
+            x = xt[i, k]
+            v = np.float32(x * inv[k])
+            y = l0
+            y = l1 if v > s0 else y
+            y = l2 if v > s1 else y
+            y = l3 if v > s2 else y
+            y = l4 if v > s3 else y
+            y = l5 if v > s4 else y
+            y = l6 if v > s5 else y
+            y = l7 if v > s6 else y
+            d = np.float32(x - np.float32(s[k] * y))
+            err[k] = np.float32(err[k] + np.float32(np.float32(wt[i, k] * d) * d))
+
+
+@numba.njit(cache=True, parallel=True, nogil=True)
+def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
+    """Mode 1 (§9.4): per half of h float32 (G, 16) the (book, byte) of
+    _encode_nb and the codes NL(x / S) in that book (NL(0) for zero halves);
+    status 1 non-finite, 2 no finite candidate."""
+    G = h.shape[0]
+    L = books.shape[1]
+    T = _TILE
+    per = T * _TILES_PER_TASK
+    inf = np.float32(np.inf)
+    zero_f = np.float32(0.0)
+    for task in numba.prange((G + per - 1) // per):
+        xt = np.empty((16, T), np.float32)
+        wt = np.empty((16, T), np.float32)
+        mx = np.empty(T, np.float32)
+        wok = np.empty(T, np.bool_)
+        fin = np.empty(T, np.bool_)
+        cen = np.empty((2, T), np.int64)
+        s = np.empty(T, np.float32)
+        inv = np.empty(T, np.float32)
+        err = np.empty(T, np.float32)
+        v = np.empty(T, np.float32)
+        lvl = np.empty(T, np.float32)
+        best = np.empty(T, np.float32)
+        bk = np.empty(T, np.int64)
+        be = np.empty(T, np.int64)
+        for t0 in range(task * per, min(G, (task + 1) * per), T):
+            n = min(T, G - t0)
+            _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin)
+            for k in range(T):
+                best[k] = inf
+                bk[k] = 0
+                be[k] = 1
+                for b in range(2):
+                    cen[b, k] = _nearest_nb(np.float32(mx[k] / ml[b])) if ml[b] > zero_f else 0
+            for b in range(2):
+                if not (ml[b] > zero_f):
+                    continue
+                for delta in range(-2, 3):
+                    for k in range(T):
+                        ec = min(max(cen[b, k] + delta, 1), 126)
+                        s[k] = UE4M3[ec]
+                        inv[k] = UE4M3_INV[ec]
+                        err[k] = zero_f
+                    if L == 4:
+                        _cand_err4_nb(xt, wt, s, inv, err, books[b], split[b])
+                    else:
+                        _cand_err8_nb(xt, wt, s, inv, err, books[b], split[b])
+                    for k in range(T):
+                        e = cen[b, k] + delta
+                        if e < 1 or e > 126:
+                            continue
+                        er = err[k] if wok[k] else inf
+                        if er < best[k] or (er == best[k] and (b < bk[k] or (b == bk[k] and e < be[k]))):
+                            best[k] = er
+                            bk[k] = b
+                            be[k] = e
+            for k in range(T):
+                if mx[k] == zero_f:
+                    bk[k] = 0
+                    be[k] = 0
+                inv[k] = UE4M3_INV[be[k]]
+            for i in range(16):
+                for k in range(T):
+                    v[k] = np.float32(xt[i, k] * inv[k]) if be[k] > 0 else zero_f
+                    err[k] = zero_f  # the code, as a float count
+                for j in range(L - 1):
+                    s0 = split[0, j]
+                    s1 = split[1, j]
+                    for k in range(T):
+                        sp = s1 if bk[k] == 1 else s0
+                        err[k] = err[k] + np.float32(1.0) if v[k] > sp else err[k]
+                for k in range(n):
+                    codes[t0 + k, i] = np.uint8(err[k])
+            for k in range(n):
+                g = t0 + k
+                if not fin[k]:
+                    status[g] = 1
+                elif mx[k] != zero_f and best[k] == inf:
+                    status[g] = 2
+                out_b[g] = bk[k]
+                out_e[g] = be[k]
+
+
+@numba.njit(cache=True, parallel=True, nogil=True)
+def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
+    """Mode 0: per half the byte of _encode_fixed_nb (least error over
+    1..126, ties to the smaller byte); status as _choose_nb."""
+    G = h.shape[0]
+    T = _TILE
+    per = T * _TILES_PER_TASK
+    inf = np.float32(np.inf)
+    zero_f = np.float32(0.0)
+    for task in numba.prange((G + per - 1) // per):
+        xt = np.empty((16, T), np.float32)
+        wt = np.empty((16, T), np.float32)
+        mx = np.empty(T, np.float32)
+        wok = np.empty(T, np.bool_)
+        fin = np.empty(T, np.bool_)
+        err = np.empty(T, np.float32)
+        best = np.empty(T, np.float32)
+        be = np.empty(T, np.int64)
+        for t0 in range(task * per, min(G, (task + 1) * per), T):
+            n = min(T, G - t0)
+            _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin)
+            for k in range(T):
+                best[k] = inf
+                be[k] = 1
+            for e in range(1, 127):
+                s = UE4M3[e]
+                inv = UE4M3_INV[e]
+                for k in range(T):
+                    err[k] = zero_f
+                for i in range(16):
+                    for k in range(T):
+                        x = xt[i, k]
+                        q = np.float32(x * inv)
+                        if bits == 2:  # §3: {-1, 0, 1, 2}, ties to the lower code
+                            y = np.float32(-1.0)
+                            y = np.float32(0.0) if q > np.float32(-0.5) else y
+                            y = np.float32(1.0) if q > np.float32(0.5) else y
+                            y = np.float32(2.0) if q > np.float32(1.5) else y
+                        else:  # §5: sign + {0, 1, 2, 4}, ties to the lower magnitude
+                            a = abs(q)
+                            y = zero_f
+                            y = np.float32(1.0) if a > np.float32(0.5) else y
+                            y = np.float32(2.0) if a > np.float32(1.5) else y
+                            y = np.float32(4.0) if a > np.float32(3.0) else y
+                            y = -y if q < zero_f else y
+                        d = np.float32(x - np.float32(s * y))
+                        err[k] = np.float32(err[k] + np.float32(np.float32(wt[i, k] * d) * d))
+                for k in range(T):
+                    if wok[k] and err[k] < best[k]:
+                        best[k] = err[k]
+                        be[k] = e
+            for k in range(T):
+                if mx[k] == zero_f:
+                    be[k] = 0
+            for i in range(16):
+                for k in range(n):
+                    v = np.float32(xt[i, k] * UE4M3_INV[be[k]]) if be[k] > 0 else zero_f
+                    codes[t0 + k, i] = np.uint8(_fixed_code_nb(v, bits))
+            for k in range(n):
+                g = t0 + k
+                if not fin[k]:
+                    status[g] = 1
+                elif mx[k] != zero_f and best[k] == inf:
+                    status[g] = 2
+                out_e[g] = be[k]
+
+
+@numba.njit(cache=True, parallel=True, nogil=True)
+def _pack_chosen_nb(codes, out_b, out_e, mode, bits, out):
+    """Blocks from per-half codes (G, 16) and (book, byte): out (rows, row_bytes)."""
+    rows = out.shape[0]
+    qs_bytes = 32 * bits // 8
+    bb = qs_bytes + 2
+    nb = out.shape[1] // bb
+    for r in numba.prange(rows):
+        for blk in range(nb):
+            o = blk * bb
+            g = (r * nb + blk) * 2
+            if bits == 2:  # weight i at bits 2i..2i+1 (§3)
+                for j in range(8):
+                    hh = j // 4
+                    c = (j % 4) * 4
+                    out[r, o + j] = np.uint8(codes[g + hh, c] | (codes[g + hh, c + 1] << 2)
+                                             | (codes[g + hh, c + 2] << 4) | (codes[g + hh, c + 3] << 6))
+            else:  # 96-bit LE stream, weight i at bits 3i..3i+2 (§5): 8 codes per 3 bytes
+                for q in range(4):
+                    hh = q // 2
+                    c = (q % 2) * 8
+                    word = np.uint32(0)
+                    for i in range(8):
+                        word |= np.uint32(codes[g + hh, c + i]) << np.uint32(3 * i)
+                    out[r, o + 3 * q] = np.uint8(word & 0xFF)
+                    out[r, o + 3 * q + 1] = np.uint8((word >> 8) & 0xFF)
+                    out[r, o + 3 * q + 2] = np.uint8((word >> 16) & 0xFF)
+            for hh in range(2):
+                be = out_e[g + hh]
+                out[r, o + qs_bytes + hh] = np.uint8(be | (out_b[g + hh] << 7)) if mode == 1 else np.uint8(be)
+
+
+_choose_serial_nb = numba.njit(cache=True, nogil=True)(_choose_nb.py_func)
+_choose_fixed_serial_nb = numba.njit(cache=True, nogil=True)(_choose_fixed_nb.py_func)
+_SERIAL_HALVES = 4 * _TILE * _TILES_PER_TASK
+
+
+def _choose(x: np.ndarray, importance, books: np.ndarray, mode: int, bits: int):
+    """Per half of x (rows, cols): book int64 (G,), byte int64 (G,), codes
+    uint8 (G, 16), status int8 (G,) (codes of a refused half are garbage)."""
+    h = x.reshape(-1, _HALF)
+    G = h.shape[0]
+    out_b = np.zeros(G, dtype=np.int64)
+    out_e = np.zeros(G, dtype=np.int64)
+    status = np.zeros(G, dtype=np.int8)
+    codes = np.empty((G, _HALF), dtype=np.uint8)
+    has_w = importance is not None
+    wq = importance.reshape(-1, _HALF) if has_w else np.zeros((1, _HALF), dtype=np.float32)
+    # a few tasks: the serial twin (same code, prange as range) skips the
+    # thread-pool launch, which costs more than it saves on small matrices
+    serial = G <= _SERIAL_HALVES or numba.get_num_threads() == 1
+    if mode == 1:
+        fn = _choose_serial_nb if serial else _choose_nb
+        fn(h, wq, has_w, books, np.ascontiguousarray(_splits(books)), _max_level(books), out_b, out_e, codes, status)
+    else:
+        fn = _choose_fixed_serial_nb if serial else _choose_fixed_nb
+        fn(h, wq, has_w, bits, out_e, codes, status)
+    return out_b, out_e, codes, status
