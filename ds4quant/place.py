@@ -18,8 +18,6 @@ negative and > 2^62 refused.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import re
 from fractions import Fraction
@@ -88,14 +86,8 @@ def parse_owner(spec: OwnerSpec) -> tuple[str, Optional[int]]:
 
 
 def artifact_fingerprint(view) -> str:
-    """What a placement is planned for: sha256 of the artifact's tensor sums when
-    it has them ('sha256:...'), else of its expert-stack layout ('layout:...')."""
-    sums = view.sums
-    if sums:
-        blob = json.dumps(sorted(sums.items()), separators=(",", ":")).encode()
-        return "sha256:" + hashlib.sha256(blob).hexdigest()
-    lay = [[s.name, s.qtype, list(s.expert_ids), int(s.expert_nbytes)] for s in view.stacks]
-    return "layout:" + hashlib.sha256(json.dumps(lay, separators=(",", ":")).encode()).hexdigest()
+    """The artifact identity a placement is planned for (``ArtifactView.fingerprint``)."""
+    return view.fingerprint()
 
 
 def _profile(routing: Any) -> tuple[RoutingProfile, str]:

@@ -238,7 +238,6 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
 
     from ds4quant import runtime
     from ds4quant.artifact.view import open_artifact
-    from ds4quant.place import artifact_fingerprint
     from ds4quant.runtime.execute import NONE, combine
     from ds4quant.runtime.placement import Placement, read_placement
 
@@ -251,7 +250,7 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
         err, fp, psha, plc = None, None, None, None
         try:
             view = CountingView(open_artifact(job["artifact"]))
-            fp = artifact_fingerprint(view)
+            fp = view.fingerprint()
             p = job["placement"]
             plc = p if isinstance(p, Placement) else read_placement(p)
             psha = plc.content_sha256

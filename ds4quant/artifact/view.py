@@ -32,6 +32,8 @@ no ``book_entry``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -409,6 +411,16 @@ class ArtifactView:
         (i,) = self._locals(st, [expert])
         info = self.tensor(st.name)
         return Path(info.path), info.offset + i * st.expert_nbytes, st.expert_nbytes
+
+    def fingerprint(self) -> str:
+        """What a placement is planned for and cluster ranks agree on: sha256 of
+        the artifact's SHA256SUMS entries when it has them ('sha256:...'), else of
+        its expert-stack layout ('layout:...')."""
+        if self.sums:
+            blob = json.dumps(sorted(self.sums.items()), separators=(",", ":")).encode()
+            return "sha256:" + hashlib.sha256(blob).hexdigest()
+        lay = [[s.name, s.qtype, list(s.expert_ids), int(s.expert_nbytes)] for s in self.stacks]
+        return "layout:" + hashlib.sha256(json.dumps(lay, separators=(",", ":")).encode()).hexdigest()
 
     def expert_nbytes(self) -> np.ndarray:
         """int64 (n_layer, n_expert): gate + up + down bytes of each expert.
