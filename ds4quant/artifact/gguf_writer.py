@@ -38,6 +38,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import re
 import struct
 import sys
@@ -158,6 +159,7 @@ class GGUFWriter:
         self._kv: dict[str, KV] = {}
         self._tensors: dict[str, _Tensor] = {}
         self._state = "collecting"
+        self.sha256: dict[Path, str] = {}  # per written file, filled by write()
         # after plan(): (file name, padded tensor bytes, tensor) of each split over split_max_bytes
         # (always a split of one tensor larger than the limit)
         self.oversize: tuple[tuple[str, int, str], ...] = ()
@@ -314,12 +316,13 @@ class GGUFWriter:
         self._need("planned")
         self._state = "writing"
         pending: list[AtomicFile] = []
+        sums: dict[Path, str] = {}
         pf = None
         try:
             for pf, header in zip(plan.files, self._headers):
                 af = AtomicFile(pf.path)
                 pending.append(af)
-                f = af.file
+                f = _Hashing(af.file)
                 f.write(header)
                 for pt in pf.tensors:
                     t = self._tensors[pt.name]
@@ -328,6 +331,7 @@ class GGUFWriter:
                 if f.tell() != pf.size:
                     raise RuntimeError(f"{pf.path}: wrote {f.tell()} bytes, planned {pf.size}")
                 af.finish()
+                sums[pf.path] = f.sha.hexdigest()
             for af in pending:
                 af.commit()
         except BaseException as e:
@@ -340,7 +344,24 @@ class GGUFWriter:
                 raise with_path(e, pf.path) from e
             raise
         self._state = "written"
+        self.sha256 = sums
         return tuple(pf.path for pf in plan.files)
+
+
+class _Hashing:
+    """A file whose every written byte also feeds a sha256: the manifest's file
+    digests come from the stream, so the finished GGUF is never read back."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
 
 
 def _as_bytes_view(chunk: Any, name: str) -> "memoryview | np.ndarray":

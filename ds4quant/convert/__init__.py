@@ -235,7 +235,7 @@ class _Job:
                 results = run_encode(self.src, plan, self.members, self.imx, books, pieces, journal, self.threads,
                                      self.progress, figures)
                 table = codebook_table(plan, books, self.src.config.n_routed_experts)
-                files, cb_bytes, runtimes, oversize = assemble(
+                files, cb_bytes, runtimes, oversize, file_sha = assemble(
                     out, self.art_name, rec, plan,
                     deepseek4_kvs(self.src.config) + tokenizer_kvs(self.src.path, self.src.config.vocab_size),
                     pieces, self.split_bytes,
@@ -247,7 +247,7 @@ class _Job:
                     shutil.rmtree(out, ignore_errors=True)
                 raise
             man = manifest(out, files, self.src, rec, plan, results, self.overrides, self.imatrix, self.imx_sha,
-                           self.command, self.source_fp, runtimes, adaptive_info, table)
+                           self.command, self.source_fp, runtimes, adaptive_info, table, file_sha)
             write_manifest(out / MANIFEST, man)
             from ds4quant.checksums import write_sums
 

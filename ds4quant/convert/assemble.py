@@ -7,10 +7,11 @@ result, so convert, inspect, verify and the model card cannot disagree.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -125,6 +126,7 @@ def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, spl
         piece = pieces / f"{i:05d}.bin"
         w.add_tensor(choice.name, choice.qtype, choice.shape, data=(lambda p=piece: _file_chunks(p)))
     files = list(w.write())
+    file_sha = dict(w.sha256)  # hashed while streaming
     oversize = w.oversize
     if loose_sidecars and blobs is not None:
         for kind, blob in (("gumix", blobs.gumix), ("p4mix", blobs.p4mix)):
@@ -132,7 +134,8 @@ def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, spl
                 side = files[0].with_name(files[0].name + sidecar_suffix(kind))
                 atomic_write_bytes(side, blob)
                 files.append(side)
-    return files, cb_bytes, runtimes, oversize
+                file_sha[side] = hashlib.sha256(blob).hexdigest()
+    return files, cb_bytes, runtimes, oversize, file_sha
 
 
 # Options that never change bytes (resume.MAY_CHANGE's output-side subset): dropped from the
@@ -168,7 +171,7 @@ def artifact_allocation(adaptive_info: dict) -> dict:
 
 
 def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, overrides, imatrix, imx_sha, command,
-             source_fp: str, runtimes, adaptive_info, table) -> Manifest:
+             source_fp: str, runtimes, adaptive_info, table, file_sha: Optional[Mapping[Path, str]] = None) -> Manifest:
     """The manifest from the plan and the pieces: per-tensor payload hashes were taken while
     encoding, so the finished GGUF is not read back for them."""
     from ds4quant.artifact.qtypes import type_ref
@@ -192,6 +195,8 @@ def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, override
         command=normalized_command(command if command is not None else sys.argv),
         source={"path": str(Path(src.path)), "fingerprint": source_fp, "format": src.format},
         recipe=recipe,
-        files=tuple(FileEntry.of(p, p.relative_to(out).as_posix()) for p in files),
+        files=tuple(FileEntry(p.relative_to(out).as_posix(), p.stat().st_size, file_sha[p])
+                    if file_sha and p in file_sha else FileEntry.of(p, p.relative_to(out).as_posix())
+                    for p in files),
         tensors=tuple(entries),
     )

@@ -369,3 +369,19 @@ def test_file_changed_after_reading_is_refused(tmp_path):
         f.write(b"\0" * 32)
     with pytest.raises(CorruptDataError, match="changed since it was read"):
         g.tensor_data("a")
+
+
+def test_writer_hashes_each_file_while_streaming(tmp_path):
+    """The sha256 the writer reports is the finished file's (convert's manifest uses it
+    instead of reading the GGUF back)."""
+    import hashlib
+
+    from ds4quant.artifact import GGUFWriter
+
+    w = GGUFWriter(tmp_path / "m.gguf", split_max_bytes=4096)
+    for i in range(3):
+        w.add_tensor(f"t{i}", "f32", (1024,), data=np.arange(1024, dtype=np.float32) * (i + 1))
+    paths = w.write()
+    assert len(paths) > 1 and set(w.sha256) == set(paths)
+    for p in paths:
+        assert w.sha256[p] == hashlib.sha256(p.read_bytes()).hexdigest()
