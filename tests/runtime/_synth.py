@@ -79,3 +79,43 @@ def decoded(stack: ExpertStack, local: int) -> np.ndarray:
 def tokens(n: int, seed: int = 0, hidden: int = HIDDEN) -> np.ndarray:
     r = rng_for("x", seed)
     return (r.standard_normal((n, hidden)) * np.exp(r.standard_normal((n, 1)))).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# identity-encoded experts: value = f(layer, expert, proj, row), so a held
+# expert's bytes say which expert they are
+
+
+def identity_rows(layer: int, expert: int, proj: int, rows: int, cols: int) -> np.ndarray:
+    """One expert's rows: (layer, expert, proj, row % 256, row // 256) in the
+    first columns, 0.5 elsewhere (bf16-exact small numbers)."""
+    v = np.full((rows, cols), 0.5, np.float32)
+    v[:, 0], v[:, 1], v[:, 2] = layer, expert, proj
+    v[:, 3], v[:, 4] = np.arange(rows) % 256, np.arange(rows) // 256
+    return v
+
+
+def write_identity_artifact(artifact, out):
+    """``artifact``'s GGUF with every routed expert rewritten as bf16 identity rows (a
+    folder ``out`` holding ``ident.gguf``); every other tensor and key kept."""
+    from ds4quant.artifact import GGUFWriter, read_gguf_set
+    from ds4quant.names import PROJS, parse_stack
+
+    src = read_gguf_set(next(artifact.glob("*.gguf")))
+    out.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(out / "ident.gguf")
+    for key, kv in src.kv.items():
+        if key in ("general.alignment", "ds4quant.format_version", "ds4quant.qtype_variants") \
+                or key.startswith(("split.", "ds4quant.qtype.")):
+            continue
+        w.add_kv(key, kv.value, kv.type, kv.sub_type)
+    for name, t in src.tensors.items():
+        s = parse_stack(name)
+        if s is None:
+            w.add_tensor(name, t.qtype, t.shape, np.asarray(src.tensor_data(name)).tobytes())
+            continue
+        cols, rows, n = t.shape
+        vals = np.concatenate([identity_rows(s.layer, e, PROJS.index(s.proj), rows, cols) for e in range(n)])
+        w.add_tensor(name, "bf16", t.shape, formats.encode("bf16", vals).tobytes())
+    w.write()
+    return out

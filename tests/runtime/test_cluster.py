@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
 
 from ds4quant import formats, runtime  # noqa: E402
-from ds4quant.artifact import GGUFWriter, read_gguf_set  # noqa: E402
+from tests.runtime._synth import identity_rows, write_identity_artifact  # noqa: E402
+from ds4quant.artifact import read_gguf_set  # noqa: E402
 from ds4quant.artifact.view import open_artifact  # noqa: E402
 from ds4quant.convert import convert  # noqa: E402
 from ds4quant.names import PROJS, parse_stack  # noqa: E402
@@ -205,34 +206,9 @@ def test_exact_bytes_of_n_ranks_equal_one_process_adaptive(adaptive_arts, inputs
 # identity-encoded experts: every rank holds exactly its experts
 
 
-def _identity_rows(layer: int, expert: int, proj: int, rows: int, cols: int) -> np.ndarray:
-    v = np.full((rows, cols), 0.5, np.float32)
-    v[:, 0], v[:, 1], v[:, 2] = layer, expert, proj
-    v[:, 3], v[:, 4] = np.arange(rows) % 256, np.arange(rows) // 256
-    return v
-
-
 @pytest.fixture(scope="module")
 def identity_artifact(arts, tmp_path_factory):
-    src = read_gguf_set(next(arts["strix"].glob("*.gguf")))
-    out = tmp_path_factory.mktemp("ident") / "ident"
-    out.mkdir()
-    w = GGUFWriter(out / "ident.gguf")
-    for key, kv in src.kv.items():
-        if key in ("general.alignment", "ds4quant.format_version", "ds4quant.qtype_variants") \
-                or key.startswith(("split.", "ds4quant.qtype.")):
-            continue
-        w.add_kv(key, kv.value, kv.type, kv.sub_type)
-    for name, t in src.tensors.items():
-        s = parse_stack(name)
-        if s is None:
-            w.add_tensor(name, t.qtype, t.shape, np.asarray(src.tensor_data(name)).tobytes())
-            continue
-        cols, rows, n = t.shape
-        vals = np.concatenate([_identity_rows(s.layer, e, PROJS.index(s.proj), rows, cols) for e in range(n)])
-        w.add_tensor(name, "bf16", t.shape, formats.encode("bf16", vals).tobytes())
-    w.write()
-    return out
+    return write_identity_artifact(arts["strix"], tmp_path_factory.mktemp("ident") / "ident")
 
 
 def test_identity_experts_every_rank_holds_exactly_its_placement(identity_artifact, inputs, tmp_path):
@@ -254,7 +230,7 @@ def test_identity_experts_every_rank_holds_exactly_its_placement(identity_artifa
             for e, projs in held.items():
                 for i, proj in enumerate(PROJS):
                     rows, cols = shapes[(L, proj.value)]
-                    enc = formats.encode("bf16", _identity_rows(L, int(e), i, rows, cols))
+                    enc = formats.encode("bf16", identity_rows(L, int(e), i, rows, cols))
                     assert projs[proj.value] == hashlib.sha256(enc.tobytes()).hexdigest()[:32]
                     seen.add((L, int(e), r))
     # owned experts on one rank, replicated (2 per layer) on both

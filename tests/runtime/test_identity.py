@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ds4quant import formats, runtime  # noqa: E402
-from ds4quant.artifact import GGUFWriter, read_gguf_set  # noqa: E402
+from tests.runtime._synth import write_identity_artifact  # noqa: E402
+from ds4quant.artifact import read_gguf_set  # noqa: E402
 from ds4quant.convert import convert  # noqa: E402
 from ds4quant.errors import BadInputError, Ds4quantError, MissingDependencyError  # noqa: E402
 from ds4quant.names import PROJS, parse_stack  # noqa: E402
@@ -250,36 +251,10 @@ def test_adaptive_compact_mix_stacks_identical_and_books_gathered(adaptive, hidd
 # expert moves: identity-encoding weights
 
 
-def _identity_value(layer: int, expert: int, proj: int, row: int, cols: int) -> np.ndarray:
-    """Row `row` of expert `expert`: its ids in the first columns (bf16-exact small ints)."""
-    v = np.full(cols, 0.5, np.float32)
-    v[:5] = (layer, expert, proj, row % 256, row // 256)
-    return v
-
-
 @pytest.fixture(scope="module")
 def identity_artifact(strix, tmp_path_factory):
     """The strix artifact with every routed expert rewritten as bf16 identity values."""
-    src = read_gguf_set(next(strix.glob("*.gguf")))
-    out = tmp_path_factory.mktemp("ident") / "ident"
-    out.mkdir()
-    w = GGUFWriter(out / "ident.gguf")
-    for key, kv in src.kv.items():
-        if key in ("general.alignment", "ds4quant.format_version", "ds4quant.qtype_variants") \
-                or key.startswith(("split.", "ds4quant.qtype.")):
-            continue
-        w.add_kv(key, kv.value, kv.type, kv.sub_type)
-    for name, t in src.tensors.items():
-        s = parse_stack(name)
-        if s is None:
-            w.add_tensor(name, t.qtype, t.shape, np.asarray(src.tensor_data(name)).tobytes())
-            continue
-        cols, rows, n = t.shape
-        vals = np.stack([_identity_value(s.layer, e, PROJS.index(s.proj), r, cols)
-                         for e in range(n) for r in range(rows)])
-        w.add_tensor(name, "bf16", t.shape, formats.encode("bf16", vals).tobytes())
-    w.write()
-    return out
+    return write_identity_artifact(strix, tmp_path_factory.mktemp("ident") / "ident")
 
 
 @pytest.mark.parametrize("owners", [["torch-cpu:0"], ["cpu:0"], ["torch-cpu:0", "cpu:1", "torch-cpu:2"]])
