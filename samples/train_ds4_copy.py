@@ -85,7 +85,6 @@ FULL = {
 SMOKE = dict(FULL, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2, n_routed_experts=8,
              layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe"],
              q_lora_rank=32, o_lora_rank=16, head_dim=32, index_head_dim=16)
-_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
 
 def config_for(args) -> dict:
@@ -110,7 +109,9 @@ def native_config(kw: dict) -> dict:
         c[k] = kw[k]
     c["qk_rope_head_dim"] = int(kw["head_dim"] * kw["partial_rotary_factor"])
     c["num_hash_layers"] = kw["mlp_layer_types"].count("hash_moe")
-    c["compress_ratios"] = [_RATIO[t] for t in kw["layer_types"]]
+    # layer_types, not compress_ratios: the native ratio 128 for an HCA layer would
+    # contradict its real rate (compress_rate_hca) and its compressor's rows
+    c["layer_types"] = list(kw["layer_types"])
     c["compress_rate_csa"] = kw["compress_rates"]["compressed_sparse_attention"]
     c["compress_rate_hca"] = kw["compress_rates"]["heavily_compressed_attention"]
     return c
