@@ -71,10 +71,10 @@ def run(out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     calib = out / "calib"
     t0 = time.perf_counter()
-    if not (calib / "imatrix.gguf").is_file() or not (calib / "routing.csv").is_file():
+    if not all((calib / f).is_file() for f in ("imatrix.gguf", "routing.csv", "sensitivity.json")):
         calibrate(SAMPLE, calibration_tokens(), calib)
     t_calib = time.perf_counter() - t0
-    imatrix, routing = calib / "imatrix.gguf", calib / "routing.csv"
+    imatrix, routing, sensitivity = calib / "imatrix.gguf", calib / "routing.csv", calib / "sensitivity.json"
 
     def cmd(dst, *extra):
         return ["ds4quant", "convert", str(SAMPLE), str(dst), *extra]
@@ -91,10 +91,11 @@ def run(out: Path) -> dict:
     t0 = time.perf_counter()
     adaptive = convert(
         SAMPLE, out / "adaptive", "adaptive", imatrix=imatrix, force=True,
-        adaptive=AdaptiveOptions(target_bpw=target, routing=str(routing), cache_dir=str(out / ".measure-cache"),
-                                 **FIT),
+        adaptive=AdaptiveOptions(target_bpw=target, routing=str(routing), sensitivity=str(sensitivity),
+                                 cache_dir=str(out / ".measure-cache"), **FIT),
         command=cmd(out / "adaptive", "--recipe", "adaptive", "--target-bpw", f"{target!r}", "--imatrix",
-                    str(imatrix), "--routing", str(routing), "--fit-effort", f"{FIT['fit_iterations']},1,{FIT['fit_max_rows']}"))
+                    str(imatrix), "--routing", str(routing), "--sensitivity", str(sensitivity),
+                    "--fit-effort", f"{FIT['fit_iterations']},1,{FIT['fit_max_rows']}"))
     arts.append(("adaptive (same size)", adaptive, time.perf_counter() - t0))
 
     rows = []
