@@ -56,7 +56,10 @@ class AdaptiveOptions:
     target_bpw: routed-expert bits per weight to land on (tensor payload);
     max_bytes: or a cap on all tensor data plus codebook tables, in bytes;
     lucebox: keep the result loadable by Lucebox at tensor granularity (no
-    rocmfp3_mix on gate/up); fit_*: fit_optimized effort per expert.
+    rocmfp3_mix on gate/up); fit_*: fit_optimized effort per expert;
+    sensitivity: a ``sensitivity.json`` (``ds4quant.sensitivity``) whose
+    per-tensor KL gains turn the weighted errors into predicted KL before
+    allocating (without it every tensor's weighted error counts the same).
     """
 
     target_bpw: Optional[float] = None
@@ -70,6 +73,7 @@ class AdaptiveOptions:
     fit_iterations: int = 6
     fit_restarts: int = 1
     fit_max_rows: int = 512
+    sensitivity: Optional[str] = None
 
     def validate(self) -> "AdaptiveOptions":
         if (self.target_bpw is None) == (self.max_bytes is None):
@@ -376,11 +380,13 @@ class Decision:
 
 
 def resolve(expert_tensors: Sequence[tuple], meas: Measurements, opts: AdaptiveOptions,
-            budget: int) -> tuple[dict[str, Decision], Allocation]:
-    """Allocate qtypes under ``budget`` bytes of routed-expert payload."""
+            budget: int, gains: Optional[Mapping[str, float]] = None) -> tuple[dict[str, Decision], Allocation]:
+    """Allocate qtypes under ``budget`` bytes of routed-expert payload,
+    minimising the weighted error, or with ``gains`` (tensor -> KL per unit
+    of weighted error) the predicted KL. Decisions keep the weighted error."""
     items = []
     for choice, members in expert_tensors:
-        w = meas.weights[choice.name]
+        w = meas.weights[choice.name] * (1.0 if gains is None else gains[choice.name])
         allowed = tuple(q for q in allowed_candidates(opts, choice.surface)
                         if (choice.name, members[0].expert, q) in meas.measures)
         if not allowed:
@@ -477,8 +483,14 @@ def plan_adaptive(src: "Source", plan, members, opts: AdaptiveOptions, imatrix, 
         raise BudgetError(f"no bytes left for the routed experts ({budget_what})",
                           hint="raise --target-bpw / --max-bytes")
 
+    gains = None
+    if opts.sensitivity is not None:
+        from ds4quant.sensitivity import read_sensitivity
+
+        sens = read_sensitivity(opts.sensitivity, fingerprint=src.fingerprint())
+        gains = {c.name: sens.gain(c.name) for c, _ in todo}
     meas = measure(src, todo, opts, imatrix, imatrix_sha, routing, books, progress)
-    decisions, alloc = resolve(todo, meas, opts, budget)
+    decisions, alloc = resolve(todo, meas, opts, budget, gains)
 
     new_plan = []
     for c in plan:
@@ -503,7 +515,24 @@ def plan_adaptive(src: "Source", plan, members, opts: AdaptiveOptions, imatrix, 
             new_plan.append(replace(c, name=stack_name(c.layer, c.surface, q), qtype=q, rule=rule, experts=ids,
                                     shape=(c.shape[0], c.shape[1], len(ids)), predicted_error=err))
     info = _info(todo, meas, opts, alloc, budget, budget_what, fixed, expert_weights_total, decisions, imatrix)
+    if gains is not None:
+        _predicted_kl(info, todo, meas, decisions, gains)
     return new_plan, info, meas.measures
+
+
+def _predicted_kl(info: dict, todo, meas: Measurements, decisions, gains: Mapping[str, float]) -> None:
+    """The allocation objective under a sensitivity file: predicted KL per token
+    (nats) of the plan and of rocmfp2-strix on the same measurements."""
+    info["objective"] = "predicted KL (sensitivity-weighted error)"
+    info["predicted_kl"] = float(sum(gains[n] * d.predicted_error for n, d in decisions.items()))
+    strix = {"gate": "rocmfp2", "up": "rocmfp2", "down": "rocmfp3"}
+    if "rocmfp2-strix" in info.get("uniform", {}):
+        kl = 0.0
+        for c, ms in todo:
+            w = meas.weights[c.name]
+            kl += gains[c.name] * sum(wi * meas.measures[(c.name, m.expert, strix[c.surface])].wsse
+                                      for wi, m in zip(w, ms))
+        info["uniform"]["rocmfp2-strix"]["predicted_kl"] = kl
 
 
 def _db(err: float, energy: float) -> Optional[float]:
@@ -522,7 +551,8 @@ def _info(todo, meas: Measurements, opts, alloc: Allocation, budget, budget_what
     info = {
         "options": {"target_bpw": opts.target_bpw, "max_bytes": opts.max_bytes, "candidates": list(opts.candidates),
                     "granularity": opts.granularity, "fitter": opts.fitter, "routing": opts.routing,
-                    "lucebox": opts.lucebox},
+                    "lucebox": opts.lucebox, "sensitivity": opts.sensitivity},
+        "objective": "weighted error",
         "budget_bytes": budget,
         "budget": budget_what,
         "allocated_bytes": alloc.bytes,

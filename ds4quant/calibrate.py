@@ -68,6 +68,8 @@ IMATRIX_LUCEBOX_FILE = "imatrix.lucebox.dat"  # ds4_mix_converter layout (imatri
 ROUTING_CSV = "routing.csv"
 ROUTING_JSON = "routing.json"
 REPORT_FILE = "report.json"
+# Sequences the sensitivity pass runs (each once per routed-expert tensor).
+SENSITIVITY_SEQS = 8
 SURFACES = ("gate", "up", "down")
 
 # transformers module (inside model.model.layers.L) -> GGUF tensor stem (blk.L.<stem>.weight);
@@ -403,6 +405,7 @@ def calibrate(
     *,
     threads: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
+    sensitivity_seqs: int = SENSITIVITY_SEQS,
 ) -> CalibrationReport:
     """Run ``tokens`` through the reference model of ``source_dir`` and write the
     imatrix, routing profile (CSV + JSON) and report into ``out_dir``.
@@ -412,8 +415,11 @@ def calibrate(
     sequences. threads: worker processes (default 1: in this process); output
     bytes do not depend on it. progress gets a ProgressEvent (stage
     "calibrate", unit "sequence", detail ``tokens``: tokens done) after each
-    sequence. ``out_dir`` is created if its
-    parent exists; the five files in it are each replaced atomically.
+    sequence. sensitivity_seqs: the first this many sequences also measure
+    each routed-expert tensor's KL gain (``ds4quant.sensitivity``;
+    ``sensitivity.json``, which ``convert --sensitivity`` reads); 0 skips it.
+    ``out_dir`` is created if its parent exists; every file in it is
+    replaced atomically.
 
         rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "calib")
     """
@@ -427,6 +433,9 @@ def calibrate(
         threads = 1
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise BadInputError(f"threads must be an int >= 1, got {threads!r}", where="threads")
+    if not isinstance(sensitivity_seqs, int) or isinstance(sensitivity_seqs, bool) or sensitivity_seqs < 0:
+        raise BadInputError(f"sensitivity_seqs must be an int >= 0, got {sensitivity_seqs!r}",
+                            where="sensitivity_seqs")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise BadInputError("exists and is not a folder", where=str(out))
@@ -510,6 +519,18 @@ def calibrate(
     write_imatrix_lucebox(out / IMATRIX_LUCEBOX_FILE, im)
     write_routing_json(out / ROUTING_JSON, profile)
     write_routing_csv(out / ROUTING_CSV, profile)
+    files = {"imatrix": IMATRIX_FILE, "imatrix_lucebox": IMATRIX_LUCEBOX_FILE, "routing_csv": ROUTING_CSV,
+             "routing_json": ROUTING_JSON}
+    if sensitivity_seqs:
+        from ds4quant.sensitivity import SENSITIVITY_FILE, measure_sensitivity, write_sensitivity
+
+        t1 = time.monotonic()
+        with torch_threads(1):
+            sens = measure_sensitivity(load_reference(src_path), seqs[:sensitivity_seqs], im, tot.slots,
+                                       fingerprint=fingerprint, tokens_sha256=tokens_sha)
+        write_sensitivity(out / SENSITIVITY_FILE, sens)
+        files["sensitivity"] = SENSITIVITY_FILE
+        seconds += time.monotonic() - t1
 
     unreached = {}
     for layer in range(n_layer):
@@ -517,15 +538,14 @@ def calibrate(
         for s in SURFACES:
             unreached[expert_tensor(layer, s)] = never
     sha = {}
-    for name in (IMATRIX_FILE, IMATRIX_LUCEBOX_FILE, ROUTING_CSV, ROUTING_JSON):
+    for name in files.values():
         sha[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()
     report = CalibrationReport(
         out_dir=str(out), source=src_path.name, fingerprint=fingerprint, tokens_file=tokens_file,
         tokens_sha256=tokens_sha, sequences=len(seqs), tokens=tot.tokens, n_layer=n_layer, n_expert=n_expert,
         n_expert_used=k, hash_layers=hash_layers, unreached=MappingProxyType(unreached),
         dense_tensors=tuple(sorted(tot.dense)),
-        files=MappingProxyType({"imatrix": IMATRIX_FILE, "imatrix_lucebox": IMATRIX_LUCEBOX_FILE, "routing_csv": ROUTING_CSV,
-                                "routing_json": ROUTING_JSON, "report": REPORT_FILE}),
+        files=MappingProxyType({**files, "report": REPORT_FILE}),
         sha256=MappingProxyType(sha), versions=MappingProxyType(_versions()), seconds=seconds, threads=workers,
     )
     atomic_write_json(out / REPORT_FILE, report.to_json())

@@ -153,6 +153,8 @@ def _fit_effort(text: str) -> dict:
               help="adaptive: one qtype per layer x surface (Lucebox layout), or per expert (compact stacks).")
 @click.option("--routing", type=click.Path(path_type=str), default=None,
               help="adaptive: routing profile (Lucebox hotness CSV or ds4quant JSON) to weight experts.")
+@click.option("--sensitivity", type=click.Path(path_type=str), default=None,
+              help="adaptive: sensitivity.json from `ds4quant calibrate`: allocate by predicted KL, not raw weighted error.")
 @click.option("--fitter", type=click.Choice(["optimized", "reference"]), default="optimized", show_default=True,
               help="adaptive: MIX codebook fitter.")
 @click.option("--fit-effort", default="6,1,512", show_default=True, metavar="ITER,RESTARTS,ROWS",
@@ -167,8 +169,8 @@ def _fit_effort(text: str) -> dict:
                    "refuses if OUTDIR holds others.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end; no progress lines.")
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
-                target_bpw, max_bytes, candidates, granularity, routing, fitter, fit_effort, cache_dir, no_lucebox,
-                loose_sidecars, resume, force, as_json):
+                target_bpw, max_bytes, candidates, granularity, routing, sensitivity, fitter, fit_effort, cache_dir,
+                no_lucebox, loose_sidecars, resume, force, as_json):
     """Convert a DeepSeek-V4 checkpoint (official layout folder, or a F32/F16/BF16/Q8_0/MXFP4 GGUF) into a
     ROCmFPX artifact.
 
@@ -186,7 +188,7 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
             target_bpw=target_bpw, max_bytes=parse_size(max_bytes, "--max-bytes"),
             candidates=tuple(c.strip() for c in candidates.split(",") if c.strip()) if candidates else DEFAULT_CANDIDATES,
             granularity=granularity, fitter=fitter, routing=routing, cache_dir=cache_dir, lucebox=not no_lucebox,
-            **_fit_effort(fit_effort),
+            sensitivity=sensitivity, **_fit_effort(fit_effort),
         )
     progress = _progress_printer(not as_json and sys.stderr.isatty())
     rep = convert(source, outdir, recipe, threads=threads, imatrix=imatrix, tensor_types=tensor_types,
@@ -387,9 +389,16 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
               help="Importance matrix for the weighted error (needs --source).")
 @click.option("--hf-repo", default=None, metavar="NAME",
               help="Also upload the release folder to this Hugging Face repo (one commit).")
+@click.option("--fidelity", is_flag=True,
+              help="Also measure fidelity through the bundled runtime (KL, top-1, exact copy; needs --source); "
+                   "the model card carries the figures.")
+@click.option("--protocol", type=click.Choice(["exact-copy"]), default=None,
+              help="With --fidelity: run this protocol too.")
+@click.option("--mode", type=click.Choice(["exact", "fast"]), default="fast", show_default=True,
+              help="With --fidelity: the runtime's mode.")
 @click.option("--force", is_flag=True, help="Replace a non-empty OUTDIR.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def publish_cmd(artifact, outdir, source, imatrix, hf_repo, force, as_json):
+def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, mode, force, as_json):
     """Verify an artifact, then write a release folder: the artifact files,
     manifest.json, SHA256SUMS, the verify report with plots, and a model card
     README.md. An unsound artifact is refused (exit 1).
@@ -398,10 +407,16 @@ def publish_cmd(artifact, outdir, source, imatrix, hf_repo, force, as_json):
     Examples:
       ds4quant publish out/tiny-mix release/tiny-mix --source samples/ds4-tiny
       ds4quant publish out/tiny-mix release/tiny-mix --hf-repo me/ds4-tiny-rocmfpx
+      ds4quant publish out/copy-mix release/copy-mix --source samples/ds4-copy --fidelity --protocol exact-copy
     """
     from ds4quant.publish import publish
 
-    rep = publish(artifact, outdir, source=source, imatrix=imatrix, hf_repo=hf_repo, overwrite=force)
+    if (fidelity or protocol) and source is None:
+        from ds4quant.errors import BadInputError
+
+        raise BadInputError("--fidelity and --protocol need --source", where=str(artifact))
+    rep = publish(artifact, outdir, source=source, imatrix=imatrix, hf_repo=hf_repo, overwrite=force,
+                  fidelity=fidelity or protocol is not None, protocol=protocol, mode=mode)
     if as_json:
         _emit_json(rep.to_json())
         return
@@ -419,8 +434,10 @@ def publish_cmd(artifact, outdir, source, imatrix, hf_repo, force, as_json):
               help="Output folder (created if its parent exists).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Worker processes, one core each (default 1). Output bytes do not depend on it.")
+@click.option("--sensitivity-seqs", type=click.IntRange(min=0), default=None,
+              help="Sequences (the first N) for the per-tensor KL sensitivity pass, sensitivity.json (default 8; 0 skips).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object; no progress.")
-def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, as_json: bool) -> None:
+def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, sensitivity_seqs, as_json: bool) -> None:
     """Run token sequences through the reference model (transformers
     DeepSeek-V4, fp32) of SOURCE and write an imatrix (E[x^2] per input
     column, per expert) and a routing profile.
@@ -428,7 +445,9 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, as_json:
     \b
     Writes OUT/imatrix.gguf, imatrix.lucebox.dat (the layout Lucebox's
     ds4_mix_converter reads: one vector per expert stack, no tail),
-    routing.csv (Lucebox hotness CSV), routing.json and report.json. Experts no token reached get count 0 and are listed.
+    routing.csv (Lucebox hotness CSV), routing.json, sensitivity.json (KL per unit of weighted error for every
+    routed-expert tensor, which `convert --sensitivity` uses) and report.json. Experts no token reached get
+    count 0 and are listed.
     Examples:
       ds4quant calibrate samples/ds4-tiny --tokens samples/tokens.txt --out calib
       ds4quant calibrate ckpt/ --tokens toks.json --out calib --threads 4 --json
@@ -444,7 +463,8 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, as_json:
             click.echo(f"\rcalibrate: {ev.done}/{ev.total} sequences, {tokens} tokens, {rate:.0f} tok/s, "
                        f"{_eta(ev)} ", err=True, nl=ev.done == ev.total)
 
-    rep = calibrate(source, tokens_file, out_dir, threads=threads, progress=progress)
+    extra = {} if sensitivity_seqs is None else {"sensitivity_seqs": sensitivity_seqs}
+    rep = calibrate(source, tokens_file, out_dir, threads=threads, progress=progress, **extra)
     if as_json:
         _emit_json(rep.to_json())
         return

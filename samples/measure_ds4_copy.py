@@ -6,7 +6,9 @@
    calibration seed; never the protocol's identifiers) -> imatrix + routing;
 2. convert it: rocmfp2-strix (rocmfp2 gate/up + rocmfp3 down), rocmfp2 on every
    routed expert (rocmfp2-strix with the down experts overridden), mxfp4
-   (lossless repack), adaptive at rocmfp2-strix's expert bits per weight;
+   (lossless repack), adaptive at rocmfp2-strix's expert bits per weight
+   (allocated by predicted KL from the calibration's sensitivity.json, and
+   once more without it: "adaptive-unweighted");
 3. decode each artifact's routed experts with ds4quant.formats.decode (MIX
    tensors with their books from the artifact's codebook table) into the
    transformers model loaded from the source (dense weights stay the source's),
@@ -116,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-seqs", type=int, default=48)
     ap.add_argument("--calib-seed", type=int, default=7)
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--fit-iterations", type=int, default=None, help="MIX codebook fitting iterations (library default)")
+    ap.add_argument("--fit-max-rows", type=int, default=None, help="rows the MIX fitter samples (library default)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     src, work = Path(args.source), Path(args.work)
@@ -134,17 +138,23 @@ def main(argv=None) -> int:
     print(json.dumps({"artifact": "source (FP4 experts, FP8 dense)", "exact_copy": r.score, "seconds": round(s, 1)}),
           flush=True)
     calib = work / "calib"
-    if not (calib / "imatrix.gguf").exists():
+    if not all((calib / f).exists() for f in ("imatrix.gguf", "sensitivity.json")):
         t = time.perf_counter()
         calibrate(src, calibration_tokens(task, args.calib_seqs, args.calib_seed), calib)
         print(json.dumps({"calibrate_seconds": round(time.perf_counter() - t, 1)}), flush=True)
     imx = calib / "imatrix.gguf"
+    fit = {k: v for k, v in (("fit_iterations", args.fit_iterations), ("fit_max_rows", args.fit_max_rows))
+           if v is not None}
     runs = {
         "mxfp4": dict(recipe="mxfp4"),
         "rocmfp2-strix": dict(recipe="rocmfp2-strix", imatrix=imx),
         "rocmfp2": dict(recipe="rocmfp2-strix", imatrix=imx, tensor_types=[r"ffn_down_exps=rocmfp2"]),
         "adaptive": dict(recipe="adaptive", imatrix=imx, adaptive=AdaptiveOptions(
-            target_bpw=STRIX_BPW, routing=str(calib / "routing.csv"), cache_dir=str(work / "cache"))),
+            target_bpw=STRIX_BPW, routing=str(calib / "routing.csv"), cache_dir=str(work / "cache"),
+            sensitivity=str(calib / "sensitivity.json"), **fit)),
+        # the same without the sensitivity gains: every tensor's weighted error counts the same
+        "adaptive-unweighted": dict(recipe="adaptive", imatrix=imx, adaptive=AdaptiveOptions(
+            target_bpw=STRIX_BPW, routing=str(calib / "routing.csv"), cache_dir=str(work / "cache"), **fit)),
     }
     for label, kw in runs.items():
         if args.only and label not in args.only:

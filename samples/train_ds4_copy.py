@@ -6,20 +6,17 @@
 The task (runtime/fidelity.py, CopyTask "recode"): the prompt holds a line of
 Python after ">>> " and asks for it recoded; the answer is the line with every
 character of ALPHABET replaced through a seeded substitution table keyed by the
-line's previous character (38 permutations of the 37-letter alphabet, 1,406
-entries), other characters copied. Why this task: a plain echo runs through
-attention (a probe at hidden 256 / 16 experts kept 54-55/60 with 2-bit
-experts), and any per-character substitution is still linear, so attention's
-value path can absorb it. A table lookup on a character pair is not linear in
-the pair's embeddings: it has to be memorised by the FFNs, and here the FFNs are
-almost all routed experts (hash-routed layers 0-1 send each character to its 4
-experts; layers 2-3 score-route), with a narrow attention path (2 heads,
-o_lora_rank 32) beside them. Measured on the shipped sample (its README): zeroing
-the routed experts drops the protocol to 0/60, but 2-bit experts still copy
-60/60, so this task does not yet separate artifacts; --order 2 (the table keyed
-by the two previous characters), --expert-width and --topk are the levers tried
-(samples/ds4-copy/README.md has what each gave: top-1 experts of width 64 make
-2-bit experts cost copies, but need more steps than one short run gave).
+line's two previous characters (--order 2: 38 x 38 permutations of the
+37-letter alphabet, 53,428 entries), other characters copied. Why this task: a
+plain echo runs through attention (a probe at hidden 256 / 16 experts kept
+54-55/60 with 2-bit experts), and any per-character substitution is still
+linear, so attention's value path can absorb it. A table lookup on a character
+pair or triple is not linear in the embeddings: it has to be memorised by the
+FFNs, and here the FFNs are almost all routed experts (32 experts of width 128,
+one per token: hash-routed layers 0-1, score-routed layers 2-3), with a narrow
+attention path (2 heads, o_lora_rank 32) beside them. The earlier shapes (top-4
+experts of width 256 and the order-1 table: 2-bit experts still copied 60/60)
+and what each lever gave are in samples/ds4-copy/README.md.
 
 A run can be continued as a later stage: --init-from a checkpoint this script
 wrote (with the same shape flags), --data-stream naming the stage's own example
@@ -68,10 +65,10 @@ BOS, EOS, PAD = 0, 1, 2
 # of 128 (ds4-reference-model.md, pitfall 2); 32 experts x 3 x 256 x 128 per layer
 # hold ~97% of the parameters.
 FULL = {
-    "vocab_size": 264, "hidden_size": 128, "moe_intermediate_size": 256, "num_hidden_layers": 4,
+    "vocab_size": 264, "hidden_size": 128, "moe_intermediate_size": 128, "num_hidden_layers": 4,
     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "q_lora_rank": 64,
     "partial_rotary_factor": 0.25,
-    "num_experts_per_tok": 4, "n_routed_experts": 32, "n_shared_experts": 1,
+    "num_experts_per_tok": 1, "n_routed_experts": 32, "n_shared_experts": 1,
     "layer_types": ["sliding_attention", "compressed_sparse_attention", "sliding_attention",
                     "heavily_compressed_attention"],
     "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
@@ -82,7 +79,7 @@ FULL = {
     "max_position_embeddings": 1024, "num_nextn_predict_layers": 0,
     "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
 }
-SMOKE = dict(FULL, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2, n_routed_experts=8,
+SMOKE = dict(FULL, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
              layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe"],
              q_lora_rank=32, o_lora_rank=16, head_dim=32, index_head_dim=16)
 
@@ -509,14 +506,14 @@ def steps_for_budget(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--steps", type=int, default=1400)
+    ap.add_argument("--steps", type=int, default=1025)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(HERE / "ds4-copy"))
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--order", type=int, default=1, help="previous characters keying the substitution")
+    ap.add_argument("--order", type=int, default=2, help="previous characters keying the substitution")
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default: the FULL config's)")
     ap.add_argument("--expert-width", type=int, default=0, help="moe_intermediate_size (default: FULL's)")
     ap.add_argument("--topk", type=int, default=0, help="experts per token (default: FULL's)")

@@ -15,7 +15,10 @@
 
     python scripts/demo.py [--out DIR] [--json]
 
-A script, not part of the library: it prints and sets the exit status.
+A script, not part of the library: it prints and sets the exit status (0 when
+the lossless repack and the published adaptive artifact pass verify; a uniform
+row that copies less than the source is reported FAILED in the table with the
+check that failed, which is the finding, not an error; 2 on bad input).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ MODE = "fast"
 # cores, 18 minutes for the sample; this keeps the demo to a few minutes.
 FIT = dict(fit_iterations=2, fit_max_rows=128)
 PROTOCOL = "exact-copy"
+# rows whose verify failure fails the demo (the others are what 2-3 bpw costs)
+MUST_PASS = ("mxfp4 (lossless)", "adaptive (same size)")
 
 
 def calibration_tokens(n: int = CALIB_SEQS) -> list[list[int]]:
@@ -71,10 +76,10 @@ def run(out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     calib = out / "calib"
     t0 = time.perf_counter()
-    if not (calib / "imatrix.gguf").is_file() or not (calib / "routing.csv").is_file():
+    if not all((calib / f).is_file() for f in ("imatrix.gguf", "routing.csv", "sensitivity.json")):
         calibrate(SAMPLE, calibration_tokens(), calib)
     t_calib = time.perf_counter() - t0
-    imatrix, routing = calib / "imatrix.gguf", calib / "routing.csv"
+    imatrix, routing, sensitivity = calib / "imatrix.gguf", calib / "routing.csv", calib / "sensitivity.json"
 
     def cmd(dst, *extra):
         return ["ds4quant", "convert", str(SAMPLE), str(dst), *extra]
@@ -91,10 +96,11 @@ def run(out: Path) -> dict:
     t0 = time.perf_counter()
     adaptive = convert(
         SAMPLE, out / "adaptive", "adaptive", imatrix=imatrix, force=True,
-        adaptive=AdaptiveOptions(target_bpw=target, routing=str(routing), cache_dir=str(out / ".measure-cache"),
-                                 **FIT),
+        adaptive=AdaptiveOptions(target_bpw=target, routing=str(routing), sensitivity=str(sensitivity),
+                                 cache_dir=str(out / ".measure-cache"), **FIT),
         command=cmd(out / "adaptive", "--recipe", "adaptive", "--target-bpw", f"{target!r}", "--imatrix",
-                    str(imatrix), "--routing", str(routing), "--fit-effort", f"{FIT['fit_iterations']},1,{FIT['fit_max_rows']}"))
+                    str(imatrix), "--routing", str(routing), "--sensitivity", str(sensitivity),
+                    "--fit-effort", f"{FIT['fit_iterations']},1,{FIT['fit_max_rows']}"))
     arts.append(("adaptive (same size)", adaptive, time.perf_counter() - t0))
 
     rows = []
@@ -143,7 +149,7 @@ def main(argv=None) -> int:
     res["total_seconds"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(res, indent=1))
-        return 0 if all(r["verify_ok"] for r in res["rows"]) else 1
+        return _status(res)
     hdr = (f"{'artifact':<22} {'expert bpw':>10} {'bytes':>11} {'wSQNR dB':>9} {'KL mean':>10} {'top-1':>7} "
            f"{'exact copy':>10} {'seconds':>8}  verify")
     print(hdr)
@@ -162,7 +168,15 @@ def main(argv=None) -> int:
     print(f"release (adaptive): {res['release']}")
     share = res["adaptive_qtype_share"] or {}
     print("adaptive qtype share: " + ", ".join(f"{q} {100 * v:.0f}%" for q, v in share.items()))
-    return 0 if all(r["verify_ok"] for r in res["rows"]) else 1
+    return _status(res)
+
+
+def _status(res: dict) -> int:
+    """0 when the lossless repack and the published artifact pass verify. A
+    uniform 2-3 bpw artifact that copies less than the source is a finding
+    the table shows (its row says FAILED and why), not a broken pipeline."""
+    must = [r for r in res["rows"] if r["artifact"] in MUST_PASS]
+    return 0 if must and all(r["verify_ok"] for r in must) else 1
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def _weights(ckpt: Path, layer: int, e: int):
 def test_outputs_and_report(run1):
     rep, out, seen = run1
     assert sorted(p.name for p in out.iterdir()) == ["imatrix.gguf", "imatrix.lucebox.dat", "report.json", "routing.csv",
-                                                      "routing.json"]
+                                                      "routing.json", "sensitivity.json"]
     assert read_imatrix(out / "imatrix.lucebox.dat").format == "lucebox"
     doc = json.loads((out / "report.json").read_text())
     assert doc["schema"] == "ds4quant.calibration_report" and doc["version"] == 1

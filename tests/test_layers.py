@@ -9,7 +9,7 @@ Layers, bottom up:
                they and the runtime share: routing.py (routing profiles), imatrix.py
                (imatrix GGUF), checksums.py (SHA256SUMS), records.py (verify's results)
     runtime    runtime/        (ds4quant.runtime)
-    pipeline   verify, convert, publish, adaptive, allocate, recipes, calibrate, report,
+    pipeline   verify, convert, publish, adaptive, allocate, recipes, calibrate, sensitivity, report,
                inspection, place, progress
     cli        ds4quant/cli.py
 
@@ -74,6 +74,7 @@ PLACEMENT = (
     ("ds4quant/allocate.py", "pipeline"),
     ("ds4quant/recipes.py", "pipeline"),
     ("ds4quant/calibrate.py", "pipeline"),
+    ("ds4quant/sensitivity.py", "pipeline"),
     ("ds4quant/place.py", "pipeline"),
     ("ds4quant/progress.py", "pipeline"),
     ("ds4quant/cli.py", "cli"),

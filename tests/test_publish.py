@@ -212,3 +212,13 @@ def test_upload_creates_the_repo_then_commits_the_folder_once(arts, tmp_path, mo
         publish(strix, tmp_path / "rel2", hf_repo="me/ds4-tiny")
     assert "\n" not in ei.value.one_line()
     assert (tmp_path / "rel2" / SUMS_NAME).is_file()
+
+
+def test_publish_fidelity_needs_a_source(tmp_path):
+    from click.testing import CliRunner
+
+    from ds4quant.cli import cli
+
+    r = CliRunner().invoke(cli, ["publish", str(tmp_path), str(tmp_path / "rel"), "--fidelity"])
+    assert r.exit_code == 2 and "--source" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "rel").exists()

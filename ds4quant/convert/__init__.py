@@ -137,10 +137,14 @@ def convert(
         routing_sha = None
         if rec.adaptive and adaptive.routing is not None and Path(adaptive.routing).is_file():
             routing_sha = sha256_file(adaptive.routing)
+        sens_sha = None
+        if rec.adaptive and adaptive.sensitivity is not None and Path(adaptive.sensitivity).is_file():
+            sens_sha = sha256_file(adaptive.sensitivity)
         options = resume_options(
             source_fingerprint=source_fp, tool_version=__version__, recipe=rec.name,
             tensor_types=[o.pattern + "=" + o.qtype for o in overrides], dense_type=rec.dense_qtype,
-            imatrix_sha=imx_sha, routing_sha=routing_sha, adaptive=adaptive if rec.adaptive else None)
+            imatrix_sha=imx_sha, routing_sha=routing_sha, adaptive=adaptive if rec.adaptive else None,
+            sensitivity_sha=sens_sha)
         created_out = not out.exists()
         try:
             out.mkdir(parents=True, exist_ok=True)

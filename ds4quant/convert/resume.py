@@ -46,15 +46,18 @@ FIXED: Mapping[str, str] = MappingProxyType({
     "fitter": "--fitter",
     "fit_effort": "--fit-effort",
     "routing": "--routing (sha256)",
+    "sensitivity": "--sensitivity (sha256)",
     "lucebox": "--no-lucebox",
 })
 # Never compared: they change where or how fast, not which bytes.
 MAY_CHANGE: tuple[str, ...] = ("outdir", "source path", "--threads", "--name", "--split-max-size",
-                               "--loose-sidecars", "--json", "--cache-dir", "--imatrix path", "--routing path")
+                               "--loose-sidecars", "--json", "--cache-dir", "--imatrix path", "--routing path",
+                               "--sensitivity path")
 
 
 def resume_options(*, source_fingerprint: str, tool_version: str, recipe: str, tensor_types, dense_type,
-                   imatrix_sha: Optional[str], routing_sha: Optional[str], adaptive) -> dict:
+                   imatrix_sha: Optional[str], routing_sha: Optional[str], adaptive,
+                   sensitivity_sha: Optional[str] = None) -> dict:
     """The FIXED options of a run, as JSON values (see ``FIXED``)."""
     d = {
         "source": source_fingerprint,
@@ -64,7 +67,7 @@ def resume_options(*, source_fingerprint: str, tool_version: str, recipe: str, t
         "dense_type": dense_type,
         "imatrix": imatrix_sha,
         "target_bpw": None, "max_bytes": None, "candidates": None, "granularity": None, "fitter": None,
-        "fit_effort": None, "routing": routing_sha, "lucebox": None,
+        "fit_effort": None, "routing": routing_sha, "lucebox": None, "sensitivity": sensitivity_sha,
     }
     if adaptive is not None:
         d.update(target_bpw=adaptive.target_bpw, max_bytes=adaptive.max_bytes, candidates=list(adaptive.candidates),
