@@ -64,6 +64,20 @@ def calibration_tokens(n: int = CALIB_SEQS) -> list[list[int]]:
     return out
 
 
+def _calibration_current(calib: Path) -> bool:
+    """An earlier run's calibration is reused only if it is complete and of this sample's weights."""
+    from ds4quant.sources import open_official_source
+
+    if not all((calib / f).is_file() for f in ("imatrix.gguf", "routing.csv", "sensitivity.json", "report.json")):
+        return False
+    try:
+        stored = json.loads((calib / "report.json").read_text())["source"]["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    with open_official_source(SAMPLE, "the demo") as src:
+        return stored == src.fingerprint()
+
+
 def run(out: Path) -> dict:
     """Run the pipeline into ``out``; return the rows of the summary table."""
     from ds4quant.adaptive import AdaptiveOptions
@@ -76,7 +90,7 @@ def run(out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     calib = out / "calib"
     t0 = time.perf_counter()
-    if not all((calib / f).is_file() for f in ("imatrix.gguf", "routing.csv", "sensitivity.json")):
+    if not _calibration_current(calib):
         calibrate(SAMPLE, calibration_tokens(), calib)
     t_calib = time.perf_counter() - t0
     imatrix, routing, sensitivity = calib / "imatrix.gguf", calib / "routing.csv", calib / "sensitivity.json"
