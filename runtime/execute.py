@@ -17,6 +17,7 @@ keeps the two modes' difference down to the expert math).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -70,13 +71,16 @@ def _submit_order(names: Sequence[str], home: str) -> list[str]:
 
 def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[str, object],
               table: Sequence[str], mode: str, pool: Optional[Executor] = None, *,
-              home: Optional[str] = None, shared=None) -> LayerResult:
+              home: Optional[str] = None, shared=None, overlap: bool = False,
+              timings: Optional[list] = None) -> LayerResult:
     """Run one layer's routed experts.
 
     hidden float32 [T,H], top_k_index int64 [T,k], top_k_weights float32 [T,k]
     (torch); owners: owner name -> Owner; table[e]: owner name of expert e
     (``none``: held outside this process); pool: runs each owner's branch
     (one worker per owner); shared: float32 [T,H] added after the routed sum.
+    overlap: overlapped submission (``runtime.overlap``; same bytes either way);
+    timings: a list that receives one ``overlap.BranchTiming`` per branch.
     """
     import torch
 
@@ -103,17 +107,32 @@ def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[st
         raise BadInputError(f"layer {layer}: the placement names owners {unknown} this runtime does not have")
     home = home if home is not None else (names[0] if names else None)
 
-    def branch(name: str):
-        sel = np.nonzero(who == name)[0]
-        y = owners[name].run_slots(layer, x[tok[sel]], flat[sel], mode)
+    from ds4quant.runtime import overlap as ov
+
+    raw: list = []
+    sels = {n: np.nonzero(who == n)[0] for n in names}
+
+    def branch(name: str, ready=None):
+        sel = sels[name]
+        t0 = time.perf_counter()
+        if ready is None:
+            y = owners[name].run_slots(layer, x[tok[sel]], flat[sel], mode)
+            if timings is not None:
+                raw.append((name, t0, t0, time.perf_counter()))
+        else:
+            y = ov.run_staged(owners[name], layer, x[tok[sel]], flat[sel], mode, ready)
         return sel, np.asarray(y, dtype=np.float32)
 
     order = _submit_order(names, home)
     if pool is None or len(order) < 2:
         results = [branch(n) for n in order]
+    elif overlap:
+        results = ov.submit_overlapped(order, branch, pool, raw if timings is not None else None)
     else:
         futures = [pool.submit(branch, n) for n in order]
         results = [f.result() for f in futures]  # join every branch; the first error propagates
+    if timings is not None:
+        timings.extend(ov.timings_of(raw, {n: len(s) for n, s in sels.items()}))
     for sel, y in results:
         if y.shape != (sel.shape[0], H):
             raise ShapeError(f"layer {layer}: an owner returned {y.shape} for {sel.shape[0]} slots of width {H}")
