@@ -59,6 +59,8 @@ from ds4quant.runtime.owners.base import MODES, ExpertStack
 OWNER_CLASSES = {
     "cpu": "ds4quant.runtime.owners.cpu:CpuOwner",
     "torch": "ds4quant.runtime.owners.torch_owner:TorchOwner",
+    # a CUDA/ROCm runtime in the child (the second vendor's owner on a mixed host)
+    "cuda": "ds4quant.runtime.owners.cuda_owner:CudaOwner",
 }
 
 PICKLE_PROTOCOL = 5
@@ -350,6 +352,8 @@ class WorkerOwner:
 
         w = WorkerOwner("worker:0", owner="cpu")
         w.add_stack(stack); y = w.run_slots(3, x, ids, "exact"); w.close()
+        g = WorkerOwner("worker:1", owner="cuda", device="cuda:0",
+                        env={"CUDA_VISIBLE_DEVICES": "0"})   # a CudaOwner in the child
     """
 
     def __init__(self, identity: str = "worker:0", owner: str = "cpu", python: str | None = None,
