@@ -189,7 +189,8 @@ class _Connection:
                 op=op,
             )
 
-    def call(self, op: str, payload: Any = None, fd: int | None = None, timeout_s: float | None = None):
+    def call(self, op: str, payload: Any = None, fd: int | None = None, timeout_s: float | None = None,
+             sent=None):
         self.require_open(op)
         try:
             frame = encode_frame((op, payload))
@@ -205,6 +206,8 @@ class _Connection:
                 except (BrokenPipeError, ConnectionResetError):
                     raise _Gone from None
             self._write(frame, deadline)
+            if sent is not None:
+                sent()  # the request is on its way (overlapped submission's readiness)
             reply = self._read_frame(deadline)
         except _Gone:
             raise self._fail(op, self._death_message(op)) from None
@@ -417,6 +420,11 @@ class WorkerOwner:
 
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
         """Per-slot unweighted outputs, float32 (n, hidden); see ``Owner.run_slots``."""
+        return self.run_slots_staged(layer, x, expert_ids, mode, None)
+
+    def run_slots_staged(self, layer: int, x, expert_ids, mode: str, ready) -> np.ndarray:
+        """run_slots; ``ready.fire()`` once the rows are in the input arena and the
+        request is sent (runtime/overlap.py), before waiting for the child."""
         x = np.asarray(x)
         ids = np.asarray(expert_ids)
         where = f"{self.identity} run_slots layer {layer}"
@@ -437,7 +445,8 @@ class WorkerOwner:
             inp.array(np.float32, (n, hidden))[...] = x
             inp.array(np.int64, (n,), off)[...] = ids
             conn.call("run", {"layer": int(layer), "n": n, "hidden": hidden, "mode": mode,
-                              "gen": (conn.arenas["in"].generation, conn.arenas["out"].generation)})
+                              "gen": (conn.arenas["in"].generation, conn.arenas["out"].generation)},
+                      sent=None if ready is None else ready.fire)
             return out.array(np.float32, (n, hidden)).copy()
 
     def close(self) -> None:

@@ -42,7 +42,7 @@ class Logged:
         self.log.append(("start", self.identity, threading.get_ident()))
         time.sleep(self.sleep)
         self.log.append(("end", self.identity, threading.get_ident()))
-        return np.repeat(np.asarray(ids, np.float32)[:, None], H, axis=1)
+        return np.repeat(np.asarray(ids, np.float32)[:, None], np.shape(x)[1], axis=1)
 
     def _staged(self, layer, x, ids, mode, ready):
         self.log.append(("stage", self.identity, threading.get_ident()))
@@ -211,3 +211,36 @@ def test_real_owners_give_the_same_bytes_on_and_off(mode, qtype):
         assert outs[0] == ref.out.numpy().tobytes() + ref.slots.numpy().tobytes()
     for o in (cold, hot, single["one"]):
         o.close()
+
+
+def test_a_worker_fires_once_its_request_is_sent():
+    import os
+    from pathlib import Path
+
+    from ds4quant.runtime.owners.worker import WorkerOwner
+    from tests.runtime._fake_owner import make_layer
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    w = WorkerOwner("worker:0", owner="tests.runtime._fake_owner:FakeOwner", env=env, timeout_s=10.0)
+    try:
+        for st in make_layer(0, (0, 1), 8, 4):
+            w.add_stack(st)
+        log = []
+        owners = {"worker:0": w, "home": Logged("home", log)}
+        table = ["worker:0", "worker:0", "home", "home"]
+        idx = torch.tensor([[0, 1, 2, 3]])
+        x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 8)).astype(np.float32))
+        outs = []
+        with ThreadPoolExecutor(2) as pool:
+            for overlap in (True, False):
+                tm = []
+                outs.append(run_layer(0, x, idx, torch.ones((1, 4)), owners, table, "exact", pool, home="home",
+                                      overlap=overlap, timings=tm).out.numpy().tobytes())
+                if overlap:
+                    wt = next(t for t in tm if t.owner == "worker:0")
+                    ht = next(t for t in tm if t.owner == "home")
+                    assert wt.start < wt.ready < wt.end and ht.start >= wt.ready
+        assert outs[0] == outs[1]
+    finally:
+        w.close()
