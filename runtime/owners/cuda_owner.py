@@ -296,7 +296,8 @@ class CudaOwner(TorchOwner):
             self.gemv_device(layer, xs, loc.index_select(0, ids).to(torch.int32))
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: another owner's thread may be launching work meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             y = self.gemv_device(layer, xs, loc.index_select(0, ids).to(torch.int32))
         self._graph_cache[key] = (graph, xs, ids, y)
         return self._graph_cache[key]

@@ -78,8 +78,8 @@ def test_worker_hosted_cuda_owner_gives_in_process_bytes(qtypes):
 @pytest.mark.gpu
 def test_mixed_placement_with_a_cuda_worker_equals_one_process():
     pytest.importorskip("triton")
-    from ds4quant.runtime.owners.cpu import CpuOwner
     from ds4quant.runtime.owners.cuda_owner import CudaOwner
+    from ds4quant.runtime.owners.torch_owner import TorchOwner
 
     q = ("rocmfp2", "rocmfp2", "rocmfp3")
     x = torch.from_numpy(S.tokens(4, seed=21))
@@ -87,7 +87,8 @@ def test_mixed_placement_with_a_cuda_worker_equals_one_process():
     wts = torch.tensor([[0.5, 0.3, 0.2], [0.25, 0.25, 0.5], [0.1, 0.6, 0.3], [0.4, 0.4, 0.2]])
     one = {"cuda:0": _fill(CudaOwner("cuda:0", identity="cuda:0"), q, EXPERTS)}
     ref = run_layer(LAYER, x, idx, wts, one, ["cuda:0"] * 6, "exact")
-    cpu = {"cpu:0": _fill(CpuOwner("cpu:0"), q, EXPERTS)}
+    # the torch-cpu owner (the second exact implementation; no numba compile on the lent GPU's clock)
+    cpu = {"cpu:0": _fill(TorchOwner("cpu", identity="torch-cpu:0", torch_decode=True), q, EXPERTS)}
     ref_cpu = run_layer(LAYER, x, idx, wts, cpu, ["cpu:0"] * 6, "exact")
     assert _sha(ref.out.numpy()) == _sha(ref_cpu.out.numpy())
     w = WorkerOwner("worker:1", owner="cuda", device="cuda:0", env=ENV, timeout_s=120.0)
