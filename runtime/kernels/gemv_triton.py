@@ -15,8 +15,9 @@ level offset and the scale are applied once per group:
 Activations arrive "group-transposed" (``xt[slot, c, j] = x[slot, 16 j + c]``),
 so the c-th code of every word in a tile meets a contiguous activation
 vector; the gate+up kernel writes its SwiGLU output in that layout for down.
-Slots are independent (no sort, no host planning): the local expert of slot
-s is ``lidx[s]``, so a CUDA graph of the two launches replays any routing.
+Slots are independent (no sort, no host planning): slot s reads the weights
+of local expert ``loc[ids[s]]``, so a CUDA graph of the two launches replays
+any routing.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MAGIC = 0x4B000000  # float bits of 2^23
-TWO23 = 8388608.0
+MAGIC = tl.constexpr(0x4B000000)  # float bits of 2^23
+TWO23 = tl.constexpr(8388608.0)
 
 
 @triton.jit
@@ -41,7 +42,7 @@ def _val(wa, wb, c: tl.constexpr, CBITS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(xt_ptr, stride_x, lidx_ptr, out_ptr, stride_o,
+def _gemv_kernel(xt_ptr, stride_x, ids_ptr, loc_ptr, out_ptr, stride_o,
                  a_ptr, a2_ptr, s_ptr, slut_ptr,
                  g_ptr, g2_ptr, gs_ptr, gslut_ptr,
                  N, KW, OKW, limit,
@@ -49,7 +50,7 @@ def _gemv_kernel(xt_ptr, stride_x, lidx_ptr, out_ptr, stride_o,
                  BN: tl.constexpr, BW: tl.constexpr):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(lidx_ptr + slot).to(tl.int64)
+    e = tl.load(loc_ptr + tl.load(ids_ptr + slot)).to(tl.int64)  # global -> local expert
     rows = pid_n * BN + tl.arange(0, BN)
     rmask = rows < N
     base = e * N * KW
@@ -104,13 +105,13 @@ def _bw(kw: int, want: int) -> int:
     return bw
 
 
-def gemv(lp, xt, lidx, out, *, lp2=None, limit: float = 0.0, out_t: bool = False,
-         bn: int = 32, bw: int = 32, num_warps: int = 4):
-    """out[s] = W_{lidx[s]} @ x[s] for every slot s (or SwiGLU(gate, up) with ``lp2``).
+def gemv(lp, xt, ids, loc, out, *, lp2=None, limit: float = 0.0, out_t: bool = False,
+         bn: int = 32, bw: int = 32, num_warps: int = 4, num_stages: int = 3):
+    """out[s] = W_{loc[ids[s]]} @ x[s] for every slot s (or SwiGLU(gate, up) with ``lp2``).
 
     lp / lp2: ``layout.LinearPlanes`` (a, a2, s, slut, cbits, off); xt float32
-    (n, 16, K/16) group-transposed; lidx int32 (n,); out float32 (n, N) or,
-    with out_t, (n, 16, N/16)."""
+    (n, 16, K/16) group-transposed; ids int64 (n,) global experts, loc int64
+    (global -> local index); out float32 (n, N) or, with out_t, (n, 16, N/16)."""
     n = xt.shape[0]
     E, N, KW = lp.a.shape
     o = lp2 if lp2 is not None else lp
@@ -119,11 +120,11 @@ def gemv(lp, xt, lidx, out, *, lp2=None, limit: float = 0.0, out_t: bool = False
     bw = _bw(KW, bw)
     grid = (n, triton.cdiv(N, bn))
     _gemv_kernel[grid](
-        xt, xt.stride(0), lidx, out, out.stride(0),
+        xt, xt.stride(0), ids, loc, out, out.stride(0),
         lp.a, lp.a2 if lp.a2 is not None else lp.a, lp.s, lp.slut,
         o.a, o.a2 if o.a2 is not None else o.a, o.s, o.slut,
         N, KW, N // 16, float(limit),
         CBITS=lp.cbits, OFF=float(lp.off), DUAL=lp2 is not None, OUT_T=out_t,
-        BN=bn, BW=bw, num_warps=num_warps,
+        BN=bn, BW=bw, num_warps=num_warps, num_stages=num_stages,
     )
     return out

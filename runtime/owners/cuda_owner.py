@@ -60,6 +60,12 @@ class LaunchPlan:
     stages: tuple
 
 
+def group_t(x: np.ndarray) -> np.ndarray:
+    """float32 (n, H) -> (n, 16, H / 16) with [s, c, j] = x[s, 16 j + c] (the decode-step layout)."""
+    n, H = x.shape
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(n, H // 16, 16).transpose(0, 2, 1))
+
+
 def _need_triton():
     try:
         from ds4quant.runtime.kernels import moe_triton
@@ -77,8 +83,10 @@ class CudaOwner(TorchOwner):
         super().__init__(device, identity=identity, swiglu_limit=swiglu_limit)
         self.graphs = bool(graphs)
         self.gemv_max_slots = int(gemv_max_slots)
-        # decode-step kernel tiles: stage ("gu" / "down") -> (rows per program, words per step, warps)
-        self.gemv_tile: dict[str, tuple[int, int, int]] = {"gu": (32, 32, 4), "down": (32, 32, 4)}
+        # decode-step kernel tiles: stage ("gu" / "down") -> (rows per program, words per step,
+        # warps, pipeline stages)
+        # (measured on the lent H200: benchmarks/results/runtime_gpu_step_h200.json)
+        self.gemv_tile: dict[str, tuple[int, int, int, int]] = {"gu": (16, 32, 2, 1), "down": (16, 32, 2, 1)}
         self._gemv: dict[int, object] = {}  # layer -> (gate, up, down planes, loc) or None
         self._graph_cache: dict[tuple[int, int], tuple] = {}
         self._pinned: dict[str, object] = {}
@@ -261,44 +269,44 @@ class CudaOwner(TorchOwner):
         self._gemv[layer] = got
         return got
 
-    def gemv_device(self, layer: int, xt, lidx):
-        """The decode-step kernels on device tensors: x float32 (n, H), lidx int32
-        (n,) local experts -> float32 (n, H). Two launches, no host work."""
+    def gemv_device(self, layer: int, xT, ids):
+        """The decode-step kernels on device tensors: xT float32 (n, 16, H / 16)
+        group-transposed (``group_t``), ids int64 (n,) global experts -> float32
+        (n, H). Exactly two launches, no host work."""
         import torch
         from ds4quant.runtime.kernels import gemv_triton as gk
 
-        lg, lu, ld, _, _ = self._gemv[layer]
-        n, H = xt.shape
+        lg, lu, ld, loc, _ = self._gemv[layer]
+        n = xT.shape[0]
         inter = lg.a.shape[1]
-        xT = xt.reshape(n, H // 16, 16).transpose(1, 2).contiguous()
-        hT = torch.empty((n, 16, inter // 16), dtype=torch.float32, device=xt.device)
-        y = torch.empty((n, ld.a.shape[1]), dtype=torch.float32, device=xt.device)
-        bn, bw, nw = self.gemv_tile["gu"]
-        gk.gemv(lg, xT, lidx, hT, lp2=lu, limit=self.swiglu_limit, out_t=True, bn=bn, bw=bw, num_warps=nw)
-        bn, bw, nw = self.gemv_tile["down"]
-        gk.gemv(ld, hT, lidx, y, bn=bn, bw=bw, num_warps=nw)
+        hT = torch.empty((n, 16, inter // 16), dtype=torch.float32, device=xT.device)
+        y = torch.empty((n, ld.a.shape[1]), dtype=torch.float32, device=xT.device)
+        bn, bw, nw, ns = self.gemv_tile["gu"]
+        gk.gemv(lg, xT, ids, loc, hT, lp2=lu, limit=self.swiglu_limit, out_t=True, bn=bn, bw=bw, num_warps=nw,
+                num_stages=ns)
+        bn, bw, nw, ns = self.gemv_tile["down"]
+        gk.gemv(ld, hT, ids, loc, y, bn=bn, bw=bw, num_warps=nw, num_stages=ns)
         return y
 
     def _step_graph(self, layer: int, n: int, H: int):
-        """(graph, x, ids, y): the decode step of ``n`` slots captured once."""
+        """(graph, xT, ids, y): the decode step of ``n`` slots captured once."""
         import torch
 
         key = (layer, n)
         if key in self._graph_cache:
             return self._graph_cache[key]
-        loc = self._gemv[layer][3]
-        xs = torch.zeros((n, H), dtype=torch.float32, device=self.device)
+        xs = torch.zeros((n, 16, H // 16), dtype=torch.float32, device=self.device)
         ids = torch.zeros((n,), dtype=torch.int64, device=self.device)
         ids.fill_(int(self._gemv[layer][4].argmax()))  # a resident expert (loc >= 0) for the warm-up
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles the kernels outside the capture
-            self.gemv_device(layer, xs, loc.index_select(0, ids).to(torch.int32))
+            self.gemv_device(layer, xs, ids)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another owner's thread may be launching work meanwhile
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            y = self.gemv_device(layer, xs, loc.index_select(0, ids).to(torch.int32))
+            y = self.gemv_device(layer, xs, ids)
         self._graph_cache[key] = (graph, xs, ids, y)
         return self._graph_cache[key]
 
@@ -330,16 +338,20 @@ class CudaOwner(TorchOwner):
             if ids.min() < 0 or ids.max() >= loc.shape[0] or (loc[ids] < 0).any():
                 bad = sorted({int(e) for e in ids if e < 0 or e >= loc.shape[0] or loc[e] < 0})
                 raise BadInputError(f"experts {bad} of layer {layer} are not resident on {self.identity}")
-        pin_x = self._pin("x", n * H, torch.float32).view(n, H)
         pin_i = self._pin("ids", n, torch.int64)
-        pin_x.numpy()[...] = x
         pin_i.numpy()[...] = ids
+        if gem is not None:  # the kernels read x group-transposed: done here, on the host
+            pin_x = self._pin("x", n * H, torch.float32).view(n, 16, H // 16)
+            pin_x.numpy()[...] = group_t(x)
+        else:
+            pin_x = self._pin("x", n * H, torch.float32).view(n, H)
+            pin_x.numpy()[...] = x
         copy, comp = self._stream_pair()
         graph = None
         if gem is not None and self.graphs:
             graph, dx, di, gy = self._step_graph(layer, n, H)
         else:
-            dx = torch.empty((n, H), dtype=torch.float32, device=self.device)
+            dx = torch.empty(tuple(pin_x.shape), dtype=torch.float32, device=self.device)
             di = torch.empty((n,), dtype=torch.int64, device=self.device)
         copy.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(copy):
@@ -354,7 +366,7 @@ class CudaOwner(TorchOwner):
                 graph.replay()
                 y = gy
             elif gem is not None:
-                y = self.gemv_device(layer, dx, gem[3].index_select(0, di).to(torch.int32))
+                y = self.gemv_device(layer, dx, di)
             else:
                 y = self.fast_device(layer, dx, ids)
                 if y is None:
@@ -403,7 +415,7 @@ class CudaOwner(TorchOwner):
             gem = self.gemv_set(layer) if 0 < ids.shape[0] <= self.gemv_max_slots else None
             if gem is not None and ids.min() >= 0 and ids.max() < gem[4].shape[0] and (gem[4][ids] >= 0).all():
                 # the CPU device (interpreter tests): the decode-step kernels, eager
-                y = self.gemv_device(layer, xt, torch.from_numpy(gem[4][ids].astype(np.int32)))
+                y = self.gemv_device(layer, torch.from_numpy(group_t(xt.numpy())), torch.from_numpy(ids))
             else:
                 y = self.fast_device(layer, xt, ids)
         if y is None:
