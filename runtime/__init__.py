@@ -140,7 +140,8 @@ def _table(placement, layer: int, n_expert: int) -> tuple[str, ...]:
 class Runtime:
     """A loaded artifact on a placement. Use ``load``; see the module docstring."""
 
-    def __init__(self, view, own_view: bool, placement, tables, owners, mode: str, recorder=None):
+    def __init__(self, view, own_view: bool, placement, tables, owners, mode: str, recorder=None,
+                 overlap: bool = False):
         self.view = view
         self._own_view = own_view
         self.placement = placement
@@ -149,6 +150,9 @@ class Runtime:
         self.mode = mode
         self.header = view.header
         self.recorder = recorder
+        # overlapped owner submission (runtime/overlap.py); off until measured on the
+        # user's hardware; the bytes are the same either way
+        self.overlap = bool(overlap)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(owners)), thread_name_prefix="ds4q-owner")
         self._closed = False
 
@@ -190,7 +194,7 @@ class Runtime:
         if self.recorder is not None:
             self.recorder.record(layer, top_k_index)
         return run_layer(layer, hidden, top_k_index, top_k_weights, self.owners, self.tables[layer],
-                         self.mode, self._pool, shared=shared)
+                         self.mode, self._pool, shared=shared, overlap=self.overlap)
 
     # -- the whole MoE block --------------------------------------------
     def route(self, layer: int, hidden, token_ids):
@@ -246,13 +250,14 @@ def _close_all(owners) -> None:
 
 
 def load(artifact, placement=None, mode: str = "exact", owners: Optional[Mapping[str, object]] = None,
-         recorder=None) -> Runtime:
+         recorder=None, overlap: bool = False) -> Runtime:
     """Load ``artifact`` (folder, .gguf, first split, or an open view) onto ``placement``.
 
     placement: None (one CPU owner), a placement file path, a Placement, or a
     mapping {layer: {owner name: expert ids}}; owners: prebuilt owners by
     name (the rest are made from their names); recorder: a
-    ``runtime.capture.RoutingRecorder`` (routing capture). Returns a Runtime
+    ``runtime.capture.RoutingRecorder`` (routing capture); overlap: overlapped
+    owner submission (``runtime.overlap``, off by default). Returns a Runtime
     (a context manager).
     """
     if mode not in MODES:
@@ -268,7 +273,7 @@ def load(artifact, placement=None, mode: str = "exact", owners: Optional[Mapping
         for n in wanted:
             made[n] = given[n] if n in given else make_owner(n, swiglu_limit=h.swiglu_limit)
         _make_resident(view, tables, made)
-        return Runtime(view, own_view, plc, tables, made, mode, recorder)
+        return Runtime(view, own_view, plc, tables, made, mode, recorder, overlap=overlap)
     except BaseException:
         _close_all(made)  # close unregisters every table registered so far, then frees
         if own_view and hasattr(view, "close"):

@@ -188,3 +188,80 @@ def unpack_reference(qtype: str, a, b, s, cols: int, levels, scales, tables=None
     if f.mix:
         tab = tables.to(torch.int64)[:, None, None] + (sb >> 7)
     return levels[tab, codes] * scales[sb]
+
+
+# -- the decode-step kernels' word layout (kernels/gemv_triton.py) -------------
+
+#: qtypes whose levels are small integers, read as 32-bit words of codes:
+#: qtype -> (bits per code, level offset): level = code - offset
+LINEAR_QTYPES = {"rocmfp2": (2, 1), "rocmfp3": (4, 4)}
+# rocmfp3's 3-bit code (sign bit 2, magnitudes 0, 1, 2, 4) -> level + 4
+_FP3_TO_LIN4 = (4, 5, 6, 8, 4, 3, 2, 0)
+
+
+@dataclass(frozen=True, eq=False)
+class LinearPlanes:
+    """a: int32 (E, rows, cols / 16), one word per 16-weight scale group
+    (2-bit codes), or its first 8 codes (4-bit; a2 holds codes 8..15);
+    s: uint8 (E, rows, cols / 16) scale bytes; slut: float32 (256,);
+    a weight is (code - off) * slut[s]."""
+
+    qtype: str
+    a: object
+    a2: object
+    s: object
+    slut: object
+    cbits: int
+    off: int
+
+
+def _to_int32(words):
+    import torch
+
+    # uint32 values held in int64 -> the same 32 bits as int32
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def linear_planes(qtype: str, a, b, s, slut) -> LinearPlanes:
+    """The word layout from ``repack``'s planes (same device). rocmfp2: views of
+    a and s (no copy); rocmfp3: 4-bit codes of level + 4, repacked per expert."""
+    import torch
+
+    if qtype not in LINEAR_QTYPES:
+        raise UnsupportedFormatError(f"{qtype} has no linear word layout")
+    cbits, off = LINEAR_QTYPES[qtype]
+    E, rows, _ = s.shape
+    cols = s.shape[2] * 16
+    if cbits == 2:
+        return LinearPlanes(qtype, a.contiguous().view(torch.int32), None, s, slut, cbits, off)
+    lut = torch.tensor(_FP3_TO_LIN4, dtype=torch.int64, device=a.device)
+    sh2 = torch.arange(4, device=a.device, dtype=torch.int64) * 2
+    sh1 = torch.arange(8, device=a.device, dtype=torch.int64)
+    sh4 = torch.arange(8, device=a.device, dtype=torch.int64) * 4
+    w0 = torch.empty((E, rows, cols // 16), dtype=torch.int32, device=a.device)
+    w1 = torch.empty_like(w0)
+    for e in range(E):
+        lo = ((a[e].to(torch.int64)[..., None] >> sh2) & 3).reshape(rows, cols)
+        hi = ((b[e].to(torch.int64)[..., None] >> sh1) & 1).reshape(rows, cols)
+        lin = lut[lo | (hi << 2)].reshape(rows, cols // 16, 2, 8)
+        words = (lin << sh4).sum(dim=-1)
+        w0[e] = _to_int32(words[..., 0])
+        w1[e] = _to_int32(words[..., 1])
+    return LinearPlanes(qtype, w0, w1, s, slut, cbits, off)
+
+
+def linear_reference(lp: LinearPlanes):
+    """float32 (E, rows, cols) from the word layout (the test oracle)."""
+    import torch
+
+    E, rows, kw = lp.a.shape
+    per = 32 // lp.cbits
+    sh = torch.arange(per, device=lp.a.device, dtype=torch.int64) * lp.cbits
+    mask = (1 << lp.cbits) - 1
+    words = lp.a.to(torch.int64) & 0xFFFFFFFF
+    codes = (words[..., None] >> sh) & mask
+    if lp.a2 is not None:
+        codes2 = ((lp.a2.to(torch.int64) & 0xFFFFFFFF)[..., None] >> sh) & mask
+        codes = torch.cat([codes, codes2], dim=-1)
+    lv = (codes.reshape(E, rows, kw * 16) - lp.off).to(torch.float32)
+    return lv * lp.slut[lp.s.to(torch.int64).repeat_interleave(16, dim=2)]

@@ -84,6 +84,13 @@ class Owner(Protocol):
         only on x[i] and the expert's weights, never on the other rows.
         """
 
+    # Optional (overlapped submission, runtime/overlap.py): an owner that stages
+    # its input asynchronously may define
+    #     run_slots_staged(layer, x, expert_ids, mode, ready) -> same as run_slots
+    # calling ready.fire() exactly when its input copy is enqueued (before its
+    # compute is), and returning the same bytes as run_slots. A failure before
+    # the fire just raises (the executor wakes the waiter with it).
+
     def resident_bytes(self) -> int:
         """Bytes of expert data (and decode tables) this owner holds."""
 

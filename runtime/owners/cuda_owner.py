@@ -14,6 +14,16 @@ the Triton kernels of ``runtime.kernels``.
 * MIX (105/106) stacks decode with the books registered in this owner's
   registry, copied to the device on first use (and again after a
   re-registration); an unregistered tensor raises ``UnregisteredTableError``.
+* decode steps (at most ``gemv_max_slots`` slots, one stack per projection,
+  rocmfp2 / rocmfp3: ``layout.LINEAR_QTYPES``) run ``kernels.gemv_triton``
+  instead: no sort and no host planning, the slot -> local expert lookup on
+  the device, both launches captured once per (layer, slots) in a CUDA graph
+  and replayed (``graphs=False``: eager launches).
+* inputs and outputs go through pinned host buffers; the input copy runs on
+  a copy stream, the compute stream waits for it on a CUDA event, the caller
+  waits on the output's event (never a device-wide synchronize).
+  ``run_slots_staged`` fires the overlap readiness signal as soon as that copy
+  is enqueued (runtime/overlap.py).
 * qtypes outside ``kernels.layout.KERNEL_QTYPES`` (rocmfp6, rocmfp2_affine,
   q8_0, bf16, f16, f32), or a call whose experts need them, run
   TorchOwner's fast path (decode_torch + matmul) for the whole call.
@@ -50,6 +60,12 @@ class LaunchPlan:
     stages: tuple
 
 
+def group_t(x: np.ndarray) -> np.ndarray:
+    """float32 (n, H) -> (n, 16, H / 16) with [s, c, j] = x[s, 16 j + c] (the decode-step layout)."""
+    n, H = x.shape
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(n, H // 16, 16).transpose(0, 2, 1))
+
+
 def _need_triton():
     try:
         from ds4quant.runtime.kernels import moe_triton
@@ -62,8 +78,19 @@ class CudaOwner(TorchOwner):
     """Owner protocol on a CUDA/ROCm device; see the module docstring."""
 
     def __init__(self, device: str = "cuda:0", identity: Optional[str] = None,
-                 swiglu_limit: float = DEFAULT_SWIGLU_LIMIT, bt: int = 16, prec: str = "tf32x3"):
+                 swiglu_limit: float = DEFAULT_SWIGLU_LIMIT, bt: int = 16, prec: str = "tf32x3",
+                 graphs: bool = True, gemv_max_slots: int = 16):
         super().__init__(device, identity=identity, swiglu_limit=swiglu_limit)
+        self.graphs = bool(graphs)
+        self.gemv_max_slots = int(gemv_max_slots)
+        # decode-step kernel tiles: stage ("gu" / "down") -> (rows per program, words per step,
+        # warps, pipeline stages)
+        # (measured on the lent H200: benchmarks/results/runtime_gpu_step_h200.json)
+        self.gemv_tile: dict[str, tuple[int, int, int, int]] = {"gu": (16, 32, 2, 1), "down": (16, 32, 2, 1)}
+        self._gemv: dict[int, object] = {}  # layer -> (gate, up, down planes, loc) or None
+        self._graph_cache: dict[tuple[int, int], tuple] = {}
+        self._pinned: dict[str, object] = {}
+        self._streams = None
         if bt not in (16, 32, 64):
             raise BadInputError(f"bt (tokens of one expert per program) must be 16, 32 or 64, got {bt}")
         self.bt = int(bt)
@@ -90,6 +117,10 @@ class CudaOwner(TorchOwner):
         p = dict(fmt=fmt, stack=stack, a=a, b=b, s=s,
                  slut=torch.from_numpy(layout.scale_lut(stack.qtype)).to(self.device),
                  llut=None, tab=torch.zeros(1, dtype=torch.int32, device=self.device), books=None)
+        if stack.qtype in layout.LINEAR_QTYPES:
+            p["lin"] = layout.linear_planes(stack.qtype, a, b, s, p["slut"])
+        self._gemv.pop(stack.layer, None)
+        self._graph_cache = {k: v for k, v in self._graph_cache.items() if k[0] != stack.layer}
         if not fmt.mix:
             p["llut"] = torch.from_numpy(layout.level_lut(stack.qtype)).to(self.device)
         else:
@@ -99,11 +130,16 @@ class CudaOwner(TorchOwner):
     def resident_bytes(self) -> int:
         extra = sum(int(p["a"].nbytes + p["s"].nbytes + (p["b"].nbytes if p["b"] is not None else 0))
                     for p in self._planes.values())
+        extra += sum(int(p["lin"].a.nbytes + p["lin"].a2.nbytes) for p in self._planes.values()
+                     if "lin" in p and p["lin"].a2 is not None)
         return super().resident_bytes() + extra
 
     def close(self) -> None:
         super().close()
         self._planes.clear()
+        self._gemv.clear()
+        self._graph_cache.clear()
+        self._pinned.clear()
 
     def _mix_levels(self, p) -> None:
         """The stack's registered books on the device (raises when unregistered)."""
@@ -207,21 +243,181 @@ class CudaOwner(TorchOwner):
         out.index_copy_(0, plan.order, y)
         return out
 
+    # -- decode steps (gemv_triton) --------------------------------------
+    def gemv_set(self, layer: int):
+        """(gate, up, down linear planes, loc int64 device (max id + 1,), loc host)
+        when ``layer`` can run the decode-step kernels, else None."""
+        if layer in self._gemv:
+            return self._gemv[layer]
+        import torch
+
+        got = None
+        stacks = []
+        for proj in PROJS:
+            owners = {v[0].tensor for v in self._where.get((layer, proj), {}).values()}
+            if len(owners) != 1 or next(iter(owners)) not in self._planes:
+                break
+            stacks.append(self._planes[next(iter(owners))])
+        else:
+            pg, pu, pd = stacks
+            ids = pg["stack"].expert_ids
+            if ("lin" in pg and "lin" in pu and "lin" in pd and pg["stack"].qtype == pu["stack"].qtype
+                    and pu["stack"].expert_ids == ids and pd["stack"].expert_ids == ids):
+                loc = np.full(max(ids) + 1, -1, np.int64)
+                loc[list(ids)] = np.arange(len(ids))
+                got = (pg["lin"], pu["lin"], pd["lin"], torch.from_numpy(loc).to(self.device), loc)
+        self._gemv[layer] = got
+        return got
+
+    def gemv_device(self, layer: int, xT, ids):
+        """The decode-step kernels on device tensors: xT float32 (n, 16, H / 16)
+        group-transposed (``group_t``), ids int64 (n,) global experts -> float32
+        (n, H). Exactly two launches, no host work."""
+        import torch
+        from ds4quant.runtime.kernels import gemv_triton as gk
+
+        lg, lu, ld, loc, _ = self._gemv[layer]
+        n = xT.shape[0]
+        inter = lg.a.shape[1]
+        hT = torch.empty((n, 16, inter // 16), dtype=torch.float32, device=xT.device)
+        y = torch.empty((n, ld.a.shape[1]), dtype=torch.float32, device=xT.device)
+        bn, bw, nw, ns = self.gemv_tile["gu"]
+        gk.gemv(lg, xT, ids, loc, hT, lp2=lu, limit=self.swiglu_limit, out_t=True, bn=bn, bw=bw, num_warps=nw,
+                num_stages=ns)
+        bn, bw, nw, ns = self.gemv_tile["down"]
+        gk.gemv(ld, hT, ids, loc, y, bn=bn, bw=bw, num_warps=nw, num_stages=ns)
+        return y
+
+    def _step_graph(self, layer: int, n: int, H: int):
+        """(graph, xT, ids, y): the decode step of ``n`` slots captured once."""
+        import torch
+
+        key = (layer, n)
+        if key in self._graph_cache:
+            return self._graph_cache[key]
+        xs = torch.zeros((n, 16, H // 16), dtype=torch.float32, device=self.device)
+        ids = torch.zeros((n,), dtype=torch.int64, device=self.device)
+        ids.fill_(int(self._gemv[layer][4].argmax()))  # a resident expert (loc >= 0) for the warm-up
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compiles the kernels outside the capture
+            self.gemv_device(layer, xs, ids)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another owner's thread may be launching work meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            y = self.gemv_device(layer, xs, ids)
+        self._graph_cache[key] = (graph, xs, ids, y)
+        return self._graph_cache[key]
+
+    def _pin(self, name: str, n: int, dtype):
+        import torch
+
+        buf = self._pinned.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(max(n, 1 << max(0, n - 1).bit_length()), dtype=dtype, pin_memory=True)
+            self._pinned[name] = buf
+        return buf[:n]
+
+    def _stream_pair(self):
+        import torch
+
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return self._streams
+
+    def _fast_cuda(self, layer: int, x: np.ndarray, ids: np.ndarray, ready):
+        """Fast mode on a CUDA device through pinned buffers and two streams;
+        ready.fire() once the input copy is enqueued. None: needs the fallback."""
+        import torch
+
+        n, H = x.shape
+        gem = self.gemv_set(layer) if 0 < n <= self.gemv_max_slots else None
+        if gem is not None:
+            loc = gem[4]
+            if ids.min() < 0 or ids.max() >= loc.shape[0] or (loc[ids] < 0).any():
+                bad = sorted({int(e) for e in ids if e < 0 or e >= loc.shape[0] or loc[e] < 0})
+                raise BadInputError(f"experts {bad} of layer {layer} are not resident on {self.identity}")
+        pin_i = self._pin("ids", n, torch.int64)
+        pin_i.numpy()[...] = ids
+        if gem is not None:  # the kernels read x group-transposed: done here, on the host
+            pin_x = self._pin("x", n * H, torch.float32).view(n, 16, H // 16)
+            pin_x.numpy()[...] = group_t(x)
+        else:
+            pin_x = self._pin("x", n * H, torch.float32).view(n, H)
+            pin_x.numpy()[...] = x
+        copy, comp = self._stream_pair()
+        graph = None
+        if gem is not None and self.graphs:
+            graph, dx, di, gy = self._step_graph(layer, n, H)
+        else:
+            dx = torch.empty(tuple(pin_x.shape), dtype=torch.float32, device=self.device)
+            di = torch.empty((n,), dtype=torch.int64, device=self.device)
+        copy.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(copy):
+            dx.copy_(pin_x, non_blocking=True)
+            di.copy_(pin_i, non_blocking=True)
+            staged = torch.cuda.Event()
+            staged.record(copy)
+        ready.fire()
+        with torch.cuda.stream(comp):
+            comp.wait_event(staged)  # the copy dependency, on the device
+            if graph is not None:
+                graph.replay()
+                y = gy
+            elif gem is not None:
+                y = self.gemv_device(layer, dx, di)
+            else:
+                y = self.fast_device(layer, dx, ids)
+                if y is None:
+                    return None
+            pin_y = self._pin("y", n * H, torch.float32).view(n, H)
+            pin_y.copy_(y, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(comp)
+        done.synchronize()  # this owner's work only
+        return pin_y.numpy().copy()
+
     # -- compute ---------------------------------------------------------
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
+        from ds4quant.runtime.overlap import Readiness
+
+        return self.run_slots_staged(layer, x, expert_ids, mode, Readiness())
+
+    def run_slots_staged(self, layer: int, x, expert_ids, mode: str, ready) -> np.ndarray:
+        """run_slots, firing ``ready`` once the input copy is enqueued (runtime/overlap.py)."""
         import torch
 
         if mode not in MODES:
             raise BadInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
         if mode == "exact":
+            ready.fire()  # exact mode's input copy is inside torch_exact
             return super().run_slots(layer, x, expert_ids, mode)
+        if self.device.type == "cuda":
+            xn = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
+            if xn.ndim != 2 or xn.shape[0] != ids.shape[0]:
+                raise ShapeError(f"run_slots: x {tuple(xn.shape)} and {ids.shape[0]} expert ids disagree")
+            if ids.shape[0] == 0:
+                ready.fire()
+                return np.zeros(xn.shape, np.float32)
+            with self._lock:
+                y = self._fast_cuda(layer, xn, ids, ready)
+            if y is None:
+                return super().run_slots(layer, x, expert_ids, mode)
+            return y
+        ready.fire()
         xt = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         xt = xt.to(device=self.device, dtype=torch.float32).contiguous()
-        ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
         if xt.ndim != 2 or xt.shape[0] != ids.shape[0]:
             raise ShapeError(f"run_slots: x {tuple(xt.shape)} and {ids.shape[0]} expert ids disagree")
         with self._lock:
-            y = self.fast_device(layer, xt, ids)
+            gem = self.gemv_set(layer) if 0 < ids.shape[0] <= self.gemv_max_slots else None
+            if gem is not None and ids.min() >= 0 and ids.max() < gem[4].shape[0] and (gem[4][ids] >= 0).all():
+                # the CPU device (interpreter tests): the decode-step kernels, eager
+                y = self.gemv_device(layer, torch.from_numpy(group_t(xt.numpy())), torch.from_numpy(ids))
+            else:
+                y = self.fast_device(layer, xt, ids)
         if y is None:
             return super().run_slots(layer, x, expert_ids, mode)
         return y.cpu().numpy()

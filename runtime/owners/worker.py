@@ -59,6 +59,8 @@ from ds4quant.runtime.owners.base import MODES, ExpertStack
 OWNER_CLASSES = {
     "cpu": "ds4quant.runtime.owners.cpu:CpuOwner",
     "torch": "ds4quant.runtime.owners.torch_owner:TorchOwner",
+    # a CUDA/ROCm runtime in the child (the second vendor's owner on a mixed host)
+    "cuda": "ds4quant.runtime.owners.cuda_owner:CudaOwner",
 }
 
 PICKLE_PROTOCOL = 5
@@ -187,7 +189,8 @@ class _Connection:
                 op=op,
             )
 
-    def call(self, op: str, payload: Any = None, fd: int | None = None, timeout_s: float | None = None):
+    def call(self, op: str, payload: Any = None, fd: int | None = None, timeout_s: float | None = None,
+             sent=None):
         self.require_open(op)
         try:
             frame = encode_frame((op, payload))
@@ -203,6 +206,8 @@ class _Connection:
                 except (BrokenPipeError, ConnectionResetError):
                     raise _Gone from None
             self._write(frame, deadline)
+            if sent is not None:
+                sent()  # the request is on its way (overlapped submission's readiness)
             reply = self._read_frame(deadline)
         except _Gone:
             raise self._fail(op, self._death_message(op)) from None
@@ -350,6 +355,8 @@ class WorkerOwner:
 
         w = WorkerOwner("worker:0", owner="cpu")
         w.add_stack(stack); y = w.run_slots(3, x, ids, "exact"); w.close()
+        g = WorkerOwner("worker:1", owner="cuda", device="cuda:0",
+                        env={"CUDA_VISIBLE_DEVICES": "0"})   # a CudaOwner in the child
     """
 
     def __init__(self, identity: str = "worker:0", owner: str = "cpu", python: str | None = None,
@@ -413,6 +420,11 @@ class WorkerOwner:
 
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
         """Per-slot unweighted outputs, float32 (n, hidden); see ``Owner.run_slots``."""
+        return self.run_slots_staged(layer, x, expert_ids, mode, None)
+
+    def run_slots_staged(self, layer: int, x, expert_ids, mode: str, ready) -> np.ndarray:
+        """run_slots; ``ready.fire()`` once the rows are in the input arena and the
+        request is sent (runtime/overlap.py), before waiting for the child."""
         x = np.asarray(x)
         ids = np.asarray(expert_ids)
         where = f"{self.identity} run_slots layer {layer}"
@@ -433,7 +445,8 @@ class WorkerOwner:
             inp.array(np.float32, (n, hidden))[...] = x
             inp.array(np.int64, (n,), off)[...] = ids
             conn.call("run", {"layer": int(layer), "n": n, "hidden": hidden, "mode": mode,
-                              "gen": (conn.arenas["in"].generation, conn.arenas["out"].generation)})
+                              "gen": (conn.arenas["in"].generation, conn.arenas["out"].generation)},
+                      sent=None if ready is None else ready.fire)
             return out.array(np.float32, (n, hidden)).copy()
 
     def close(self) -> None:

@@ -362,3 +362,32 @@ def test_load_takes_a_placement_object(mx):
         assert rt.owners["torch-cpu:1"].experts(1) == tuple(range(1, 12, 2))
         res = rt.run_layer(1, torch.zeros((1, 256)), torch.tensor([[0, 13, 3, 15]]), torch.ones((1, 4)))
         assert res.missing == ((0, 1, 13), (0, 3, 15))
+
+
+def _combine_torch(weights, slots, held=None, shared=None):
+    """The torch-ops combine that execute.combine replaced (the oracle)."""
+    T, K = weights.shape
+    keep = torch.ones((T, K), dtype=torch.bool) if held is None else torch.from_numpy(held)
+    acc = torch.zeros((T, slots.shape[2]), dtype=torch.float32)
+    started = torch.zeros((T, 1), dtype=torch.bool)
+    for k in range(K):
+        term = weights[:, k:k + 1] * slots[:, k, :]
+        acc = torch.where(keep[:, k:k + 1], torch.where(started, acc + term, term), acc)
+        started = started | keep[:, k:k + 1]
+    return acc if shared is None else acc + shared
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_numpy_combine_has_the_torch_ops_bits(seed):
+    g = np.random.default_rng(seed)
+    T, K, Hh = 5, 6, 33
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 3.4e38, 1e-38], np.float32)
+    y = (g.standard_normal((T, K, Hh)) * 10.0 ** g.integers(-30, 30, (T, K, 1))).astype(np.float32)
+    y.reshape(-1)[g.choice(y.size, 40, replace=False)] = g.choice(specials, 40)
+    w = g.random((T, K)).astype(np.float32)
+    w[0, 0] = -0.0
+    held = g.random((T, K)) < 0.7 if seed % 2 else None
+    shared = torch.from_numpy(g.standard_normal((T, Hh)).astype(np.float32)) if seed % 3 else None
+    got = combine(torch.from_numpy(w), torch.from_numpy(y), held=held, shared=shared)
+    want = _combine_torch(torch.from_numpy(w), torch.from_numpy(y), held, shared)
+    assert got.dtype == torch.float32 and got.numpy().view(np.uint32).tobytes() == want.numpy().view(np.uint32).tobytes()

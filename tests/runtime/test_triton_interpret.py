@@ -9,7 +9,6 @@ expert) and grouped (tl.dot) batches, for every qtype with a kernel layout.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ torch = pytest.importorskip("torch")
 from ds4quant.runtime.kernels import layout  # noqa: E402
 
 from . import _synth as S  # noqa: E402
+from ._interp import kernels  # noqa: E402
 
 LAYER = 1
 EXPERTS = (3, 7, 8, 20)
@@ -64,17 +64,7 @@ def test_no_kernel_layout_for_the_fallback_qtypes():
 
 @pytest.fixture(scope="module")
 def interp():
-    if not os.environ.get("TRITON_INTERPRET"):
-        # must be set before triton.jit decorates the kernels (moe_triton import)
-        import sys
-
-        if "ds4quant.runtime.kernels.moe_triton" in sys.modules:
-            pytest.skip("moe_triton already imported without TRITON_INTERPRET=1")
-        os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton")
-    from ds4quant.runtime.kernels import moe_triton
-
-    return moe_triton
+    return kernels("ds4quant.runtime.kernels.moe_triton")
 
 
 def _owner(qtype, experts=EXPERTS):

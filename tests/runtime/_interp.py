@@ -1,0 +1,34 @@
+"""Triton's interpreter (TRITON_INTERPRET=1) for the kernel tests on the CPU.
+
+``kernels(module)`` sets the variable before the kernel module is imported
+(triton.jit reads it when it decorates) and works around triton 3.6's
+interpreter under numpy >= 2.3: it turns scalar kernel arguments (held as
+one-element arrays) into Python ints with ``int(array)``, which numpy now
+refuses for arrays of one dimension."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+
+def kernels(module: str):
+    if not os.environ.get("TRITON_INTERPRET"):
+        if module in sys.modules:
+            pytest.skip(f"{module} already imported without TRITON_INTERPRET=1")
+        os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton")
+    from triton.runtime import interpreter as ti
+
+    orig = getattr(ti, "_patch_lang_tensor", None)
+    if orig is not None and not getattr(orig, "_ds4q", False):
+        def patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        patched._ds4q = True
+        ti._patch_lang_tensor = patched
+    return importlib.import_module(module)
