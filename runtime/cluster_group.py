@@ -368,6 +368,9 @@ def serve_calls(g, spec: dict, dog) -> int:
     wire = _connect(spec) if rank == 0 else None
     keepalive_s = float(spec.get("keepalive_s", 5.0))
     shard = None
+    home_gone = False
+    if rank == 0:
+        dog.orphan_dir = spec.get("out_dir")  # the home's folder, should the home die first
     try:
         shard = open_shard(g, job, mode, dog.beat)
         h = shard.view.header
@@ -385,6 +388,7 @@ def serve_calls(g, spec: dict, dog) -> int:
                         msg = wire.recv(float(spec.get("timeout_s", 60)))
                     except (EOFError, OSError, ValueError):
                         msg = ({"op": "stop"}, [])  # the home is gone: end every rank
+                        home_gone = True
                     op = {"stop": OP_STOP, "call": OP_CALL}.get(msg[0].get("op"), OP_STOP)
                     if op == OP_CALL:
                         head[:] = torch.tensor([OP_CALL, int(msg[0]["layer"]), int(msg[0]["T"]), int(msg[0]["K"])])
@@ -412,6 +416,8 @@ def serve_calls(g, spec: dict, dog) -> int:
             shard.close()
         if wire is not None:
             wire.close()
+        if home_gone and spec.get("out_dir"):  # nobody else will remove it
+            shutil.rmtree(spec["out_dir"], ignore_errors=True)
 
 
 def _serve_one(g, shard, wire, msg, L: int, T: int, K: int, H: int, mode: str) -> None:

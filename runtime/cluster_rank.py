@@ -170,6 +170,7 @@ class Watchdog:
         self._last = time.monotonic()
         self._ppid = os.getppid()
         self._stop = threading.Event()
+        self.orphan_dir: Optional[str] = None  # removed when the launcher dies without cleaning up
         self._t = threading.Thread(target=self._run, name="ds4q-cluster-watchdog", daemon=True)
         self._t.start()
 
@@ -187,6 +188,10 @@ class Watchdog:
             elif time.monotonic() - self._last > self.idle_s:
                 why = f"no progress for {self.idle_s:g}s (hung)"
             if why:
+                if self.orphan_dir and os.getppid() != self._ppid:
+                    import shutil
+
+                    shutil.rmtree(self.orphan_dir, ignore_errors=True)
                 sys.stderr.write(f"ds4quant: error: cluster rank {self.rank}: {why}; exiting\n")
                 sys.stderr.flush()
                 os._exit(3)
@@ -281,7 +286,7 @@ def open_shard(g: _Group, job: dict, mode: str, beat=lambda: None) -> Shard:
             want = job.get("expect_fingerprint")
             if want is not None and want != fp:
                 raise IntegrityError(f"artifact fingerprint {fp[:23]}... is not the caller's {want[:23]}...",
-                                     where=str(job["artifact"]), hint="the artifact changed while in use")
+                                     where=str(job["artifact"]), hint="the caller and every rank must open the same artifact")
         except Exception as e:  # every rank must hear of it, or the others wait at the gather
             err = e
         got = _agree(g, "rendezvous", err, (fp, psha))

@@ -78,14 +78,14 @@ def inputs():
     return x, torch.tensor([5, 17, 100])
 
 
-def _placements(art: Path, n: int, where: Path) -> dict[str, Path]:
+def _placements(art: Path, n: int, where: Path, owner: str = OWNER) -> dict[str, Path]:
     prof = read_routing(CALIB / "routing.csv")
     with open_artifact(art) as v:
         fp = artifact_fingerprint(v)
     out = {}
     for name, (strategy, k) in PLACEMENTS.items():
-        p = plan_ranks(prof, n, strategy, k, owner=OWNER, artifact=fp)
-        out[name] = write_placement(where / f"{art.name}-{n}-{name}.json", p)
+        p = plan_ranks(prof, n, strategy, k, owner=owner, artifact=fp)
+        out[name] = write_placement(where / f"{art.name}-{n}-{name}-{owner.replace(':', '')}.json", p)
     return out
 
 
@@ -340,3 +340,68 @@ def test_cli_run_starts_torchrun_and_writes_the_result(arts, inputs, tmp_path):
                                  "--tokens", "2", "--launcher", "spawn"])
     assert r.exit_code == 2 and "placement is for 2 ranks, this cluster has 4" in r.output, r.output
     assert os.path.exists(out)
+
+
+# --------------------------------------------------------------------------
+# the persistent rank group (runtime.cluster_group): started once, serving calls
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("n", [4])  # 2 ranks: tests/verify/test_fidelity_cluster.py, through a whole model
+def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, tmp_path, n):
+    from ds4quant.runtime.cluster_group import RankGroup
+    from ds4quant.runtime.placement import read_placement
+
+    x, tok = inputs
+    art = arts["strix"]
+    routing = _routing_with_combine_case(art, x, tok)
+    ref = _reference(art, x, tok, routing)
+    # the ranks run the numba CPU owner, the reference the torch one: exact mode is owner-independent
+    pname = _placements(art, n, tmp_path, owner="cpu")["replicate-hot"]
+    plc = read_placement(pname)
+    before, shm = _leftovers(), _shm()
+    with open_artifact(art) as v:
+        nb, fp = v.expert_nbytes(), v.fingerprint()
+    with RankGroup(art, pname, mode="exact", timeout_s=TIMEOUT, expect_fingerprint=fp) as grp:
+        pids = [p.pid for p in grp._procs]
+        assert len(pids) == n and grp.start_s > 0
+        for L in (*LAYERS, LAYERS[0]):  # the same ranks serve every call
+            _, res, shared, idx, w = ref[L]
+            got = grp.run_layer(L, x, idx, w, shared=shared)
+            assert _sha(got.out) == ref[L][0], f"{n} ranks, layer {L}"
+        assert [p.pid for p in grp._procs] == pids and all(p.poll() is None for p in grp._procs)
+        st = grp.stats()
+        assert st["calls"] == 3 and st["n_ranks"] == n
+        for r, rep in enumerate(grp.ranks):
+            mine = [[e for e in range(E) if plc.ranks.owner[L][e] in (r, -1)] for L in range(4)]
+            share = sum(int(nb[L, e]) for L in range(4) for e in mine[L])
+            # each rank read exactly its own + replicated experts and no dense tensor (the home routes)
+            assert rep["experts"] == mine
+            assert rep["expert_bytes_read"] == share == rep["share_bytes"] < int(nb.sum())
+            assert rep["dense_bytes_read"] == 0
+    # the combine case: canonical order keeps slot 3 only
+    _, res, shared, _, w = ref[COMBINE_LAYER]
+    y = res.slots[0]
+    canon = ((w[0, 0] * y[0] + w[0, 1] * y[1]) + w[0, 2] * y[2]) + w[0, 3] * y[3] + shared[0]
+    assert np.array_equal(res.out[0].numpy(), canon.numpy())
+    partial = (w[0, 0] * y[0] + w[0, 2] * y[2]) + (w[0, 1] * y[1] + w[0, 3] * y[3]) + shared[0]
+    assert not np.array_equal(res.out[0].numpy(), partial.numpy())  # so the sha above tells them apart
+    assert _leftovers() == before and _shm() == shm
+    with pytest.raises(ClusterError, match="ranks are gone"):
+        grp.run_layer(0, x, ref[0][3], ref[0][4])
+
+
+def test_rank_group_refuses_an_artifact_other_than_the_callers(arts, tmp_path):
+    from ds4quant.runtime.cluster_group import RankGroup
+
+    pname = _placements(arts["strix"], 2, tmp_path, owner="cpu")["uniform"]
+    before = _leftovers()
+    with pytest.raises(ClusterError) as ei:
+        RankGroup(arts["strix"], pname, timeout_s=TIMEOUT, expect_fingerprint="sha256:" + "0" * 64)
+    msg = str(ei.value)
+    # both ranks refuse it (each checks its own view), in one line
+    assert "\n" not in msg and msg.count("is not the caller's sha256:0000") >= 2, msg
+    assert _leftovers() == before
