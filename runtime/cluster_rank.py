@@ -253,9 +253,20 @@ class Shard:
         h, rt = self.view.header, self.rt
         return {"rank": rank, "n_ranks": n, "backend": backend, "mode": mode, "fingerprint": self.fingerprint,
                 "placement_sha256": self.placement_sha256, "owners": list(rt.owners), "load_s": self.load_s,
-                "experts": [[int(e) for o in rt.owners.values() for e in o.experts(L)] for L in range(h.n_layer)],
+                "experts": [sorted(int(e) for o in rt.owners.values() for e in o.experts(L)) for L in range(h.n_layer)],
                 "expert_bytes_read": self.view.expert_bytes, "share_bytes": self.share_bytes,
-                "dense_bytes_read": self.view.dense_bytes, "resident_bytes": rt.resident_bytes()}
+                "dense_bytes_read": self.view.dense_bytes, "resident_bytes": rt.resident_bytes(),
+                "tables": _tables(rt)}
+
+
+def _tables(rt) -> dict:
+    """{owner: {MIX tensor: expert ids registered}}: the decode tables this rank holds."""
+    out = {}
+    for name, o in rt.owners.items():
+        reg = getattr(o, "registry", None)
+        if reg is not None:
+            out[name] = {t: [int(e) for e in reg.expert_ids(t)] for t in reg.registered()}
+    return out
 
 
 def open_shard(g: _Group, job: dict, mode: str, beat=lambda: None) -> Shard:

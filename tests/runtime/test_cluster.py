@@ -138,14 +138,24 @@ def _check_runs(runs, jobs, refs, n):
 
         plc = read_placement(pname)
         total = int(nb.sum())
+        with open_artifact(art) as v:
+            mix = [s for s in v.stacks if formats.QTYPES[s.qtype].is_mix]
         for r, rep in enumerate(run.ranks):
             mine = [[e for e in range(E) if plc.ranks.owner[L][e] in (r, -1)] for L in range(4)]
             share = sum(int(nb[L, e]) for L in range(4) for e in mine[L])
+            # decode tables: every MIX stack this rank holds experts of, registered for exactly those
+            tables: dict = {}
+            for per_owner in rep["tables"].values():
+                for t, ids in per_owner.items():
+                    tables[t] = sorted(set(tables.get(t, ())) | set(ids))
+            want = {s.name: sorted(e for e in s.expert_ids if e in mine[s.layer]) for s in mix}
+            assert tables == {t: ids for t, ids in want.items() if ids}, f"rank {r} tables"
             # the counting reader: exactly the rank's own + replicated experts, once, plus dense tensors
             assert rep["expert_bytes_read"] == share == rep["share_bytes"] < total
             assert rep["dense_bytes_read"] <= _dense_bytes(art)  # 0 on a rank with no rows of the shared expert
             assert rep["experts"] == mine
             assert sum(rep["resident_bytes"].values()) >= share
+            assert sorted(rep["owners"]) == sorted(job.get("owners") or [OWNER])
         assert run.ranks[0]["dense_bytes_read"] > 0  # rank 0 routes
         # every slot computed exactly once across the ranks
         for i, L in enumerate(LAYERS):
@@ -167,10 +177,14 @@ def _jobs_and_refs(artifacts: dict, n: int, inputs, tmp: Path):
 def test_exact_bytes_of_n_ranks_equal_one_process_strix(arts, inputs, tmp_path, n):
     x, tok = inputs
     jobs, refs, routing = _jobs_and_refs(arts, n, inputs, tmp_path)
+    # each rank with a torch and a numba CPU owner of its own (its experts interleaved over them)
+    jobs.append({**jobs[2], "owners": [OWNER, "cpu:1"]})
     # plus fast mode (partial sums per rank, all_reduced) on the uniform placement
     jobs.append({**jobs[0], "mode": "fast"})
     runs = run_cluster_jobs(jobs, n, x, token_ids=tok, routing=routing, timeout_s=TIMEOUT, threads=1)
     _check_runs(runs[:-1], jobs[:-1], refs, n)
+    for rep in runs[-2].ranks:  # both owners did slots
+        assert all(rep["resident_bytes"][o] > 0 for o in (OWNER, "cpu:1")), rep["resident_bytes"]
     # the [1e20, 1, -1e20, 1] token: canonical order keeps slot 3 only; per-rank partial sums do not
     ref = refs[arts["strix"]][COMBINE_LAYER]
     res, shared, _, w = ref[1], ref[2], ref[3], ref[4]
