@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import secrets
 import select
 import shutil
@@ -140,8 +139,8 @@ class RankGroup:
     """The ranks of a rank placement over ``artifact``, started once and serving
     every ``run_layer`` call until ``close`` (a context manager).
 
-    placement: a rank placement file (``ds4quant place --ranks N``); its
-    n_ranks ranks are started. timeout_s: the ranks' collective timeout (a
+    placement: a rank placement (``ds4quant place --ranks N``; a file or a
+    Placement); its n_ranks ranks are started. timeout_s: the ranks' collective timeout (a
     dead or hung peer fails a call within about this); startup_s: extra
     time for imports, rendezvous and loading. expect_fingerprint: the
     artifact fingerprint the caller holds (every rank checks its own view
@@ -152,11 +151,11 @@ class RankGroup:
                  threads: Optional[int] = 1, owners: Optional[Sequence[str]] = None,
                  expect_fingerprint: Optional[str] = None) -> None:
         from ds4quant.runtime.owners.base import MODES
-        from ds4quant.runtime.placement import read_placement
+        from ds4quant.runtime.placement import Placement, read_placement
 
         if mode not in MODES:
             raise BadInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}", where="--mode")
-        plc = read_placement(placement)
+        plc = placement if isinstance(placement, Placement) else read_placement(placement)
         if plc.ranks is None:
             raise BadInputError("placement has no ranks (plan it with ds4quant place --ranks N)",
                                 where=str(placement))
@@ -175,6 +174,10 @@ class RankGroup:
         self._closed = False
         self._tmp = Path(tempfile.mkdtemp(prefix="ds4q-cluster-"))
         try:
+            if isinstance(placement, Placement):  # the ranks read a file
+                from ds4quant.runtime.placement import write_placement
+
+                placement = write_placement(self._tmp / "placement.json", placement)
             self._start(str(artifact), str(placement), startup_s, env, threads, owners, expect_fingerprint)
         except BaseException:
             self._teardown()

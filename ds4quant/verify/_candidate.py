@@ -247,7 +247,9 @@ def placement_label(placement) -> str:
     if placement is None:
         return "cpu:0 (one CPU owner)"
     if is_rank_placement(placement):
-        return f"{placement} ({read_placement(placement).ranks.n_ranks} gloo ranks)"
+        plc = placement if hasattr(placement, "ranks") else read_placement(placement)
+        where = "placement" if hasattr(placement, "ranks") else str(placement)
+        return f"{where} ({plc.ranks.n_ranks} gloo ranks)"
     return str(placement)
 
 

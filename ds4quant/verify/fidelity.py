@@ -158,7 +158,6 @@ def measure(ctx: Context) -> dict:
 
     import torch
 
-    from ds4quant import runtime
     from ds4quant.runtime import fidelity as fd
     from ds4quant.runtime.reference import load_reference, moe_blocks
     from ds4quant.verify import _candidate as C
@@ -263,12 +262,14 @@ def check_placements(view, placements) -> None:
     after the reference model has run)."""
     from os import PathLike
 
-    from ds4quant.runtime.placement import read_placement
+    from ds4quant.runtime.placement import Placement, read_placement
 
     h, fp = view.header, view.fingerprint()
     for p in placements:
         if isinstance(p, (str, PathLike)):
             read_placement(p).check_matches(h.n_layer, h.n_expert, fp, where=str(p))
+        elif isinstance(p, Placement):
+            p.check_matches(h.n_layer, h.n_expert, fp, where="placement")
 
 
 def _checks(ctx: Context, res: dict) -> None:
