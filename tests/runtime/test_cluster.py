@@ -364,8 +364,31 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch):
+    """The group's temporary folder goes under this test's own folder, so what is
+    left over is this test's alone (other runs on a shared machine make their own)."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _mine(d: Path) -> tuple[list[int], list[str]]:
+    """Live processes started for folder ``d`` and cluster folders left in it."""
+    procs = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if str(d).encode() in (p / "cmdline").read_bytes():
+                    procs.append(int(p.name))
+            except OSError:
+                pass
+    return procs, sorted(str(x) for x in d.glob("ds4q-cluster-*"))
+
+
 @pytest.mark.parametrize("n", [4])  # 2 ranks: tests/verify/test_fidelity_cluster.py, through a whole model
-def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, tmp_path, n):
+def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, tmp_path, own_tmp, n):
     from ds4quant.runtime.cluster_group import RankGroup
     from ds4quant.runtime.placement import read_placement
 
@@ -376,12 +399,13 @@ def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, t
     # the ranks run the numba CPU owner, the reference the torch one: exact mode is owner-independent
     pname = _placements(art, n, tmp_path, owner="cpu")["replicate-hot"]
     plc = read_placement(pname)
-    before, shm = _leftovers(), _shm()
+    shm = _shm()
     with open_artifact(art) as v:
         nb, fp = v.expert_nbytes(), v.fingerprint()
     with RankGroup(art, pname, mode="exact", timeout_s=TIMEOUT, expect_fingerprint=fp) as grp:
         pids = [p.pid for p in grp._procs]
         assert len(pids) == n and grp.start_s > 0
+        assert sorted(_mine(own_tmp)[0]) == sorted(pids) and len(_mine(own_tmp)[1]) == 1
         for L in (*LAYERS, LAYERS[0]):  # the same ranks serve every call
             _, res, shared, idx, w = ref[L]
             got = grp.run_layer(L, x, idx, w, shared=shared)
@@ -403,19 +427,45 @@ def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, t
     assert np.array_equal(res.out[0].numpy(), canon.numpy())
     partial = (w[0, 0] * y[0] + w[0, 2] * y[2]) + (w[0, 1] * y[1] + w[0, 3] * y[3]) + shared[0]
     assert not np.array_equal(res.out[0].numpy(), partial.numpy())  # so the sha above tells them apart
-    assert _leftovers() == before and _shm() == shm
+    assert _mine(own_tmp) == ([], []) and _shm() == shm
     with pytest.raises(ClusterError, match="ranks are gone"):
         grp.run_layer(0, x, ref[0][3], ref[0][4])
 
 
-def test_rank_group_refuses_an_artifact_other_than_the_callers(arts, tmp_path):
+def test_rank_group_refuses_an_artifact_other_than_the_callers(arts, tmp_path, own_tmp):
     from ds4quant.runtime.cluster_group import RankGroup
 
     pname = _placements(arts["strix"], 2, tmp_path, owner="cpu")["uniform"]
-    before = _leftovers()
     with pytest.raises(ClusterError) as ei:
         RankGroup(arts["strix"], pname, timeout_s=TIMEOUT, expect_fingerprint="sha256:" + "0" * 64)
     msg = str(ei.value)
     # both ranks refuse it (each checks its own view), in one line
     assert "\n" not in msg and msg.count("is not the caller's sha256:0000") >= 2, msg
-    assert _leftovers() == before
+    assert _mine(own_tmp) == ([], [])
+
+
+def test_rank_group_ends_by_itself_when_its_caller_dies(arts, tmp_path, own_tmp):
+    import signal
+    import subprocess
+    import sys
+
+    pname = _placements(arts["strix"], 2, tmp_path, owner="cpu")["uniform"]
+    code = ("import sys, time\nfrom ds4quant.runtime.cluster_group import RankGroup\n"
+            "g = RankGroup(sys.argv[1], sys.argv[2], timeout_s=10)\n"
+            "print(g._tmp, flush=True)\ntime.sleep(600)\n")
+    home = subprocess.Popen([sys.executable, "-c", code, str(arts["strix"]), str(pname)], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "TMPDIR": str(own_tmp)})
+    try:
+        tmp = home.stdout.readline().strip()
+        assert tmp.startswith(str(own_tmp)) and os.path.isdir(tmp)
+        assert len(_mine(own_tmp)[0]) == 2  # the ranks are up
+        os.kill(home.pid, signal.SIGKILL)  # no close(), no finally: the ranks must notice by themselves
+        home.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _mine(own_tmp) != ([], []):
+            time.sleep(0.2)
+        assert _mine(own_tmp) == ([], [])
+    finally:
+        if home.poll() is None:
+            home.kill()
+            home.wait()

@@ -55,25 +55,36 @@ def _rank_placement(art: Path, n: int, out: Path, artifact=None, replicate_hot: 
     return write_placement(out, p)
 
 
-def _leftovers() -> tuple[list[int], list[str], set[str]]:
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch):
+    """The ranks' temporary folder goes under this test's own folder, so what is
+    left over is this test's alone (other runs on a shared machine make their own)."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _leftovers(d: Path) -> tuple[list[int], list[str], set[str]]:
+    """Live processes started for folder ``d``, cluster folders left in it, /dev/shm's entries."""
     procs = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
             try:
-                if b"ds4q-cluster-" in (d / "cmdline").read_bytes():
-                    procs.append(int(d.name))
+                if str(d).encode() in (p / "cmdline").read_bytes():
+                    procs.append(int(p.name))
             except OSError:
                 pass
-    tmps = sorted(str(p) for p in Path(tempfile.gettempdir()).glob("ds4q-cluster-*"))
+    tmps = sorted(str(p) for p in d.glob("ds4q-cluster-*"))
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     return procs, tmps, shm
 
 
-def test_two_ranks_give_the_single_process_hashes(mx, tokens, tmp_path):
+def test_two_ranks_give_the_single_process_hashes(mx, tokens, tmp_path, own_tmp):
     from ds4quant.verify import verify
 
     plc = _rank_placement(mx, 2, tmp_path / "cluster.json")
-    before = _leftovers()
+    before = _leftovers(own_tmp)
     rep = verify(mx, source=COPY, fidelity=True, mode="exact", tokens=tokens, placements=(None, str(plc)))
     f = rep.fidelity
     sp = f["second_placement"]
@@ -99,15 +110,15 @@ def test_two_ranks_give_the_single_process_hashes(mx, tokens, tmp_path):
         assert rk["expert_bytes_read"] == rk["share_bytes"] == share < int(nb.sum())
         assert rk["dense_bytes_read"] == 0
     assert json.dumps(rep.to_json()["fidelity"]["cluster"])  # the report carries it
-    assert _leftovers() == before
+    assert _leftovers(own_tmp) == before
 
 
-def test_a_bad_cluster_placement_is_refused_with_exit_2(mx, tmp_path):
+def test_a_bad_cluster_placement_is_refused_with_exit_2(mx, tmp_path, own_tmp):
     from click.testing import CliRunner
 
     from ds4quant.cli import cli
 
-    before = _leftovers()
+    before = _leftovers(own_tmp)
     other = _rank_placement(mx, 2, tmp_path / "other.json", artifact="sha256:" + "ab" * 32)
     good = _rank_placement(mx, 2, tmp_path / "good.json")
     broken = tmp_path / "broken.json"
@@ -121,17 +132,17 @@ def test_a_bad_cluster_placement_is_refused_with_exit_2(mx, tmp_path):
         assert r.exit_code == 2, r.output
         lines = [ln for ln in r.output.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("ds4quant: error:") and says in lines[0], r.output
-    assert _leftovers() == before
+    assert _leftovers(own_tmp) == before
 
 
-def test_a_rank_killed_mid_run_is_one_line_and_exit_2(mx, tokens, tmp_path, monkeypatch):
+def test_a_rank_killed_mid_run_is_one_line_and_exit_2(mx, tokens, tmp_path, own_tmp, monkeypatch):
     from click.testing import CliRunner
 
     from ds4quant.cli import cli
     from ds4quant.runtime.cluster import FAULT_ENV
 
     plc = _rank_placement(mx, 2, tmp_path / "cluster.json")
-    before = _leftovers()
+    before = _leftovers(own_tmp)
     monkeypatch.setenv(FAULT_ENV, "1:2:kill")  # rank 1 dies at its first call of layer 2
     r = CliRunner().invoke(cli, ["verify", str(mx), "--source", str(COPY), "--fidelity", "--mode", "exact",
                                  "--tokens", str(tokens), "--placement", str(plc)])
@@ -140,4 +151,4 @@ def test_a_rank_killed_mid_run_is_one_line_and_exit_2(mx, tokens, tmp_path, monk
     assert len(lines) == 1, r.output
     assert lines[0].startswith("ds4quant: error: cluster of 2 ranks failed")
     assert "rank 1: killed by signal 9" in lines[0] and "layer 2 exchange failed" in lines[0], lines[0]
-    assert _leftovers() == before
+    assert _leftovers(own_tmp) == before
