@@ -255,22 +255,32 @@ def test_identity_experts_every_rank_holds_exactly_its_placement(identity_artifa
 # guards: mismatch, dead rank, hung rank
 
 
-def _leftovers() -> tuple[list[int], list[str]]:
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch):
+    """The cluster's temporary folder goes under this test's own folder, so what is
+    left over is this test's alone (other runs on a shared machine make their own)."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _mine(d: Path) -> tuple[list[int], list[str]]:
+    """Live processes started for folder ``d`` and cluster folders left in it."""
     procs = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
             try:
-                if b"ds4q-cluster-" in (d / "cmdline").read_bytes():
-                    procs.append(int(d.name))
+                if str(d).encode() in (p / "cmdline").read_bytes():
+                    procs.append(int(p.name))
             except OSError:
                 pass
-    tmps = sorted(str(p) for p in Path(tempfile.gettempdir()).glob("ds4q-cluster-*"))
-    return procs, tmps
+    return procs, sorted(str(x) for x in d.glob("ds4q-cluster-*"))
 
 
-def test_placement_and_fingerprint_mismatch_is_an_error_on_every_rank(arts, identity_artifact, inputs, tmp_path):
+def test_placement_and_fingerprint_mismatch_is_an_error_on_every_rank(arts, identity_artifact, inputs, tmp_path,
+                                                                    own_tmp):
     x, tok = inputs
-    before = _leftovers()
     ps = _placements(arts["strix"], 2, tmp_path)
     job = {"artifact": arts["strix"], "placement": ps["uniform"], "layers": [0]}
     with pytest.raises(ClusterError) as ei:
@@ -288,13 +298,13 @@ def test_placement_and_fingerprint_mismatch_is_an_error_on_every_rank(arts, iden
                          rank_jobs=[{}, {0: {"artifact": str(identity_artifact)}}])
     msg = str(ei.value)
     assert msg.count("artifact fingerprint differs across ranks") == 2, msg
-    assert _leftovers() == before
+    assert _mine(own_tmp) == ([], [])
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_a_rank_that_dies_or_hangs_mid_layer_ends_every_rank_in_time(arts, inputs, tmp_path, fault):
+def test_a_rank_that_dies_or_hangs_mid_layer_ends_every_rank_in_time(arts, inputs, tmp_path, own_tmp, fault):
     x, tok = inputs
-    before = _leftovers()
+    shm = _shm()
     ps = _placements(arts["strix"], 2, tmp_path)
     timeout = 8
     t0 = time.monotonic()
@@ -310,7 +320,7 @@ def test_a_rank_that_dies_or_hangs_mid_layer_ends_every_rank_in_time(arts, input
     assert "rank 0: layer 2 exchange failed: a peer rank died, hung or left" in msg, msg
     # start-up (imports, loading) plus at most the collective timeout and the launcher's grace
     assert took < 120, took
-    assert _leftovers() == before
+    assert _mine(own_tmp) == ([], []) and _shm() == shm  # gloo is TCP: nothing in shared memory
 
 
 def test_a_rank_error_is_named_on_every_rank(arts, inputs, tmp_path):
@@ -362,29 +372,6 @@ def test_cli_run_starts_torchrun_and_writes_the_result(arts, inputs, tmp_path):
 
 def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-@pytest.fixture
-def own_tmp(tmp_path, monkeypatch):
-    """The group's temporary folder goes under this test's own folder, so what is
-    left over is this test's alone (other runs on a shared machine make their own)."""
-    d = tmp_path / "tmp"
-    d.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(d))
-    return d
-
-
-def _mine(d: Path) -> tuple[list[int], list[str]]:
-    """Live processes started for folder ``d`` and cluster folders left in it."""
-    procs = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if str(d).encode() in (p / "cmdline").read_bytes():
-                    procs.append(int(p.name))
-            except OSError:
-                pass
-    return procs, sorted(str(x) for x in d.glob("ds4q-cluster-*"))
 
 
 @pytest.mark.parametrize("n", [4])  # 2 ranks: tests/verify/test_fidelity_cluster.py, through a whole model
