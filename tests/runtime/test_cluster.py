@@ -177,6 +177,8 @@ def _jobs_and_refs(artifacts: dict, n: int, inputs, tmp: Path):
 def test_exact_bytes_of_n_ranks_equal_one_process_strix(arts, inputs, tmp_path, n):
     x, tok = inputs
     jobs, refs, routing = _jobs_and_refs(arts, n, inputs, tmp_path)
+    # every rank routes itself and the routing digests are compared (layer 0; layer 2's routing is given)
+    jobs.append({**jobs[1], "route": "local"})
     # each rank with a torch and a numba CPU owner of its own (its experts interleaved over them)
     jobs.append({**jobs[2], "owners": [OWNER, "cpu:1"]})
     # plus fast mode (partial sums per rank, all_reduced) on the uniform placement
