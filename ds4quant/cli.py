@@ -303,7 +303,8 @@ def _verify_progress(enabled: bool):
               help="Run the model through the bundled runtime against the transformers reference (needs --source): "
                    "KL, top-1, PPL ratio, MoE error per layer, response and MoE-output hashes.")
 @click.option("--placement", "placements", multiple=True, type=click.Path(path_type=str),
-              help="Placement file for --fidelity (default: one CPU owner); give it twice to compare two placements.")
+              help="Placement file for --fidelity (default: one CPU owner); a cluster placement (place --ranks N) "
+                   "runs the experts on N gloo ranks of this host; give it twice to compare two placements.")
 @click.option("--mode", type=click.Choice(["exact", "fast"]), default="fast", show_default=True,
               help="Runtime numeric mode for --fidelity (exact: the bitwise identity definition, slower).")
 @click.option("--tokens", "tokens_file", default=None, type=click.Path(path_type=str),
@@ -331,6 +332,8 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
       ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --protocol exact-copy
       ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --mode exact \\
           --placement a.json --placement b.json
+      ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --mode exact \\
+          --placement cluster.json     # ds4quant place --ranks 2: two gloo ranks
     """
     from ds4quant.verify import verify
 
@@ -372,6 +375,10 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
             if f.get("exact_copy"):
                 line += f", exact copy {f['exact_copy']['passes']}/{f['exact_copy']['trials']}"
             click.echo(line)
+            for c in f.get("cluster") or ():
+                click.echo(f"cluster: {c['n_ranks']} ranks started once in {c['start_s']:.1f} s, {c['calls']} layer "
+                           f"calls, {c['call_ms_median']:.1f} ms median; expert bytes read per rank "
+                           f"{[r['expert_bytes_read'] for r in c['ranks']]}")
         if report_path is not None:
             click.echo(f"report: {report_path}")
         n_bad = len(rep.failed)

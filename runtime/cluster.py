@@ -131,32 +131,23 @@ def _kill(procs) -> None:
             pass
 
 
-def launch(spec: dict, n_ranks: int, *, inputs: Optional[Mapping[str, np.ndarray]] = None, timeout_s: float = 60,
-           launcher: str = "spawn", env: Optional[Mapping[str, str]] = None, threads: Optional[int] = None,
-           startup_s: float = 120.0, rank_jobs: Optional[Sequence[Mapping[int, Mapping]]] = None) -> list[dict]:
-    """Run ``spec`` ({jobs: [...], backend, ...}) on ``n_ranks`` ranks; returns
-    per job {ranks: [report...], outputs: {L: f32 [T,H]}}. Raises ClusterError
-    naming each failed rank's error; no process or temporary file outlives it.
-
-    timeout_s: the process-group (collective) timeout and the ranks' watchdog
-    base; the whole run is given startup_s + timeout_s * (1 + jobs).
-    rank_jobs[r]: {job index: fields} that rank r alone changes (spawn only;
-    a deliberate mismatch between ranks, for the guard tests)."""
+def start_ranks(tmp: Path, spec: dict, n_ranks: int, *, launcher: str = "spawn",
+                env: Optional[Mapping[str, str]] = None, threads: Optional[int] = None,
+                rank_jobs: Optional[Sequence[Mapping[int, Mapping]]] = None
+                ) -> tuple[list[subprocess.Popen], list[Path]]:
+    """Write ``spec`` to ``tmp`` and start the ranks (``launcher``: one child per
+    rank, or one torchrun); returns (processes, stderr files). Each process is
+    in its own session, so ``stop_ranks`` can end exactly what this started."""
     if not isinstance(n_ranks, int) or not 1 <= n_ranks <= 256:
         raise BadInputError(f"must be an integer in 1..256, got {n_ranks!r}", where="--ranks")
     if launcher not in LAUNCHERS:
         raise BadInputError(f"must be one of {', '.join(LAUNCHERS)}, got {launcher!r}", where="--launcher")
-    tmp = Path(tempfile.mkdtemp(prefix="ds4q-cluster-"))
     procs: list[subprocess.Popen] = []
     errs: list[Path] = []
+    (tmp / "spec.json").write_text(json.dumps(spec, default=str))
+    threads = threads or max(1, (os.cpu_count() or 1) // n_ranks)
+    cmd = [sys.executable, "-m", "ds4quant.runtime.cluster", "--rank-spec", str(tmp / "spec.json")]
     try:
-        spec = {**spec, "out_dir": str(tmp), "timeout_s": float(timeout_s)}
-        if inputs is not None:
-            np.savez(tmp / "inputs.npz", **inputs)
-            spec["inputs"] = str(tmp / "inputs.npz")
-        (tmp / "spec.json").write_text(json.dumps(spec, default=str))
-        threads = threads or max(1, (os.cpu_count() or 1) // n_ranks)
-        cmd = [sys.executable, "-m", "ds4quant.runtime.cluster", "--rank-spec", str(tmp / "spec.json")]
         if launcher == "spawn":
             port = _free_port()
             for r in range(n_ranks):
@@ -184,37 +175,76 @@ def launch(spec: dict, n_ranks: int, *, inputs: Optional[Mapping[str, np.ndarray
             with open(errs[-1], "wb") as fe:
                 procs.append(subprocess.Popen(trun, env=tenv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                               stderr=fe, start_new_session=True))
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs, errs
+
+
+def grace_s(timeout_s: float) -> float:
+    """How long the peers of a failed rank get to report their own error."""
+    return min(float(timeout_s), 15.0) + 2.0
+
+
+def failure_lines(tmp: Path, procs, errs, hung, launcher: str) -> list[str]:
+    """One phrase per failed rank (its own error line, its signal, or 'still running')."""
+    lines = []
+    if launcher == "torchrun":
+        for f in sorted((tmp / "logs").rglob("stderr.log")) if (tmp / "logs").exists() else []:
+            m = _last_error(f)
+            if m:
+                lines.append(m)
+    for i, p in enumerate(procs):
+        rc = p.returncode
+        if rc == 0:
+            continue
+        m = None if launcher == "torchrun" and lines else _last_error(errs[i])
+        who = f"rank {i}" if launcher == "spawn" else "torchrun"
+        if i in hung:
+            lines.append(f"{who}: still running at the deadline; killed")
+        elif rc is not None and rc < 0:
+            lines.append(f"{who}: killed by signal {-rc}" + (f" ({m})" if m else ""))
+        elif m:
+            lines.append(m if m.startswith("rank") else f"{who}: {m}")
+        else:
+            lines.append(f"{who}: exit code {rc}")
+    return list(dict.fromkeys(lines))
+
+
+def launch(spec: dict, n_ranks: int, *, inputs: Optional[Mapping[str, np.ndarray]] = None, timeout_s: float = 60,
+           launcher: str = "spawn", env: Optional[Mapping[str, str]] = None, threads: Optional[int] = None,
+           startup_s: float = 120.0, rank_jobs: Optional[Sequence[Mapping[int, Mapping]]] = None) -> list[dict]:
+    """Run ``spec`` ({jobs: [...], backend, ...}) on ``n_ranks`` ranks; returns
+    per job {ranks: [report...], outputs: {L: f32 [T,H]}}. Raises ClusterError
+    naming each failed rank's error; no process or temporary file outlives it.
+
+    timeout_s: the process-group (collective) timeout and the ranks' watchdog
+    base; the whole run is given startup_s + timeout_s * (1 + jobs).
+    rank_jobs[r]: {job index: fields} that rank r alone changes (spawn only;
+    a deliberate mismatch between ranks, for the guard tests)."""
+    tmp = Path(tempfile.mkdtemp(prefix="ds4q-cluster-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        spec = {**spec, "out_dir": str(tmp), "timeout_s": float(timeout_s)}
+        if inputs is not None:
+            np.savez(tmp / "inputs.npz", **inputs)
+            spec["inputs"] = str(tmp / "inputs.npz")
+        procs, errs = start_ranks(tmp, spec, n_ranks, launcher=launcher, env=env, threads=threads,
+                                  rank_jobs=rank_jobs)
         deadline = time.monotonic() + startup_s + timeout_s * (1 + len(spec["jobs"]))
         grace_until = None
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             if grace_until is None and any(p.poll() not in (None, 0) for p in procs):
-                grace_until = now + min(float(timeout_s), 15.0) + 2.0  # peers get to report their own error
+                grace_until = now + grace_s(timeout_s)
             if now > deadline or (grace_until is not None and now > grace_until):
                 break
             time.sleep(0.05)
         hung = [i for i, p in enumerate(procs) if p.poll() is None]
         _kill(procs)
-        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            lines = []
-            if launcher == "torchrun":
-                for f in sorted((tmp / "logs").rglob("stderr.log")) if (tmp / "logs").exists() else []:
-                    m = _last_error(f)
-                    if m:
-                        lines.append(m)
-            for i, rc in failed:
-                m = None if launcher == "torchrun" and lines else _last_error(errs[i])
-                who = f"rank {i}" if launcher == "spawn" else "torchrun"
-                if i in hung:
-                    lines.append(f"{who}: still running at the deadline; killed")
-                elif rc is not None and rc < 0:
-                    lines.append(f"{who}: killed by signal {-rc}" + (f" ({m})" if m else ""))
-                elif m:
-                    lines.append(m if m.startswith("rank") else f"{who}: {m}")
-                else:
-                    lines.append(f"{who}: exit code {rc}")
-            raise ClusterError(f"cluster of {n_ranks} ranks failed: " + "; ".join(dict.fromkeys(lines)))
+        if any(p.returncode != 0 for p in procs):
+            lines = failure_lines(tmp, procs, errs, hung, launcher)
+            raise ClusterError(f"cluster of {n_ranks} ranks failed: " + "; ".join(lines))
         out = []
         for j in range(len(spec["jobs"])):
             rep = json.loads((tmp / f"job{j}.json").read_text())

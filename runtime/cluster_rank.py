@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -169,6 +170,7 @@ class Watchdog:
         self._last = time.monotonic()
         self._ppid = os.getppid()
         self._stop = threading.Event()
+        self.orphan_dir: Optional[str] = None  # removed when the launcher dies without cleaning up
         self._t = threading.Thread(target=self._run, name="ds4q-cluster-watchdog", daemon=True)
         self._t.start()
 
@@ -186,6 +188,10 @@ class Watchdog:
             elif time.monotonic() - self._last > self.idle_s:
                 why = f"no progress for {self.idle_s:g}s (hung)"
             if why:
+                if self.orphan_dir and os.getppid() != self._ppid:
+                    import shutil
+
+                    shutil.rmtree(self.orphan_dir, ignore_errors=True)
                 sys.stderr.write(f"ds4quant: error: cluster rank {self.rank}: {why}; exiting\n")
                 sys.stderr.flush()
                 os._exit(3)
@@ -225,28 +231,55 @@ def _local_placement(plc, rank: int, local_owners: tuple[str, ...]):
     return out
 
 
-def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) -> dict:
-    """Run one job on this rank; returns {outputs: {L: f32 [T,H]}, report: dict}.
+@dataclass
+class Shard:
+    """What one rank holds for a job: its counting view, runtime and placement."""
 
-    job: artifact, placement (path), mode, layers (None = all), owners
-    (local owner names, ``{local_rank}`` substituted; default the
-    placement's owner), route (broadcast: rank 0 routes | local: every
-    rank routes, digests compared), holdings (report held-byte digests).
-    inputs: hidden {L: f32 [T,H]} or hidden_all f32 [T,H]; token_ids int64
-    [T]; routing {L: (idx, w)} optional."""
-    import torch
+    view: CountingView
+    rt: object  # runtime.Runtime over for_rank's placement
+    plc: object  # the rank Placement
+    fingerprint: str
+    placement_sha256: str
+    share_bytes: int
+    load_s: float
 
+    def close(self) -> None:
+        try:
+            self.rt.close()  # an open view given to load stays open: closed below
+        finally:
+            self.view.close()
+
+    def report(self, rank: int, n: int, backend: str, mode: str) -> dict:
+        h, rt = self.view.header, self.rt
+        return {"rank": rank, "n_ranks": n, "backend": backend, "mode": mode, "fingerprint": self.fingerprint,
+                "placement_sha256": self.placement_sha256, "owners": list(rt.owners), "load_s": self.load_s,
+                "experts": [sorted(int(e) for o in rt.owners.values() for e in o.experts(L)) for L in range(h.n_layer)],
+                "expert_bytes_read": self.view.expert_bytes, "share_bytes": self.share_bytes,
+                "dense_bytes_read": self.view.dense_bytes, "resident_bytes": rt.resident_bytes(),
+                "tables": _tables(rt)}
+
+
+def _tables(rt) -> dict:
+    """{owner: {MIX tensor: expert ids registered}}: the decode tables this rank holds."""
+    out = {}
+    for name, o in rt.owners.items():
+        reg = getattr(o, "registry", None)
+        if reg is not None:
+            out[name] = {t: [int(e) for e in reg.expert_ids(t)] for t in reg.registered()}
+    return out
+
+
+def open_shard(g: _Group, job: dict, mode: str, beat=lambda: None) -> Shard:
+    """Rendezvous (fingerprint and placement hash agree on every rank, and with
+    ``job["expect_fingerprint"]`` when given) and load this rank's experts.
+    Any rank's failure is raised on every rank."""
     from ds4quant import runtime
     from ds4quant.artifact.view import open_artifact
-    from ds4quant.runtime.execute import NONE, combine
     from ds4quant.runtime.placement import Placement, read_placement
 
-    beat = dog.beat if dog is not None else (lambda: None)
     rank, n = g.rank, g.size
-    mode = job.get("mode", "exact")
     view = rt = None
     try:
-        # 1. rendezvous: fingerprint and placement hash on every rank
         err, fp, psha, plc = None, None, None, None
         try:
             view = CountingView(open_artifact(job["artifact"]))
@@ -261,6 +294,10 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
                 raise BadInputError(f"placement is for {plc.ranks.n_ranks} ranks, this cluster has {n}",
                                     where=str(job["placement"]))
             plc.check_matches(view.header.n_layer, view.header.n_expert, fp, where=str(job["placement"]))
+            want = job.get("expect_fingerprint")
+            if want is not None and want != fp:
+                raise IntegrityError(f"artifact fingerprint {fp[:23]}... is not the caller's {want[:23]}...",
+                                     where=str(job["artifact"]), hint="the caller and every rank must open the same artifact")
         except Exception as e:  # every rank must hear of it, or the others wait at the gather
             err = e
         got = _agree(g, "rendezvous", err, (fp, psha))
@@ -271,7 +308,7 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
                                      ", ".join(f"rank {r} {v[:23]}" for r, v in enumerate(vals)),
                                      where=f"rank {rank}", hint="give every rank the same artifact and placement")
         beat()
-        # 2. load this rank's shard
+        # this rank's shard
         err = None
         local = tuple(o.replace("{local_rank}", os.environ.get("LOCAL_RANK", str(rank)))
                       for o in (job.get("owners") or (plc.owners[0],)))
@@ -287,6 +324,72 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
         nb = view.expert_nbytes()
         share = int(sum(int(nb[L, e]) for L in range(h.n_layer) for e in range(h.n_expert)
                         if plc.ranks.owner[L][e] in (rank, -1)))
+        return Shard(view, rt, plc, fp, psha, share, load_s)
+    except BaseException:
+        if rt is not None:
+            rt.close()
+        if view is not None:
+            view.close()
+        raise
+
+
+def inject_fault(rank: int, layer: int) -> None:
+    """The test hook (FAULT_ENV): this rank dies, hangs or raises on ``layer``."""
+    fault = _fault(rank, layer)
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault == "hang":
+        time.sleep(10 ** 6)
+    elif fault == "raise":
+        raise BadInputError(f"injected failure on layer {layer}", where=f"rank {rank}")
+
+
+def my_slots(rt, rank: int, layer: int, xs: np.ndarray, flat: np.ndarray, tok_of: np.ndarray,
+             mine_sel: np.ndarray, mode: str) -> np.ndarray:
+    """This rank's slots ``mine_sel`` (indices into the flat [T*K] slots) of
+    ``layer``: f32 [len(mine_sel), H], each owner's branch on the runtime's pool."""
+    from ds4quant.runtime.execute import NONE
+
+    y = np.zeros((mine_sel.shape[0], xs.shape[1]), np.float32)
+    table = rt.tables[layer]
+    who = np.asarray(table, dtype=object)[flat[mine_sel]] if mine_sel.size else np.zeros(0, object)
+    if np.any(who == NONE):
+        bad = sorted({int(e) for e in flat[mine_sel][who == NONE]})
+        raise BadInputError(f"layer {layer}: this rank computes slots of experts {bad} it does not hold",
+                            where=f"rank {rank}")
+    owners = rt.owners
+
+    def branch(o):
+        s = np.nonzero(who == o)[0]
+        return s, owners[o].run_slots(layer, xs[tok_of[mine_sel[s]]], flat[mine_sel[s]], mode)
+
+    futs = [rt._pool.submit(branch, o) for o in sorted({str(o) for o in who})]
+    for f in futs:
+        s, ys = f.result()
+        y[s] = np.asarray(ys, dtype=np.float32)
+    return y
+
+
+def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) -> dict:
+    """Run one job on this rank; returns {outputs: {L: f32 [T,H]}, report: dict}.
+
+    job: artifact, placement (path), mode, layers (None = all), owners
+    (local owner names, ``{local_rank}`` substituted; default the
+    placement's owner), route (broadcast: rank 0 routes | local: every
+    rank routes, digests compared), holdings (report held-byte digests).
+    inputs: hidden {L: f32 [T,H]} or hidden_all f32 [T,H]; token_ids int64
+    [T]; routing {L: (idx, w)} optional."""
+    import torch
+
+    from ds4quant.runtime.execute import combine
+
+    beat = dog.beat if dog is not None else (lambda: None)
+    rank, n = g.rank, g.size
+    mode = job.get("mode", "exact")
+    shard = open_shard(g, job, mode, beat)
+    try:
+        view, rt, plc = shard.view, shard.rt, shard.plc
+        h = view.header
         layers = job.get("layers") or list(range(h.n_layer))
         tok = torch.as_tensor(np.asarray(inputs["token_ids"], dtype=np.int64))
         outputs, timings = {}, []
@@ -333,29 +436,8 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
             sh_mine = torch.zeros((0, H), dtype=torch.float32)
             err, y = None, np.zeros((mine_sel.shape[0], H), np.float32)
             try:
-                fault = _fault(rank, L)
-                if fault == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                elif fault == "hang":
-                    time.sleep(10 ** 6)
-                elif fault == "raise":
-                    raise BadInputError(f"injected failure on layer {L}", where=f"rank {rank}")
-                table = rt.tables[L]
-                who = np.asarray(table, dtype=object)[flat[mine_sel]] if mine_sel.size else np.zeros(0, object)
-                if np.any(who == NONE):
-                    bad = sorted({int(e) for e in flat[mine_sel][who == NONE]})
-                    raise BadInputError(f"layer {L}: this rank computes slots of experts {bad} it does not hold",
-                                        where=f"rank {rank}")
-
-                def branch(o):
-                    s = np.nonzero(who == o)[0]
-                    return s, owners[o].run_slots(L, xs[tok_of[mine_sel[s]]], flat[mine_sel[s]], mode)
-
-                owners = rt.owners
-                futs = [rt._pool.submit(branch, o) for o in sorted({str(o) for o in who})]
-                for f in futs:
-                    s, ys = f.result()
-                    y[s] = np.asarray(ys, dtype=np.float32)
+                inject_fault(rank, L)
+                y = my_slots(rt, rank, L, xs, flat, tok_of, mine_sel, mode)
                 # the shared expert, split by token rows (t % N): exact mode's value of a row does
                 # not depend on its batch, so the split keeps the one-process bytes
                 if my_rows.size:
@@ -404,19 +486,12 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
                             "slots": int(mine_sel.shape[0]), "route_s": t_route - t_start,
                             "compute_s": t_comp - t_route, "exchange_s": t_x - t_comp,
                             "combine_s": t_end - t_x, "total_s": t_end - t_start})
-        report = {"rank": rank, "n_ranks": n, "backend": g.backend, "mode": mode, "fingerprint": fp,
-                  "placement_sha256": psha, "owners": list(rt.owners), "load_s": load_s,
-                  "experts": [[int(e) for o in rt.owners.values() for e in o.experts(L)] for L in range(h.n_layer)],
-                  "expert_bytes_read": view.expert_bytes, "share_bytes": share, "dense_bytes_read": view.dense_bytes,
-                  "resident_bytes": rt.resident_bytes(), "layers": timings}
+        report = {**shard.report(rank, n, g.backend, mode), "layers": timings}
         if job.get("holdings"):
             report["holdings"] = _holdings(rt, h.n_layer)
         return {"outputs": outputs, "report": report}
     finally:
-        if rt is not None:
-            rt.close()  # an open view given to load stays open: closed below
-        if view is not None:
-            view.close()
+        shard.close()
 
 
 def _holdings(rt, n_layer: int) -> dict:
@@ -482,6 +557,10 @@ def serve(spec: dict) -> int:
     try:
         from ds4quant.artifact.view import open_artifact
 
+        if spec.get("serve"):  # a persistent group serving layer calls (runtime.cluster_group)
+            from ds4quant.runtime.cluster_group import serve_calls
+
+            return serve_calls(g, spec, dog)
         out_dir = Path(spec["out_dir"])
         inputs = None
         for j, job in enumerate(spec["jobs"]):

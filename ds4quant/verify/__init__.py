@@ -108,7 +108,8 @@ def verify(
     threshold_db: one SQNR floor for every lossy tensor instead of the table.
     progress: called with one dict per decoded tensor (index, total, name, qtype, sqnr_db, seconds).
     fidelity: measure the model through the runtime (needs ``source``) on ``placements`` (up to two
-    placement files; none: one CPU owner) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
+    placement files or mappings; none: one CPU owner; a file that records ranks runs that many gloo
+    ranks, ``runtime.cluster_group``) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
     file) or ``text`` (UTF-8 file) or the built-in documents; ``protocol="exact-copy"`` adds the
     exact-copy protocol. Figures go to ``rep.fidelity`` (see ``ds4quant.verify.fidelity``).
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
@@ -145,6 +146,10 @@ def verify(
                                 threshold_db, progress, bool(fidelity), tuple(placements), mode,
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
                                 protocol))
+    if fidelity:
+        from ds4quant.verify.fidelity import check_placements
+
+        check_placements(view, tuple(placements))
     for stage in STAGES:
         stage(ctx)
     return _report(ctx, time.perf_counter() - t0)

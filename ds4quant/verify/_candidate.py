@@ -227,6 +227,32 @@ def restore(model, old: dict) -> None:
         swap_experts(model, i, m)
 
 
+def runtime_for(view, placement, mode: str):
+    """What runs one placement's routed experts (a context manager with
+    ``experts(L)``): ``runtime.load`` in this process, or, for a placement that
+    records ranks, a ``RankGroup`` of that many gloo ranks over the same
+    artifact (they check its fingerprint against this view's)."""
+    from ds4quant import runtime
+    from ds4quant.runtime.cluster_group import RankGroup, is_rank_placement
+
+    if placement is not None and is_rank_placement(placement):
+        return RankGroup(view.layout.path, placement, mode=mode, expect_fingerprint=view.fingerprint())
+    return runtime.load(view, placement, mode=mode)
+
+
+def placement_label(placement) -> str:
+    from ds4quant.runtime.cluster_group import is_rank_placement
+    from ds4quant.runtime.placement import read_placement
+
+    if placement is None:
+        return "cpu:0 (one CPU owner)"
+    if is_rank_placement(placement):
+        plc = placement if hasattr(placement, "ranks") else read_placement(placement)
+        where = "placement" if hasattr(placement, "ranks") else str(placement)
+        return f"{where} ({plc.ranks.n_ranks} gloo ranks)"
+    return str(placement)
+
+
 def source_tokenizer(source) -> Optional[Any]:
     """transformers' tokenizer of the source when it ships tokenizer.json, else None."""
     from pathlib import Path

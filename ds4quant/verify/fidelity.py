@@ -17,6 +17,12 @@ runtime on the given placement (default: one CPU owner) in the given mode
 - with ``protocol="exact-copy"``: runtime.fidelity's protocol on the candidate
   and on the reference (the source's own score).
 
+A placement that records ranks (``ds4quant place --ranks N``) runs the
+candidate's routed experts on N gloo ranks on this host
+(``runtime.cluster_group.RankGroup``: started once per placement, serving every
+layer call of the run; rank start-up and per-call timings go to
+``cluster``); exact mode gives the single-process bytes there too.
+
 Evaluation set: ``tokens`` (token-id file, ``calibrate.read_tokens`` format),
 ``text`` (a UTF-8 file, one document per blank-line-separated block, through the
 source's tokenizer), or by default ``EVAL_DOCS`` fixed documents of the copy
@@ -152,7 +158,6 @@ def measure(ctx: Context) -> dict:
 
     import torch
 
-    from ds4quant import runtime
     from ds4quant.runtime import fidelity as fd
     from ds4quant.runtime.reference import load_reference, moe_blocks
     from ds4quant.verify import _candidate as C
@@ -192,7 +197,7 @@ def measure(ctx: Context) -> dict:
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
     res: dict[str, Any] = {"requested": True, "measured": True, "mode": o.mode, "tokenizer": tok_kind,
                            "eval": eval_what, "eval_tokens": len(pos),
-                           "placements": [str(p) if p is not None else "cpu:0 (one CPU owner)" for p in placements]}
+                           "placements": [C.placement_label(p) for p in placements]}
     with C.one_thread(), torch.no_grad():
         with C.trace_moe(ref, keep_inputs=True) as rtr:
             ref_logits = C.logits_of(ref, seqs, pad)[rows, cols]
@@ -202,7 +207,7 @@ def measure(ctx: Context) -> dict:
             ref_copy = fd.exact_copy(ref, tok, task)
         runs = []
         for k, plc in enumerate(placements):
-            with runtime.load(ctx.view, plc, mode=o.mode) as rt:
+            with C.runtime_for(ctx.view, plc, o.mode) as rt:
                 old = C.swap_all(cand, rt)
                 try:
                     with C.trace_moe(cand, routed=True) as ctr:
@@ -215,6 +220,8 @@ def measure(ctx: Context) -> dict:
                         run["local"] = C.local_moe_error(cand, rtr, layers)
                         if o.protocol == "exact-copy":
                             run["copy"] = fd.exact_copy(cand, tok, task)
+                    if hasattr(rt, "stats"):  # a rank group: what starting once cost and each call took
+                        run["cluster"] = rt.stats()
                     runs.append(run)
                 finally:
                     C.restore(cand, old)
@@ -235,6 +242,9 @@ def measure(ctx: Context) -> dict:
         c = first["copy"].to_json()
         res["exact_copy"] = {"passes": c["passes"], "trials": c["trials"], "failed": c["failed"], "task": c["task"],
                              "reference_passes": ref_copy.passes}
+    clusters = [r["cluster"] for r in runs if "cluster" in r]
+    if clusters:
+        res["cluster"] = clusters
     if len(runs) == 2:
         same_moe = runs[0]["moe_output_sha256"] == runs[1]["moe_output_sha256"]
         same_resp = runs[0]["response"].sha256 == runs[1]["response"].sha256
@@ -244,6 +254,22 @@ def measure(ctx: Context) -> dict:
     _checks(ctx, res)
     res["seconds"] = time.perf_counter() - t0
     return res
+
+
+def check_placements(view, placements) -> None:
+    """Refuse, before anything is measured, a placement file planned for another
+    artifact or shape (a cluster placement too: its ranks would refuse it only
+    after the reference model has run)."""
+    from os import PathLike
+
+    from ds4quant.runtime.placement import Placement, read_placement
+
+    h, fp = view.header, view.fingerprint()
+    for p in placements:
+        if isinstance(p, (str, PathLike)):
+            read_placement(p).check_matches(h.n_layer, h.n_expert, fp, where=str(p))
+        elif isinstance(p, Placement):
+            p.check_matches(h.n_layer, h.n_expert, fp, where="placement")
 
 
 def _checks(ctx: Context, res: dict) -> None:

@@ -78,14 +78,14 @@ def inputs():
     return x, torch.tensor([5, 17, 100])
 
 
-def _placements(art: Path, n: int, where: Path) -> dict[str, Path]:
+def _placements(art: Path, n: int, where: Path, owner: str = OWNER) -> dict[str, Path]:
     prof = read_routing(CALIB / "routing.csv")
     with open_artifact(art) as v:
         fp = artifact_fingerprint(v)
     out = {}
     for name, (strategy, k) in PLACEMENTS.items():
-        p = plan_ranks(prof, n, strategy, k, owner=OWNER, artifact=fp)
-        out[name] = write_placement(where / f"{art.name}-{n}-{name}.json", p)
+        p = plan_ranks(prof, n, strategy, k, owner=owner, artifact=fp)
+        out[name] = write_placement(where / f"{art.name}-{n}-{name}-{owner.replace(':', '')}.json", p)
     return out
 
 
@@ -138,14 +138,24 @@ def _check_runs(runs, jobs, refs, n):
 
         plc = read_placement(pname)
         total = int(nb.sum())
+        with open_artifact(art) as v:
+            mix = [s for s in v.stacks if formats.QTYPES[s.qtype].is_mix]
         for r, rep in enumerate(run.ranks):
             mine = [[e for e in range(E) if plc.ranks.owner[L][e] in (r, -1)] for L in range(4)]
             share = sum(int(nb[L, e]) for L in range(4) for e in mine[L])
+            # decode tables: every MIX stack this rank holds experts of, registered for exactly those
+            tables: dict = {}
+            for per_owner in rep["tables"].values():
+                for t, ids in per_owner.items():
+                    tables[t] = sorted(set(tables.get(t, ())) | set(ids))
+            want = {s.name: sorted(e for e in s.expert_ids if e in mine[s.layer]) for s in mix}
+            assert tables == {t: ids for t, ids in want.items() if ids}, f"rank {r} tables"
             # the counting reader: exactly the rank's own + replicated experts, once, plus dense tensors
             assert rep["expert_bytes_read"] == share == rep["share_bytes"] < total
             assert rep["dense_bytes_read"] <= _dense_bytes(art)  # 0 on a rank with no rows of the shared expert
             assert rep["experts"] == mine
             assert sum(rep["resident_bytes"].values()) >= share
+            assert sorted(rep["owners"]) == sorted(job.get("owners") or [OWNER])
         assert run.ranks[0]["dense_bytes_read"] > 0  # rank 0 routes
         # every slot computed exactly once across the ranks
         for i, L in enumerate(LAYERS):
@@ -167,10 +177,16 @@ def _jobs_and_refs(artifacts: dict, n: int, inputs, tmp: Path):
 def test_exact_bytes_of_n_ranks_equal_one_process_strix(arts, inputs, tmp_path, n):
     x, tok = inputs
     jobs, refs, routing = _jobs_and_refs(arts, n, inputs, tmp_path)
+    # every rank routes itself and the routing digests are compared (layer 0; layer 2's routing is given)
+    jobs.append({**jobs[1], "route": "local"})
+    # each rank with a torch and a numba CPU owner of its own (its experts interleaved over them)
+    jobs.append({**jobs[2], "owners": [OWNER, "cpu:1"]})
     # plus fast mode (partial sums per rank, all_reduced) on the uniform placement
     jobs.append({**jobs[0], "mode": "fast"})
     runs = run_cluster_jobs(jobs, n, x, token_ids=tok, routing=routing, timeout_s=TIMEOUT, threads=1)
     _check_runs(runs[:-1], jobs[:-1], refs, n)
+    for rep in runs[-2].ranks:  # both owners did slots
+        assert all(rep["resident_bytes"][o] > 0 for o in (OWNER, "cpu:1")), rep["resident_bytes"]
     # the [1e20, 1, -1e20, 1] token: canonical order keeps slot 3 only; per-rank partial sums do not
     ref = refs[arts["strix"]][COMBINE_LAYER]
     res, shared, _, w = ref[1], ref[2], ref[3], ref[4]
@@ -241,22 +257,32 @@ def test_identity_experts_every_rank_holds_exactly_its_placement(identity_artifa
 # guards: mismatch, dead rank, hung rank
 
 
-def _leftovers() -> tuple[list[int], list[str]]:
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch):
+    """The cluster's temporary folder goes under this test's own folder, so what is
+    left over is this test's alone (other runs on a shared machine make their own)."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _mine(d: Path) -> tuple[list[int], list[str]]:
+    """Live processes started for folder ``d`` and cluster folders left in it."""
     procs = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
             try:
-                if b"ds4q-cluster-" in (d / "cmdline").read_bytes():
-                    procs.append(int(d.name))
+                if str(d).encode() in (p / "cmdline").read_bytes():
+                    procs.append(int(p.name))
             except OSError:
                 pass
-    tmps = sorted(str(p) for p in Path(tempfile.gettempdir()).glob("ds4q-cluster-*"))
-    return procs, tmps
+    return procs, sorted(str(x) for x in d.glob("ds4q-cluster-*"))
 
 
-def test_placement_and_fingerprint_mismatch_is_an_error_on_every_rank(arts, identity_artifact, inputs, tmp_path):
+def test_placement_and_fingerprint_mismatch_is_an_error_on_every_rank(arts, identity_artifact, inputs, tmp_path,
+                                                                    own_tmp):
     x, tok = inputs
-    before = _leftovers()
     ps = _placements(arts["strix"], 2, tmp_path)
     job = {"artifact": arts["strix"], "placement": ps["uniform"], "layers": [0]}
     with pytest.raises(ClusterError) as ei:
@@ -274,13 +300,13 @@ def test_placement_and_fingerprint_mismatch_is_an_error_on_every_rank(arts, iden
                          rank_jobs=[{}, {0: {"artifact": str(identity_artifact)}}])
     msg = str(ei.value)
     assert msg.count("artifact fingerprint differs across ranks") == 2, msg
-    assert _leftovers() == before
+    assert _mine(own_tmp) == ([], [])
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_a_rank_that_dies_or_hangs_mid_layer_ends_every_rank_in_time(arts, inputs, tmp_path, fault):
+def test_a_rank_that_dies_or_hangs_mid_layer_ends_every_rank_in_time(arts, inputs, tmp_path, own_tmp, fault):
     x, tok = inputs
-    before = _leftovers()
+    shm = _shm()
     ps = _placements(arts["strix"], 2, tmp_path)
     timeout = 8
     t0 = time.monotonic()
@@ -296,7 +322,7 @@ def test_a_rank_that_dies_or_hangs_mid_layer_ends_every_rank_in_time(arts, input
     assert "rank 0: layer 2 exchange failed: a peer rank died, hung or left" in msg, msg
     # start-up (imports, loading) plus at most the collective timeout and the launcher's grace
     assert took < 120, took
-    assert _leftovers() == before
+    assert _mine(own_tmp) == ([], []) and _shm() == shm  # gloo is TCP: nothing in shared memory
 
 
 def test_a_rank_error_is_named_on_every_rank(arts, inputs, tmp_path):
@@ -340,3 +366,95 @@ def test_cli_run_starts_torchrun_and_writes_the_result(arts, inputs, tmp_path):
                                  "--tokens", "2", "--launcher", "spawn"])
     assert r.exit_code == 2 and "placement is for 2 ranks, this cluster has 4" in r.output, r.output
     assert os.path.exists(out)
+
+
+# --------------------------------------------------------------------------
+# the persistent rank group (runtime.cluster_group): started once, serving calls
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("n", [4])  # 2 ranks: tests/verify/test_fidelity_cluster.py, through a whole model
+def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, tmp_path, own_tmp, n):
+    from ds4quant.runtime.cluster_group import RankGroup
+    from ds4quant.runtime.placement import read_placement
+
+    x, tok = inputs
+    art = arts["strix"]
+    routing = _routing_with_combine_case(art, x, tok)
+    ref = _reference(art, x, tok, routing)
+    # the ranks run the numba CPU owner, the reference the torch one: exact mode is owner-independent
+    pname = _placements(art, n, tmp_path, owner="cpu")["replicate-hot"]
+    plc = read_placement(pname)
+    shm = _shm()
+    with open_artifact(art) as v:
+        nb, fp = v.expert_nbytes(), v.fingerprint()
+    with RankGroup(art, pname, mode="exact", timeout_s=TIMEOUT, expect_fingerprint=fp) as grp:
+        pids = [p.pid for p in grp._procs]
+        assert len(pids) == n and grp.start_s > 0
+        assert sorted(_mine(own_tmp)[0]) == sorted(pids) and len(_mine(own_tmp)[1]) == 1
+        for L in (*LAYERS, LAYERS[0]):  # the same ranks serve every call
+            _, res, shared, idx, w = ref[L]
+            got = grp.run_layer(L, x, idx, w, shared=shared)
+            assert _sha(got.out) == ref[L][0], f"{n} ranks, layer {L}"
+        assert [p.pid for p in grp._procs] == pids and all(p.poll() is None for p in grp._procs)
+        st = grp.stats()
+        assert st["calls"] == 3 and st["n_ranks"] == n
+        for r, rep in enumerate(grp.ranks):
+            mine = [[e for e in range(E) if plc.ranks.owner[L][e] in (r, -1)] for L in range(4)]
+            share = sum(int(nb[L, e]) for L in range(4) for e in mine[L])
+            # each rank read exactly its own + replicated experts and no dense tensor (the home routes)
+            assert rep["experts"] == mine
+            assert rep["expert_bytes_read"] == share == rep["share_bytes"] < int(nb.sum())
+            assert rep["dense_bytes_read"] == 0
+    # the combine case: canonical order keeps slot 3 only
+    _, res, shared, _, w = ref[COMBINE_LAYER]
+    y = res.slots[0]
+    canon = ((w[0, 0] * y[0] + w[0, 1] * y[1]) + w[0, 2] * y[2]) + w[0, 3] * y[3] + shared[0]
+    assert np.array_equal(res.out[0].numpy(), canon.numpy())
+    partial = (w[0, 0] * y[0] + w[0, 2] * y[2]) + (w[0, 1] * y[1] + w[0, 3] * y[3]) + shared[0]
+    assert not np.array_equal(res.out[0].numpy(), partial.numpy())  # so the sha above tells them apart
+    assert _mine(own_tmp) == ([], []) and _shm() == shm
+    with pytest.raises(ClusterError, match="ranks are gone"):
+        grp.run_layer(0, x, ref[0][3], ref[0][4])
+
+
+def test_rank_group_refuses_an_artifact_other_than_the_callers(arts, tmp_path, own_tmp):
+    from ds4quant.runtime.cluster_group import RankGroup
+
+    pname = _placements(arts["strix"], 2, tmp_path, owner="cpu")["uniform"]
+    with pytest.raises(ClusterError) as ei:
+        RankGroup(arts["strix"], pname, timeout_s=TIMEOUT, expect_fingerprint="sha256:" + "0" * 64)
+    msg = str(ei.value)
+    # both ranks refuse it (each checks its own view), in one line
+    assert "\n" not in msg and msg.count("is not the caller's sha256:0000") >= 2, msg
+    assert _mine(own_tmp) == ([], [])
+
+
+def test_rank_group_ends_by_itself_when_its_caller_dies(arts, tmp_path, own_tmp):
+    import signal
+    import subprocess
+    import sys
+
+    pname = _placements(arts["strix"], 2, tmp_path, owner="cpu")["uniform"]
+    code = ("import sys, time\nfrom ds4quant.runtime.cluster_group import RankGroup\n"
+            "g = RankGroup(sys.argv[1], sys.argv[2], timeout_s=10)\n"
+            "print(g._tmp, flush=True)\ntime.sleep(600)\n")
+    home = subprocess.Popen([sys.executable, "-c", code, str(arts["strix"]), str(pname)], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "TMPDIR": str(own_tmp)})
+    try:
+        tmp = home.stdout.readline().strip()
+        assert tmp.startswith(str(own_tmp)) and os.path.isdir(tmp)
+        assert len(_mine(own_tmp)[0]) == 2  # the ranks are up
+        os.kill(home.pid, signal.SIGKILL)  # no close(), no finally: the ranks must notice by themselves
+        home.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _mine(own_tmp) != ([], []):
+            time.sleep(0.2)
+        assert _mine(own_tmp) == ([], [])
+    finally:
+        if home.poll() is None:
+            home.kill()
+            home.wait()
