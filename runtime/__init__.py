@@ -267,6 +267,13 @@ def load(artifact, placement=None, mode: str = "exact", owners: Optional[Mapping
     try:
         h = view.header
         plc = _resolve_placement(placement, h.n_expert)
+        rk = getattr(plc, "ranks", None)
+        if rk is not None:
+            # a whole cluster placement in one process would hold no expert of the other
+            # ranks' shards and give their slots as zeros
+            raise BadInputError(f"the placement plans {rk.n_ranks} ranks: run it with `ds4quant run --ranks "
+                                f"{rk.n_ranks}` (or verify --placement), or load one rank's part "
+                                "(Placement.for_rank(r))", where=str(placement) if isinstance(placement, (str, PathLike)) else "placement")
         tables = {L: _table(plc, L, h.n_expert) for L in range(h.n_layer)}
         wanted = sorted({n for t in tables.values() for n in t if n != NONE})
         given = dict(owners or {})

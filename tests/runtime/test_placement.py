@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from ds4quant.cli import cli
-from ds4quant.errors import BudgetError, CorruptDataError, Ds4quantError, IntegrityError
+from ds4quant.errors import BadInputError, BudgetError, CorruptDataError, Ds4quantError, IntegrityError
 from ds4quant.place import parse_owner, parse_size, place_from_bytes
 from ds4quant.routing import RoutingProfile, read_routing
 from ds4quant.runtime.placement import (
@@ -483,3 +483,19 @@ def test_plan_for_rank_places_only_the_ranks_experts():
             hottest_mine = [e for e in prof.ranked_experts(L) if e in mine][0]
             assert hottest_mine in local.experts_of("cuda:0", L)
         assert rep.bytes[0] <= 6000
+
+
+
+def test_runtime_refuses_a_whole_cluster_placement_in_one_process(tiny_artifact, tmp_path):
+    """A placement planned for N ranks, loaded whole in one process, would hold no
+    expert and give every slot as zeros: refused, naming the way to run it."""
+    from ds4quant import runtime
+    from ds4quant.place import place
+
+    plc, _ = place(tiny_artifact, str(SAMPLE_ROUTING), ranks=2, strategy="uniform", out=tmp_path / "c.json")
+    with pytest.raises(BadInputError, match="plans 2 ranks"):
+        runtime.load(tiny_artifact, placement=tmp_path / "c.json")
+    with pytest.raises(BadInputError, match="plans 2 ranks"):
+        runtime.load(tiny_artifact, placement=plc)
+    with runtime.load(tiny_artifact, placement=plc.for_rank(0)) as rt:
+        assert sum(rt.resident_bytes().values()) > 0
