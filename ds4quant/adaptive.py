@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant import __version__
+from ds4quant.adaptive_jobs import check_device, default_jobs, ordered_map, resolve_device
 from ds4quant.allocate import Allocation, Candidate, Item, allocate
 from ds4quant.errors import BadInputError, BudgetError, UnknownQTypeError
 from ds4quant.formats import decode, encode, get_qtype
@@ -56,7 +57,10 @@ class AdaptiveOptions:
     target_bpw: routed-expert bits per weight to land on (tensor payload);
     max_bytes: or a cap on all tensor data plus codebook tables, in bytes;
     lucebox: keep the result loadable by Lucebox at tensor granularity (no
-    rocmfp3_mix on gate/up); fit_*: fit_optimized effort per expert.
+    rocmfp3_mix on gate/up); fit_*: fit_optimized effort per expert;
+    jobs: experts measured at once (None: convert's threads); device: "cpu"
+    or "cuda[:N]" for the MIX search (adaptive_jobs says what moves). Neither
+    changes a figure, a plan or a byte.
     """
 
     target_bpw: Optional[float] = None
@@ -70,6 +74,8 @@ class AdaptiveOptions:
     fit_iterations: int = 6
     fit_restarts: int = 1
     fit_max_rows: int = 512
+    jobs: Optional[int] = None
+    device: str = "cpu"
 
     def validate(self) -> "AdaptiveOptions":
         if (self.target_bpw is None) == (self.max_bytes is None):
@@ -93,6 +99,9 @@ class AdaptiveOptions:
                 raise BadInputError(f"{q} cannot be an expert candidate", where="--candidates")
         if len(set(self.candidates)) != len(self.candidates):
             raise BadInputError("--candidates lists a qtype twice")
+        if self.jobs is not None and self.jobs < 1:
+            raise BadInputError(f"--jobs must be >= 1, got {self.jobs}")
+        check_device(self.device)
         return self
 
     def key(self) -> dict:
@@ -205,7 +214,7 @@ def legacy_kernels():
         _LEGACY, rocmfp_mix._LEGACY_ENCODE, histogram._LEGACY_LLOYD = old
 
 
-def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: AdaptiveOptions, seed: str):
+def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: AdaptiveOptions, seed: str, device=None):
     """(books, mode, ref_books_error or None) for one expert matrix."""
     from ds4quant.codebooks import fit_optimized, fit_reference
 
@@ -215,20 +224,27 @@ def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: Adapt
         return books, 1, None
     fit = fit_optimized([x], qtype, imp, seed=seed, iterations=opts.fit_iterations,
                         restarts=opts.fit_restarts, max_rows=opts.fit_max_rows,
-                        impl="legacy" if _LEGACY else "fast")
+                        impl="legacy" if _LEGACY else "fast", device=None if _LEGACY else device)
     return fit.books, fit.mode, fit.reference_error
 
 
 def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, qtype: str,
-                   opts: AdaptiveOptions, seed: str) -> tuple[Measure, Optional[tuple[np.ndarray, int]]]:
+                   opts: AdaptiveOptions, seed: str, device=None) -> tuple[Measure, Optional[tuple[np.ndarray, int]]]:
     """Encode ``x`` (float32 (rows, cols)) as ``qtype`` the way convert will;
-    return its Measure and, for MIX, the (books, mode) it used."""
+    return its Measure and, for MIX, the (books, mode) it used. ``device``
+    (a torch device or None) runs the MIX search there, the same bytes. The
+    error, weighted per column by ``err_w``, is taken here and only here."""
     qt = get_qtype(qtype)
     books = None
     ref = None
     if qt.is_mix:
-        b, mode, ref_err = _fit_books(x, qtype, imp, opts, seed)
-        data = encode(qt, x, imp, b, mode=mode)
+        b, mode, ref_err = _fit_books(x, qtype, imp, opts, seed, device)
+        if device is not None and not _LEGACY:
+            from ds4quant.formats._mix_search_torch import encode_torch
+
+            data = encode_torch(qt.name, x, imp, b, mode, device)
+        else:
+            data = encode(qt, x, imp, b, mode=mode)
         y = decode(qt, data, x.shape[1], b, modes=mode)
         books = (b, mode)
         # fit_optimized weighs its reference error by the raw importance (ones
@@ -273,6 +289,10 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
     weights: dict[str, np.ndarray] = {}
     reused = 0
     meter = Meter("measure", sum(len(m) for _, m in expert_tensors), "expert")
+    jobs = opts.jobs if opts.jobs is not None else default_jobs()
+    dev = resolve_device(opts.device)
+    saved = time.perf_counter()
+    new = False
     for choice, members in expert_tensors:
         n_exp = len(members)
         counts = None
@@ -291,23 +311,32 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
         fitting = [q for q in opts.candidates if _fits(q, cols)]
         _load_books(cache, choice.name, books)
         fresh = False
-        for m, imp in zip(members, imps):
-            need = [q for q in fitting
-                    if f"{choice.name}|{m.expert}|{q}" not in cache.data
-                    or (get_qtype(q).is_mix and (choice.name, m.expert, q) not in books)]
-            if need:
+
+        def tasks(choice=choice, members=members, imps=imps, fallback=fallback, fitting=fitting):
+            # read on this thread, in order; each payload is measured independently
+            for m, imp in zip(members, imps):
+                need = [q for q in fitting
+                        if f"{choice.name}|{m.expert}|{q}" not in cache.data
+                        or (get_qtype(q).is_mix and (choice.name, m.expert, q) not in books)]
+                if not need:
+                    yield m, None
+                    continue
                 x = np.ascontiguousarray(src.read_dequantized(m.name), dtype=np.float32)
+                src.release(m.name)  # x is a copy: the pages may go
                 err_w = imp.astype(np.float64) if imp is not None else fallback
-                for q in need:
-                    meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=f"{choice.name}/{m.expert}")
+                yield m, (x, imp, err_w, need, f"{choice.name}/{m.expert}")
+
+        for m, res in ordered_map(tasks(), lambda p: _measure_expert(p, opts, dev), jobs):
+            if res is None:
+                reused += 1
+            else:  # recorded in expert order whatever finished first
+                new = True
+                for q, meas, bk in res:
                     cache.data[f"{choice.name}|{m.expert}|{q}"] = [meas.nbytes, meas.sse, meas.ssx, meas.wsse,
                                                                   meas.wssx, meas.ref_wsse]
                     if bk is not None:
                         books.put(choice.name, m.expert, q, *bk)
                         fresh = True
-                src.release(m.name)
-            else:
-                reused += 1
             for q in fitting:
                 v = cache.data[f"{choice.name}|{m.expert}|{q}"]
                 out[(choice.name, m.expert, q)] = Measure(int(v[0]), *map(float, v[1:5]),
@@ -317,8 +346,26 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
                 progress(ev)
         if fresh:
             _save_books(cache, choice.name, [m.expert for m in members], fitting, books)
+        # the JSON grows with the run: rewrite it every _SAVE_EVERY_S, not per tensor
+        if new and time.perf_counter() - saved >= _SAVE_EVERY_S:
+            cache.save()
+            saved, new = time.perf_counter(), False
+    if new:
         cache.save()
     return Measurements(out, weights, time.perf_counter() - t0, reused)
+
+
+_SAVE_EVERY_S = 20.0
+
+
+def _measure_expert(payload, opts: AdaptiveOptions, device) -> list:
+    """[(qtype, Measure, books or None)] for one expert matrix, in ``need`` order."""
+    x, imp, err_w, need, seed = payload
+    out = []
+    for q in need:
+        meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device)
+        out.append((q, meas, bk))
+    return out
 
 
 def _load_books(cache: _Cache, tensor: str, books: Books) -> None:

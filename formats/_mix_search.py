@@ -15,6 +15,8 @@ status; ``_pack_chosen_nb`` writes the blocks from them (the codec in
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -67,21 +69,36 @@ _TILES_PER_TASK = 16  # tiles per prange task (scratch is allocated per task)
 
 
 @numba.njit(cache=True, nogil=True)
+def _first_ge_nb(t):
+    """The first byte e in 1..126 with S(e) >= t (127 if none) for a positive
+    finite float32 t: a guess from t's binary exponent and top mantissa bits
+    (S(e) = (8 + M) 2^(E - 11), or M 2^-10 for E = 0), then walked to the exact
+    boundary of the non-decreasing table, so it is the bisection's answer."""
+    if t > UE4M3[126]:
+        return 127
+    m, k = math.frexp(t)  # t = m 2^k, m in [0.5, 1)
+    E = k + 7
+    if E >= 1:
+        e = (E << 3) + int(np.float32(16.0) * m - np.float32(8.0))
+    else:
+        e = int(t * np.float32(1024.0))
+    e = min(max(e, 1), 126)
+    while e > 1 and UE4M3[e - 1] >= t:
+        e -= 1
+    while e < 126 and UE4M3[e] < t:
+        e += 1
+    return e
+
+
+@numba.njit(cache=True, nogil=True)
 def _nearest_nb(t):
-    """``ue4m3.nearest_nb`` (the first byte of least float32 |S(e) - t|) by
-    bisection: below the first byte with S(e) >= t the rounded distance never
-    rises, above it never falls, so the least is at that byte or the one
-    below, and a tie run (huge t) is walked down to its first byte."""
+    """``ue4m3.nearest_nb`` (the first byte of least float32 |S(e) - t|):
+    below the first byte with S(e) >= t the rounded distance never rises,
+    above it never falls, so the least is at that byte or the one below, and
+    a tie run (huge t) is walked down to its first byte."""
     if not (t > np.float32(0.0)) or not np.isfinite(t):
         return 0
-    lo = 1
-    hi = 127
-    while lo < hi:  # first e in 1..126 with S(e) >= t, 127 if none
-        mid = (lo + hi) // 2
-        if UE4M3[mid] >= t:
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = _first_ge_nb(t)
     if lo == 127:
         e = 126
     elif lo > 1 and abs(UE4M3[lo - 1] - t) <= abs(UE4M3[lo] - t):
@@ -259,15 +276,76 @@ def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
                 out_e[g] = be[k]
 
 
+@numba.njit(cache=True, nogil=True)
+def _zero_from_nb(m, start):
+    """The first byte e in 1..126 with float32 m * (1/S(e)) < 0.5 (126 if none),
+    walked from ``start`` (the condition holds from some byte on: 1/S falls):
+    from there on every element of a half of max |x| = m quantises to level 0,
+    so every larger byte gives the same error, sum (w x) x."""
+    half = np.float32(0.5)
+    e = max(1, min(start, 126))
+    if np.float32(m * UE4M3_INV[e]) < half:
+        while e > 1 and np.float32(m * UE4M3_INV[e - 1]) < half:
+            e -= 1
+        return e
+    while e < 126 and not (np.float32(m * UE4M3_INV[e]) < half):
+        e += 1
+    return e
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fixed_errs_nb(xt, wt, bits, e0, e1, err, best, be, wok):
+    """Mode-0 candidates e0..e1-1 in ascending order into best/be (strict <)."""
+    T = xt.shape[1]
+    zero_f = np.float32(0.0)
+    for e in range(e0, e1):
+        s = UE4M3[e]
+        inv = UE4M3_INV[e]
+        for k in range(T):
+            err[k] = zero_f
+        for i in range(16):
+            for k in range(T):
+                x = xt[i, k]
+                q = np.float32(x * inv)
+                if bits == 2:  # §3: {-1, 0, 1, 2}, ties to the lower code
+                    y = np.float32(-1.0)
+                    y = np.float32(0.0) if q > np.float32(-0.5) else y
+                    y = np.float32(1.0) if q > np.float32(0.5) else y
+                    y = np.float32(2.0) if q > np.float32(1.5) else y
+                else:  # §5: sign + {0, 1, 2, 4}, ties to the lower magnitude
+                    a = abs(q)
+                    y = zero_f
+                    y = np.float32(1.0) if a > np.float32(0.5) else y
+                    y = np.float32(2.0) if a > np.float32(1.5) else y
+                    y = np.float32(4.0) if a > np.float32(3.0) else y
+                    y = -y if q < zero_f else y
+                d = np.float32(x - np.float32(s * y))
+                err[k] = np.float32(err[k] + np.float32(np.float32(wt[i, k] * d) * d))
+        for k in range(T):
+            if wok[k] and err[k] < best[k]:
+                best[k] = err[k]
+                be[k] = e
+
+
 @numba.njit(cache=True, parallel=True, nogil=True)
 def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
     """Mode 0: per half the byte of _encode_fixed_nb (least error over
-    1..126, ties to the smaller byte); status as _choose_nb."""
+    1..126, ties to the smaller byte); status as _choose_nb.
+
+    Only a window of bytes is evaluated per tile, with the answer of all 126:
+    above the window every lane's error is the constant of its all-zero
+    quantisation (``_zero_from_nb``), already met inside it; below it, a lane's
+    clipping bound sum w (|x| - S Vmax)^2 (real, float64), less 1e-5 for the
+    float32 rounding of the evaluated error (under 2e-6), exceeds the lane's
+    best, so no byte there can win or tie. A tile where that fails evaluates
+    the bytes below too and keeps the first least over both ranges."""
     G = h.shape[0]
     T = _TILE
     per = T * _TILES_PER_TASK
     inf = np.float32(np.inf)
     zero_f = np.float32(0.0)
+    vmax = np.float32(2.0) if bits == 2 else np.float32(4.0)
+    vneg = np.float32(1.0) if bits == 2 else np.float32(4.0)
     for task in numba.prange((G + per - 1) // per):
         xt = np.empty((16, T), np.float32)
         wt = np.empty((16, T), np.float32)
@@ -277,39 +355,47 @@ def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
         err = np.empty(T, np.float32)
         best = np.empty(T, np.float32)
         be = np.empty(T, np.int64)
+        best2 = np.empty(T, np.float32)
+        be2 = np.empty(T, np.int64)
         for t0 in range(task * per, min(G, (task + 1) * per), T):
             n = min(T, G - t0)
             _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin)
             for k in range(T):
                 best[k] = inf
                 be[k] = 1
-            for e in range(1, 127):
-                s = UE4M3[e]
-                inv = UE4M3_INV[e]
-                for k in range(T):
-                    err[k] = zero_f
-                for i in range(16):
+            lo = 127
+            hi = 1
+            for k in range(n):
+                if mx[k] > zero_f and fin[k] and wok[k]:
+                    c = _nearest_nb(np.float32(mx[k] / vmax))
+                    lo = min(lo, max(1, c - 12))
+                    hi = max(hi, _zero_from_nb(mx[k], c + 8))
+            if lo <= hi:
+                _fixed_errs_nb(xt, wt, bits, lo, hi + 1, err, best, be, wok)
+                full = False
+                if lo > 1:
+                    sl = np.float64(UE4M3[lo - 1])
+                    for k in range(n):
+                        if not (mx[k] > zero_f and fin[k] and wok[k]):
+                            continue
+                        lb = 0.0
+                        for i in range(16):
+                            x = np.float64(xt[i, k])
+                            c64 = abs(x) - sl * np.float64(vmax if x > 0.0 else vneg)
+                            if c64 > 0.0:
+                                lb += np.float64(wt[i, k]) * c64 * c64
+                        if not (lb * (1.0 - 1e-5) > np.float64(best[k])):
+                            full = True
+                            break
+                if full:
                     for k in range(T):
-                        x = xt[i, k]
-                        q = np.float32(x * inv)
-                        if bits == 2:  # §3: {-1, 0, 1, 2}, ties to the lower code
-                            y = np.float32(-1.0)
-                            y = np.float32(0.0) if q > np.float32(-0.5) else y
-                            y = np.float32(1.0) if q > np.float32(0.5) else y
-                            y = np.float32(2.0) if q > np.float32(1.5) else y
-                        else:  # §5: sign + {0, 1, 2, 4}, ties to the lower magnitude
-                            a = abs(q)
-                            y = zero_f
-                            y = np.float32(1.0) if a > np.float32(0.5) else y
-                            y = np.float32(2.0) if a > np.float32(1.5) else y
-                            y = np.float32(4.0) if a > np.float32(3.0) else y
-                            y = -y if q < zero_f else y
-                        d = np.float32(x - np.float32(s * y))
-                        err[k] = np.float32(err[k] + np.float32(np.float32(wt[i, k] * d) * d))
-                for k in range(T):
-                    if wok[k] and err[k] < best[k]:
-                        best[k] = err[k]
-                        be[k] = e
+                        best2[k] = inf
+                        be2[k] = 1
+                    _fixed_errs_nb(xt, wt, bits, 1, lo, err, best2, be2, wok)
+                    for k in range(T):
+                        if best2[k] <= best[k] and best2[k] < inf:  # the lower byte wins a tie
+                            best[k] = best2[k]
+                            be[k] = be2[k]
             for k in range(T):
                 if mx[k] == zero_f:
                     be[k] = 0

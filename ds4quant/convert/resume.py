@@ -49,7 +49,8 @@ FIXED: Mapping[str, str] = MappingProxyType({
     "lucebox": "--no-lucebox",
 })
 # Never compared: they change where or how fast, not which bytes.
-MAY_CHANGE: tuple[str, ...] = ("outdir", "source path", "--threads", "--name", "--split-max-size",
+MAY_CHANGE: tuple[str, ...] = ("outdir", "source path", "--threads", "--jobs", "--device", "--name",
+                               "--split-max-size",
                                "--loose-sidecars", "--json", "--cache-dir", "--imatrix path", "--routing path")
 
 
