@@ -229,10 +229,16 @@ def encode_torch(qtype: str, x: np.ndarray, importance, books: np.ndarray, mode:
     """``formats.encode(qtype, x, importance, books, mode=mode)`` with the
     search on ``device`` and the packing on the host: the same bytes and the
     same refusal."""
-    from ds4quant.formats import get_qtype
+    from ds4quant.formats import check_codebooks, encode_input, get_qtype
     from ds4quant.formats.rocmfp_mix import _check_status, _pack_chosen_nb
 
     qt = get_qtype(qtype)
+    x, importance = encode_input(qt, x, importance)
+    books = check_codebooks(qt, books)
+    if books.ndim != 2 or mode not in (0, 1):
+        from ds4quant.errors import BadInputError
+
+        raise BadInputError(f"{qt.name} device encoder: one (2, L) book pair and mode 0 or 1")
     bits = 2 if qt.codebook_levels == 4 else 3
     rows, cols = x.shape
     ob, oe, codes, st = choose_torch(*to_device(x, importance, device), books, mode, bits)
