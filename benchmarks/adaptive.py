@@ -123,7 +123,7 @@ class Runner:
         self.n = 0
 
     def command(self, recipe: str, out: Path, target=None, granularity=None, fitter=None, cache=None,
-                threads=None) -> str:
+                threads=None, jobs=None, device="cpu", effort=None) -> str:
         parts = ["ds4quant", "convert", str(self.source), str(out), "--recipe", recipe]
         if target is not None:
             parts += ["--target-bpw", repr(float(target))]
@@ -141,11 +141,18 @@ class Runner:
             parts += ["--cache-dir", str(cache)]
         if threads is not None:
             parts += ["--threads", str(threads)]
+        if jobs is not None:
+            parts += ["--jobs", str(jobs)]
+        if device != "cpu":
+            parts += ["--device", device]
+        if effort is not None:
+            parts += ["--fit-effort", ",".join(map(str, effort))]
         return " ".join(parts + ["--json"])
 
     def convert(self, recipe: str = "adaptive", target=None, granularity: str = "tensor",
                 fitter: str = "optimized", cache: Optional[Path] = None, threads: Optional[int] = None,
-                keep: bool = False, legacy: bool = False) -> dict:
+                keep: bool = False, legacy: bool = False, jobs: Optional[int] = None, device: str = "cpu",
+                effort: Optional[tuple] = None) -> dict:
         import contextlib
 
         from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions, legacy_kernels
@@ -156,10 +163,12 @@ class Runner:
         shutil.rmtree(out, ignore_errors=True)
         adaptive = None
         if recipe == "adaptive":
+            eff = {} if effort is None else dict(fit_iterations=effort[0], fit_restarts=effort[1],
+                                                 fit_max_rows=effort[2])
             adaptive = AdaptiveOptions(target_bpw=float(target), candidates=self.candidates or DEFAULT_CANDIDATES,
                                        granularity=granularity, fitter=fitter,
                                        routing=str(self.routing) if self.routing else None,
-                                       cache_dir=str(cache))
+                                       cache_dir=str(cache), jobs=jobs, device=device, **eff)
         events = {"measure": [], "encode": []}
 
         def progress(ev):
@@ -184,7 +193,7 @@ class Runner:
             "command": self.command(recipe, out, target if recipe == "adaptive" else None,
                                     granularity if recipe == "adaptive" else None,
                                     fitter if recipe == "adaptive" else None,
-                                    cache if recipe == "adaptive" else None, threads),
+                                    cache if recipe == "adaptive" else None, threads, jobs, device, effort),
             "recipe": recipe, "target_bpw": target, "granularity": granularity if adaptive else None,
             "legacy_kernels": legacy,
             "fitter": fitter if adaptive else None, "threads": threads,
@@ -243,34 +252,52 @@ def strix_bpw() -> float:
     return (2 * b("rocmfp2") + b("rocmfp3")) / 3
 
 
-def measure_cost(run: "Runner", work: Path, facts: dict, threads: int) -> dict:
+def measure_cost(run: "Runner", work: Path, facts: dict, threads: int, devices=(), efforts=(),
+                 anchor: bool = True) -> dict:
     """The measure stage's cost per GB of FP4 source, before and after issue 14,
-    in this run: the pre-change kernels (``legacy_kernels()``) on 1 thread, the
-    current ones on 1 thread and on ``threads``; each from an empty cache at
-    2.8333 bpw, then 2.7 from the warm cache. Plans and errors must agree."""
+    in this run: the pre-change kernels (``legacy_kernels()``, 1 thread, the
+    anchor), the current ones on 1 core and on ``threads`` cores (``--jobs``
+    experts at once), on each of ``devices`` (``--device``), and at each of
+    ``efforts`` (a named ``--fit-effort`` trade-off); each from an empty cache
+    at 2.8333 bpw, then 2.7 from the warm cache. Plans, errors and bytes must
+    agree across the default-effort paths."""
     gb = facts["expert_bytes"] / 1e9
     out = {"fp4_source_gb": gb, "threads_all": threads, "paths": {}}
     plans = {}
-    for label, legacy, t in (("before (legacy kernels), 1 thread", True, 1), ("after, 1 thread", False, 1),
-                             (f"after, {threads} threads", False, threads)):
+    paths = [("before (legacy kernels), 1 thread", dict(legacy=True, threads=1, jobs=1))] if anchor else []
+    paths += [("after, 1 core", dict(threads=1, jobs=1)),
+              (f"after, {threads} cores", dict(threads=threads, jobs=threads))]
+    paths += [(f"after, {d} + {threads} cores", dict(threads=threads, jobs=threads, device=d)) for d in devices]
+    paths += [(f"after, {threads} cores, --fit-effort {','.join(map(str, e))}",
+               dict(threads=threads, jobs=threads, effort=tuple(e))) for e in efforts]
+    for label, kw in paths:
         cache = work / f"cache-cost-{len(out['paths'])}"
-        r = run.convert(target=17 / 6, cache=cache, threads=t, legacy=legacy)
-        w = run.convert(target=2.7, cache=cache, threads=t, legacy=legacy)
+        r = run.convert(target=17 / 6, cache=cache, **kw)
+        w = run.convert(target=2.7, cache=cache, **kw)
         sec, cpu = r["seconds"]["measure"], r["cpu_seconds"]["measure"]
         out["paths"][label] = {
-            "threads": t, "legacy_kernels": legacy, "measure_s": sec, "measure_cpu_s": cpu,
+            "threads": kw["threads"], "jobs": kw["jobs"], "legacy_kernels": kw.get("legacy", False),
+            "device": kw.get("device", "cpu"), "fit_effort": kw.get("effort"),
+            "measure_s": sec, "measure_cpu_s": cpu,
             "s_per_gb": sec / gb, "cpu_s_per_gb": cpu / gb, "load_average": r["load_average"],
             "db_2.8333": r["adaptive"]["predicted_weighted_sqnr_db"], "error_2.8333": r["adaptive"]["predicted_weighted_error"],
             "db_2.7": w["adaptive"]["predicted_weighted_sqnr_db"], "error_2.7": w["adaptive"]["predicted_weighted_error"],
             "gguf_sha256_2.8333": r["gguf_sha256"], "command": r["command"],
         }
-        plans[label] = ([(c["name"], c["qtype"]) for c in r["plan"]], [(c["name"], c["qtype"]) for c in w["plan"]],
-                        r["gguf_sha256"])
-        out["same_plans_and_bytes"] = len({json.dumps(v) for v in plans.values()}) == 1
+        got = ([(c["name"], c["qtype"]) for c in r["plan"]], [(c["name"], c["qtype"]) for c in w["plan"]],
+               r["gguf_sha256"], r["adaptive"]["predicted_weighted_error"], w["adaptive"]["predicted_weighted_error"])
+        if "effort" in kw:
+            ref = next(iter(plans.values()), None)
+            out["paths"][label]["same_plans_as_default"] = ref is not None and got[:2] == ref[:2]
+        else:
+            plans[label] = got
+    out["same_plans_and_bytes"] = len({json.dumps(v) for v in plans.values()}) == 1
     p = out["paths"]
-    b, a1 = p["before (legacy kernels), 1 thread"], p["after, 1 thread"]
-    out["speedup_1_thread"] = b["s_per_gb"] / a1["s_per_gb"]
-    out["cpu_speedup_1_thread"] = b["cpu_s_per_gb"] / a1["cpu_s_per_gb"]
+    if anchor:
+        b = p["before (legacy kernels), 1 thread"]
+        out["speedup"] = {k: b["s_per_gb"] / v["s_per_gb"] for k, v in p.items() if k != next(iter(p))}
+        out["speedup_1_thread"] = out["speedup"]["after, 1 core"]
+        out["cpu_speedup_1_thread"] = b["cpu_s_per_gb"] / p["after, 1 core"]["cpu_s_per_gb"]
     return out
 
 
@@ -309,7 +336,13 @@ def benchmark(args) -> dict:
         Runner(tiny, work / "warmup", None, None, cands).convert(target=B, cache=work / "cache-warmup")
         result["warmup_seconds"] = time.perf_counter() - t0
 
-        result["cost"] = measure_cost(run, work, facts, threads)
+        result["cost"] = measure_cost(run, work, facts, threads, devices=args.device, efforts=args.fit_effort,
+                                      anchor=not args.skip_anchor)
+        if args.ds4_shape:
+            from _adaptive_ds4shape import ds4_expert_cost
+
+            result["ds4_shape"] = ds4_expert_cost(threads, devices=args.device, candidates=cands,
+                                                  experts=args.ds4_shape)
         if args.cost_only:
             return result
         cache = {"optimized": work / "cache-optimized", "reference": work / "cache-reference"}
@@ -482,6 +515,14 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-reference", action="store_true", help="skip the --fitter reference run")
     ap.add_argument("--cost-only", action="store_true",
                     help="only the measure-stage cost (before/after, 1 and all threads) and its plans' dB")
+    ap.add_argument("--device", action="append", default=[], metavar="DEV",
+                    help="also time the measure stage with --device DEV (cuda, torch-cpu); repeatable")
+    ap.add_argument("--fit-effort", action="append", default=[],
+                    type=lambda s: tuple(int(v) for v in s.split(",")), metavar="ITER,RESTARTS,ROWS",
+                    help="also time the measure stage at this --fit-effort (a trade-off row); repeatable")
+    ap.add_argument("--skip-anchor", action="store_true", help="skip the pre-change (legacy kernels) anchor")
+    ap.add_argument("--ds4-shape", type=int, default=0, metavar="N",
+                    help="also time measure_matrix on N synthetic experts at DeepSeek-V4 Flash shapes")
     ap.add_argument("--cold-threads-check", action="store_true",
                     help="also measure again from an empty cache with 1 thread and compare bytes")
     ap.add_argument("--out", help="folder for the PNG and JSON (default: a new temp folder)")

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ds4quant import __version__
+from ds4quant.adaptive_cache import CACHE_VERSION, Cache, load_books, save_books, default_cache_dir
 from ds4quant.adaptive_jobs import check_device, default_jobs, ordered_map, resolve_device
 from ds4quant.allocate import Allocation, Candidate, Item, allocate
 from ds4quant.errors import BadInputError, BudgetError, UnknownQTypeError
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 DEFAULT_CANDIDATES = ("rocmfp2", "rocmfp2_mix", "rocmfp3", "rocmfp3_mix", "rocmfp4_fast", "rocmfp4")
 GRANULARITIES = ("tensor", "expert")
 FITTERS = ("optimized", "reference")
-CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -126,47 +125,6 @@ class Measure:
     wsse: float
     wssx: float
     ref_wsse: Optional[float] = None
-
-
-@dataclass
-class _Cache:
-    root: Optional[Path]
-    key: str
-    data: dict = field(default_factory=dict)  # "tensor|expert|qtype" -> list
-
-    @property
-    def file(self) -> Optional[Path]:
-        return None if self.root is None else self.root / f"measure-{self.key[:24]}.json"
-
-    def books_file(self, tensor: str) -> Optional[Path]:
-        if self.root is None:
-            return None
-        return self.root / f"books-{self.key[:24]}" / f"{tensor}.npz"
-
-    def load(self) -> None:
-        f = self.file
-        if f is None or not f.is_file():
-            return
-        try:
-            d = json.loads(f.read_text())
-            if d.get("version") == CACHE_VERSION and d.get("key") == self.key:
-                self.data = dict(d["measures"])
-        except (OSError, ValueError, KeyError, TypeError):
-            self.data = {}  # a damaged cache is only lost time; measure again
-
-    def save(self) -> None:
-        if self.root is None:
-            return
-        from ds4quant.artifact.atomic import atomic_write_json
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.file, {"version": CACHE_VERSION, "key": self.key, "measures": self.data})
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("DS4QUANT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ds4quant")
-    return Path(base)
 
 
 def expert_weights(counts: Optional[np.ndarray], n_expert: int) -> np.ndarray:
@@ -283,7 +241,7 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
                "opts": opts.key()}
     key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()
     root = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
-    cache = _Cache(root, key)
+    cache = Cache(root, key)
     cache.load()
     out: dict[tuple[str, int, str], Measure] = {}
     weights: dict[str, np.ndarray] = {}
@@ -309,7 +267,7 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
         seen = [q for q in imps if q is not None]
         fallback = (np.mean(np.stack(seen), axis=0) if seen else np.ones(cols)).astype(np.float64)
         fitting = [q for q in opts.candidates if _fits(q, cols)]
-        _load_books(cache, choice.name, books)
+        load_books(cache, choice.name, books)
         fresh = False
 
         def tasks(choice=choice, members=members, imps=imps, fallback=fallback, fitting=fitting):
@@ -345,7 +303,7 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
             if progress is not None:
                 progress(ev)
         if fresh:
-            _save_books(cache, choice.name, [m.expert for m in members], fitting, books)
+            save_books(cache, choice.name, [m.expert for m in members], fitting, books)
         # the JSON grows with the run: rewrite it every _SAVE_EVERY_S, not per tensor
         if new and time.perf_counter() - saved >= _SAVE_EVERY_S:
             cache.save()
@@ -366,42 +324,6 @@ def _measure_expert(payload, opts: AdaptiveOptions, device) -> list:
         meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device)
         out.append((q, meas, bk))
     return out
-
-
-def _load_books(cache: _Cache, tensor: str, books: Books) -> None:
-    """Fill ``books`` from the tensor's cache file; a damaged file is ignored."""
-    f = cache.books_file(tensor)
-    if f is None or not f.is_file():
-        return
-    try:
-        with np.load(f) as z:
-            for k in z.files:
-                if k.endswith("|books"):
-                    e, q, _ = k.split("|")
-                    books.put(tensor, int(e), q, z[k].astype(np.float32), int(z[f"{e}|{q}|mode"]))
-    except (OSError, ValueError, KeyError):
-        return
-
-
-def _save_books(cache: _Cache, tensor: str, experts, qtypes, books: Books) -> None:
-    f = cache.books_file(tensor)
-    if f is None:
-        return
-    import io
-
-    from ds4quant.artifact.atomic import atomic_write_bytes
-
-    arrays = {}
-    for e in experts:
-        for q in qtypes:
-            if (tensor, e, q) in books:
-                b, mode = books.get(tensor, e, q)
-                arrays[f"{e}|{q}|books"] = np.asarray(b, np.float32)
-                arrays[f"{e}|{q}|mode"] = np.int64(mode)
-    f.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    atomic_write_bytes(f, buf.getvalue())
 
 
 def allowed_candidates(opts: AdaptiveOptions, surface: str) -> tuple[str, ...]:
