@@ -144,56 +144,108 @@ def _choose_books(X, W, books_np, L):
     return bk, be, codes, _status(fin, mx, best)
 
 
+def _fixed_scan(Xl, Wl, start, K, bits, S, INV):
+    """First least mode-0 error over the bytes start..start+K-1 (clamped to
+    126: repeats of 126 tie and lose) per lane of Xl (N, 16), Wl (N, 16) or
+    None: (best float32 (N,), byte int64 (N,); inf and 1 where none is finite)."""
+    import torch
+
+    dev = Xl.device
+    N = Xl.shape[0]
+    inf = torch.tensor(float("inf"), dtype=torch.float32, device=dev)
+    zf = torch.zeros((), dtype=torch.float32, device=dev)
+    one = torch.ones((), dtype=torch.float32, device=dev)
+    two = torch.full((), 2.0, dtype=torch.float32, device=dev)
+    four = torch.full((), 4.0, dtype=torch.float32, device=dev)
+    best = torch.full((N,), float("inf"), dtype=torch.float32, device=dev)
+    be = torch.ones((N,), dtype=torch.int64, device=dev)
+    per = max(1, _BATCH_WEIGHTS // max(1, Xl.numel()))
+    for j0 in range(0, K, per):
+        js = torch.arange(j0, min(K, j0 + per), device=dev)
+        es = (start.unsqueeze(0) + js.unsqueeze(1)).clamp(1, 126)  # (C, N), ascending per lane
+        s = S[es].unsqueeze(-1)
+        inv = INV[es].unsqueeze(-1)
+        q = Xl.unsqueeze(0) * inv
+        if bits == 2:  # §3: {-1, 0, 1, 2}, ties to the lower code
+            y = torch.full(q.shape, -1.0, dtype=torch.float32, device=dev)
+            y = torch.where(q > -0.5, zf, y)
+            y = torch.where(q > 0.5, one, y)
+            y = torch.where(q > 1.5, two, y)
+        else:  # §5: sign + {0, 1, 2, 4}, ties to the lower magnitude
+            a = q.abs()
+            y = torch.where(a > 0.5, one, torch.zeros(q.shape, dtype=torch.float32, device=dev))
+            y = torch.where(a > 1.5, two, y)
+            y = torch.where(a > 3.0, four, y)
+            y = torch.where(q < 0, -y, y)
+        d = Xl.unsqueeze(0) - s * y
+        t = (Wl.unsqueeze(0) * d) * d if Wl is not None else d * d
+        err = _seq_sum16(t)
+        err = torch.where(torch.isnan(err), inf, err)
+        ci = err.argmin(dim=0)
+        cbest = err.gather(0, ci.unsqueeze(0)).squeeze(0)
+        take = cbest < best
+        best = torch.where(take, cbest, best)
+        be = torch.where(take, es.gather(0, ci.unsqueeze(0)).squeeze(0), be)
+    return best, be
+
+
+_WINDOW = 40  # bytes per lane: 12 below N(max/Vmax), up to the all-zero byte (about 16 or 24 above)
+
+
 def _choose_fixed(X, W, bits):
-    """Mode 0 on the device: the byte of least error over 1..126, ties to the smaller."""
+    """Mode 0 on the device: the byte of least error over 1..126, ties to the
+    smaller. Per half only a window of bytes is evaluated, with the answer of
+    all 126, as ``_mix_search._choose_fixed_nb`` argues: above the byte from
+    which every element quantises to 0 the error is constant (met inside the
+    window); below it the clipping bound, less 1e-5, exceeds the half's best.
+    Halves where either fails are scanned over all 126 bytes."""
     import torch
 
     dev = X.device
     S, INV = _tables(dev)
     R, H, _ = X.shape
     mx, fin, wok = _half_facts(X, W)
+    Xl = X.reshape(-1, _HALF)
+    Wl = None if W is None else W.expand(R, H, _HALF).reshape(-1, _HALF)
+    mxl, finl, wokl = mx.reshape(-1), fin.reshape(-1), wok.expand(R, H).reshape(-1)
+    vmax = torch.full((), 2.0 if bits == 2 else 4.0, dtype=torch.float32, device=dev)
+    ok = (mxl > 0) & finl & wokl
+    c = _nearest(mxl / vmax, S)
+    lo = (c - 12).clamp(min=1)
+    ehi = torch.full_like(lo, 126)
+    step = max(1, (1 << 24) // 126)
+    for i in range(0, mxl.numel(), step):  # the first byte from which every element is level 0
+        cond = (mxl[i:i + step].unsqueeze(1) * INV[1:127].unsqueeze(0)) < 0.5
+        ehi[i:i + step] = torch.where(cond.any(dim=1), cond.to(torch.int8).argmax(dim=1) + 1, ehi[i:i + step])
+    best, be = _fixed_scan(Xl, Wl, lo, _WINDOW, bits, S, INV)
+    # the clipping bound below the window (float64; only compared, with a margin)
+    sl = S[(lo - 1).clamp(min=1)].to(torch.float64).unsqueeze(-1)
+    x64 = Xl.to(torch.float64)
+    vside = torch.where(x64 > 0, 2.0 if bits == 2 else 4.0, 1.0 if bits == 2 else 4.0).to(torch.float64)
+    clip = (x64.abs() - sl * vside).clamp(min=0)
+    w64 = torch.ones_like(x64) if Wl is None else Wl.to(torch.float64)
+    lb = (w64 * clip * clip).sum(dim=1)
+    passed = (lo == 1) | (lb * (1.0 - 1e-5) > best.to(torch.float64))
+    full = ok & ~((ehi <= lo + _WINDOW - 1) & passed)
+    idx = torch.nonzero(full).reshape(-1)
+    if idx.numel():
+        fb, fe = _fixed_scan(Xl[idx], None if Wl is None else Wl[idx], torch.ones_like(idx), 126, bits, S, INV)
+        best[idx] = fb
+        be[idx] = fe
     inf = torch.tensor(float("inf"), dtype=torch.float32, device=dev)
-    best = torch.full((R, H), float("inf"), dtype=torch.float32, device=dev)
-    be = torch.ones((R, H), dtype=torch.int64, device=dev)
-    per = max(1, _BATCH_WEIGHTS // max(1, X.numel()))
+    best = torch.where(wokl, best, inf)  # unusable weights: nothing is ever adopted
+    be = torch.where(wokl, be, torch.ones_like(be))
+    be = torch.where(mxl == 0, torch.zeros_like(be), be).reshape(R, H)
+    best = best.reshape(R, H)
     zf = torch.zeros((), dtype=torch.float32, device=dev)
-    for e0 in range(1, 127, per):
-        es = torch.arange(e0, min(127, e0 + per), device=dev)
-        s = S[es].reshape(-1, 1, 1, 1)
-        inv = INV[es].reshape(-1, 1, 1, 1)
-        q = X.unsqueeze(0) * inv
-        if bits == 2:  # §3: {-1, 0, 1, 2}, ties to the lower code
-            y = torch.full(q.shape, -1.0, dtype=torch.float32, device=dev)
-            y = torch.where(q > -0.5, zf, y)
-            y = torch.where(q > 0.5, torch.ones((), dtype=torch.float32, device=dev), y)
-            y = torch.where(q > 1.5, torch.full((), 2.0, dtype=torch.float32, device=dev), y)
-        else:  # §5: sign + {0, 1, 2, 4}, ties to the lower magnitude
-            a = q.abs()
-            y = torch.zeros(q.shape, dtype=torch.float32, device=dev)
-            y = torch.where(a > 0.5, torch.ones((), dtype=torch.float32, device=dev), y)
-            y = torch.where(a > 1.5, torch.full((), 2.0, dtype=torch.float32, device=dev), y)
-            y = torch.where(a > 3.0, torch.full((), 4.0, dtype=torch.float32, device=dev), y)
-            y = torch.where(q < 0, -y, y)
-        d = X.unsqueeze(0) - s * y
-        t = (W.unsqueeze(0) * d) * d if W is not None else d * d
-        err = _seq_sum16(t)
-        err = torch.where(wok.unsqueeze(0), err, inf)
-        err = torch.where(torch.isnan(err), inf, err)
-        ci = err.argmin(dim=0)
-        cbest = err.gather(0, ci.unsqueeze(0)).squeeze(0)
-        take = cbest < best
-        best = torch.where(take, cbest, best)
-        be = torch.where(take, es[ci], be)
-    be = torch.where(mx == 0, torch.zeros_like(be), be)
     v = torch.where(be.unsqueeze(-1) > 0, X * INV[be].unsqueeze(-1), zf)
     if bits == 2:
-        codes = (v > -0.5).to(torch.uint8) + (v > 0.5) + (v > 1.5)
-        codes = torch.where(torch.isnan(v), torch.full((), 3, dtype=torch.uint8, device=dev), codes.to(torch.uint8))
+        codes = ((v > -0.5).to(torch.uint8) + (v > 0.5) + (v > 1.5)).to(torch.uint8)
+        codes = torch.where(torch.isnan(v), torch.full((), 3, dtype=torch.uint8, device=dev), codes)
     else:
         a = v.abs()
-        idx = (a > 0.5).to(torch.uint8) + (a > 1.5) + (a > 3.0)
-        idx = idx.to(torch.uint8)
-        codes = torch.where((v < 0) & (idx != 0), idx | 4, idx)
+        idx3 = ((a > 0.5).to(torch.uint8) + (a > 1.5) + (a > 3.0)).to(torch.uint8)
+        codes = torch.where((v < 0) & (idx3 != 0), idx3 | 4, idx3)
     return torch.zeros_like(be), be, codes.to(torch.uint8), _status(fin, mx, best)
 
 

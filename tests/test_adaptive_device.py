@@ -153,8 +153,12 @@ def test_windowed_fixed_search_equals_the_full_scan(qtype, case):
         except Exception as e:  # noqa: BLE001  (a refusal must be the same refusal)
             with pytest.raises(type(e)):
                 formats.encode(qtype, x, imp, books, mode=0)
+            with pytest.raises(type(e)):
+                encode_torch(qtype, x, imp, books, 0, "cpu")
             continue
         assert np.array_equal(formats.encode(qtype, x, imp, books, mode=0), want)
+        for dev in DEVICES:  # the device search's own window
+            assert np.array_equal(encode_torch(qtype, x, imp, books, 0, dev), want), dev
 
 
 def test_bad_device_and_jobs_are_refused():
