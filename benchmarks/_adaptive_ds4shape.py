@@ -44,7 +44,7 @@ def importance(key: str, cols: int) -> np.ndarray:
     return np.exp(_rng(key).standard_normal(cols)).astype(np.float32)
 
 
-def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1) -> dict:
+def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True) -> dict:
     from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions, _fits, measure_matrix
     from ds4quant.adaptive_jobs import ordered_map, resolve_device
     from ds4quant.formats import numba_threads
@@ -58,7 +58,7 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1)
             mats.append((f"{which}/{e}", fp4_matrix(f"{which}/{e}", shape), imp))
     weights = sum(x.size for _, x, _ in mats)
     gb = weights * (0.5 + 1 / 32) / 1e9  # FP4 codes + one E8M0 byte per 32
-    paths = [("1 core", 1, "cpu")] + ([(f"{threads} cores", threads, "cpu")] if threads > 1 else [])
+    paths = ([("1 core", 1, "cpu")] if one_core else []) + ([(f"{threads} cores", threads, "cpu")] if threads > 1 else [])
     paths += [(f"{d} + {threads} cores", threads, d) for d in devices]
     out = {"experts": experts, "shape_gate_up": list(GATE_UP), "shape_down": list(DOWN), "fp4_gb": gb,
            "candidates": list(cands), "paths": {}}

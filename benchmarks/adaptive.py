@@ -253,7 +253,7 @@ def strix_bpw() -> float:
 
 
 def measure_cost(run: "Runner", work: Path, facts: dict, threads: int, devices=(), efforts=(),
-                 anchor: bool = True) -> dict:
+                 anchor: bool = True, one_core: bool = True, partial: Optional[Path] = None) -> dict:
     """The measure stage's cost per GB of FP4 source, before and after issue 14,
     in this run: the pre-change kernels (``legacy_kernels()``, 1 thread, the
     anchor), the current ones on 1 core and on ``threads`` cores (``--jobs``
@@ -265,8 +265,8 @@ def measure_cost(run: "Runner", work: Path, facts: dict, threads: int, devices=(
     out = {"fp4_source_gb": gb, "threads_all": threads, "paths": {}}
     plans = {}
     paths = [("before (legacy kernels), 1 thread", dict(legacy=True, threads=1, jobs=1))] if anchor else []
-    paths += [("after, 1 core", dict(threads=1, jobs=1)),
-              (f"after, {threads} cores", dict(threads=threads, jobs=threads))]
+    paths += [("after, 1 core", dict(threads=1, jobs=1))] if one_core else []
+    paths += [(f"after, {threads} cores", dict(threads=threads, jobs=threads))]
     paths += [(f"after, {d} + {threads} cores", dict(threads=threads, jobs=threads, device=d)) for d in devices]
     paths += [(f"after, {threads} cores, --fit-effort {','.join(map(str, e))}",
                dict(threads=threads, jobs=threads, effort=tuple(e))) for e in efforts]
@@ -291,9 +291,11 @@ def measure_cost(run: "Runner", work: Path, facts: dict, threads: int, devices=(
             out["paths"][label]["same_plans_as_default"] = ref is not None and got[:2] == ref[:2]
         else:
             plans[label] = got
+        if partial is not None:  # what a run cut short still reports
+            partial.write_text(json.dumps(out, indent=2, default=_jsonable) + "\n")
     out["same_plans_and_bytes"] = len({json.dumps(v) for v in plans.values()}) == 1
     p = out["paths"]
-    if anchor:
+    if anchor and one_core:
         b = p["before (legacy kernels), 1 thread"]
         out["speedup"] = {k: b["s_per_gb"] / v["s_per_gb"] for k, v in p.items() if k != next(iter(p))}
         out["speedup_1_thread"] = out["speedup"]["after, 1 core"]
@@ -337,13 +339,15 @@ def benchmark(args) -> dict:
         result["warmup_seconds"] = time.perf_counter() - t0
 
         result["cost"] = measure_cost(run, work, facts, threads, devices=args.device, efforts=args.fit_effort,
-                                      anchor=not args.skip_anchor)
+                                      anchor=not args.skip_anchor, one_core=not args.skip_one_core,
+                                      partial=out_dir / "cost-partial.json")
         if args.ds4_shape:
             from _adaptive_ds4shape import ds4_expert_cost
 
             result["ds4_shape"] = ds4_expert_cost(threads, devices=args.device, candidates=cands,
-                                                  experts=args.ds4_shape)
+                                                  experts=args.ds4_shape, one_core=not args.skip_one_core)
         if args.cost_only:
+            (out_dir / "adaptive-bench.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
             return result
         cache = {"optimized": work / "cache-optimized", "reference": work / "cache-reference"}
         runs = {}
@@ -521,6 +525,7 @@ def main(argv=None) -> int:
                     type=lambda s: tuple(int(v) for v in s.split(",")), metavar="ITER,RESTARTS,ROWS",
                     help="also time the measure stage at this --fit-effort (a trade-off row); repeatable")
     ap.add_argument("--skip-anchor", action="store_true", help="skip the pre-change (legacy kernels) anchor")
+    ap.add_argument("--skip-one-core", action="store_true", help="skip the 1-core rows (and so the anchor ratio)")
     ap.add_argument("--ds4-shape", type=int, default=0, metavar="N",
                     help="also time measure_matrix on N synthetic experts at DeepSeek-V4 Flash shapes")
     ap.add_argument("--cold-threads-check", action="store_true",

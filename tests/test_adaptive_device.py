@@ -202,6 +202,22 @@ def test_plans_bytes_and_cache_do_not_depend_on_the_worker_count(tmp_path):
     assert caches["j1"] == caches["j2"] == caches["j3t2"]
 
 
+def test_convert_through_the_torch_search_equals_the_cpu_path(tmp_path):
+    """--device torch-cpu end to end (the plumbing CUDA uses), on one adaptive tensor."""
+    got = {}
+    for device in ("cpu", "torch-cpu"):
+        opts = AdaptiveOptions(target_bpw=2.5625, routing=str(ROUTING), cache_dir=str(tmp_path / f"c-{device}"),
+                               candidates=("rocmfp2", "rocmfp2_mix", "rocmfp3"), fit_iterations=2, fit_restarts=0,
+                               fit_max_rows=64, device=device, jobs=2)
+        out = tmp_path / device
+        rep = convert(SAMPLE, out, "adaptive", imatrix=IMATRIX, threads=1, adaptive=opts,
+                      tensor_types=(r"blk\.[1-3]\..*exps=rocmfp2", r"blk\.0\.ffn_(up|down)_exps=rocmfp2"))
+        got[device] = (sha256_file(_gguf(out)), _cache_bytes(tmp_path / f"c-{device}"),
+                       rep.adaptive["predicted_weighted_error"])
+        assert any(c.qtype == "rocmfp2_mix" for c in rep.plan)  # the MIX path was measured and chosen
+    assert got["cpu"] == got["torch-cpu"]
+
+
 @needs_cuda
 @pytest.mark.gpu
 def test_convert_on_cuda_equals_the_cpu_path(tmp_path):
