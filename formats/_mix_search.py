@@ -111,6 +111,33 @@ def _nearest_nb(t):
     return e
 
 
+_T_LO = np.uint32(np.float32(2.0**-7).view(np.uint32))  # S(8): bytes >= 8 are (8 + M) 2^(E - 11)
+_T_HI = np.uint32(np.float32(224.0).view(np.uint32))  # S(126)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nearest_lanes_nb(tt, cen, slow):
+    """cen[k] = _nearest_nb(tt[k]) for a tile, without a search where it can:
+    for S(8) <= t <= S(126) the byte of t truncated to 3 mantissa bits is
+    (bits >> 20) - 952 (S(e) <= t < S(e + 1)), so the first byte with
+    S(e) >= t is that or the next and the nearest is it or the one below;
+    other targets, and a possible tie run below, take _nearest_nb."""
+    T = tt.shape[0]
+    ti = tt.view(np.uint32)
+    for k in range(T):
+        u = ti[k]
+        lo = np.int64(u >> np.uint32(20)) - 952 + (1 if (u & np.uint32(0xFFFFF)) != 0 else 0)
+        lo = min(max(lo, 2), 126)
+        t = tt[k]
+        dlo = abs(UE4M3[lo - 1] - t)
+        e = lo - 1 if dlo <= abs(UE4M3[lo] - t) else lo
+        cen[k] = e
+        slow[k] = not (u >= _T_LO and u <= _T_HI) or (e == lo - 1 and e > 1 and abs(UE4M3[e - 1] - t) == dlo)
+    for k in range(T):
+        if slow[k]:
+            cen[k] = _nearest_nb(tt[k])
+
+
 @numba.njit(cache=True, nogil=True)
 def _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin):
     """Transpose halves t0..t0+n of h (G, 16) into xt/wt (16, _TILE); per
@@ -210,11 +237,12 @@ def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
         wok = np.empty(T, np.bool_)
         fin = np.empty(T, np.bool_)
         cen = np.empty((2, T), np.int64)
+        tt = np.empty(T, np.float32)
+        slow = np.empty(T, np.bool_)
         s = np.empty(T, np.float32)
         inv = np.empty(T, np.float32)
         err = np.empty(T, np.float32)
         v = np.empty(T, np.float32)
-        lvl = np.empty(T, np.float32)
         best = np.empty(T, np.float32)
         bk = np.empty(T, np.int64)
         be = np.empty(T, np.int64)
@@ -225,8 +253,14 @@ def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
                 best[k] = inf
                 bk[k] = 0
                 be[k] = 1
-                for b in range(2):
-                    cen[b, k] = _nearest_nb(np.float32(mx[k] / ml[b])) if ml[b] > zero_f else 0
+            for b in range(2):
+                if ml[b] > zero_f:
+                    for k in range(T):
+                        tt[k] = np.float32(mx[k] / ml[b])
+                    _nearest_lanes_nb(tt, cen[b], slow)
+                else:
+                    for k in range(T):
+                        cen[b, k] = 0
             for b in range(2):
                 if not (ml[b] > zero_f):
                     continue
@@ -240,15 +274,15 @@ def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
                         _cand_err4_nb(xt, wt, s, inv, err, books[b], split[b])
                     else:
                         _cand_err8_nb(xt, wt, s, inv, err, books[b], split[b])
+                    # candidates come in (book, byte) order, so the kernel's tie rule (lower
+                    # book, then lower byte) never adopts a later one: a strict < is the rule
                     for k in range(T):
                         e = cen[b, k] + delta
-                        if e < 1 or e > 126:
-                            continue
                         er = err[k] if wok[k] else inf
-                        if er < best[k] or (er == best[k] and (b < bk[k] or (b == bk[k] and e < be[k]))):
-                            best[k] = er
-                            bk[k] = b
-                            be[k] = e
+                        take = e >= 1 and e <= 126 and er < best[k]
+                        best[k] = er if take else best[k]
+                        bk[k] = b if take else bk[k]
+                        be[k] = e if take else be[k]
             for k in range(T):
                 if mx[k] == zero_f:
                     bk[k] = 0
@@ -335,10 +369,11 @@ def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
     Only a window of bytes is evaluated per tile, with the answer of all 126:
     above the window every lane's error is the constant of its all-zero
     quantisation (``_zero_from_nb``), already met inside it; below it, a lane's
-    clipping bound sum w (|x| - S Vmax)^2 (real, float64), less 1e-5 for the
-    float32 rounding of the evaluated error (under 2e-6), exceeds the lane's
-    best, so no byte there can win or tie. A tile where that fails evaluates
-    the bytes below too and keeps the first least over both ranges."""
+    clipping bound sum w (|x| - S Vmax)^2 (real, float64; it falls as S rises),
+    less 1e-5 for the float32 rounding of the evaluated error (under 2e-6),
+    exceeds the lane's best, so no byte there can win or tie. While that
+    fails for a lane, the tile evaluates the next 8 bytes below and keeps the
+    first least over both ranges (the lower byte wins a tie)."""
     G = h.shape[0]
     T = _TILE
     per = T * _TILES_PER_TASK
@@ -372,9 +407,11 @@ def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
                     hi = max(hi, _zero_from_nb(mx[k], c + 8))
             if lo <= hi:
                 _fixed_errs_nb(xt, wt, bits, lo, hi + 1, err, best, be, wok)
-                full = False
-                if lo > 1:
+                # extend downwards, 8 bytes (an octave) at a time, while some lane's
+                # clipping bound at the byte below does not clear its best
+                while lo > 1:
                     sl = np.float64(UE4M3[lo - 1])
+                    clear = True
                     for k in range(n):
                         if not (mx[k] > zero_f and fin[k] and wok[k]):
                             continue
@@ -385,17 +422,20 @@ def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
                             if c64 > 0.0:
                                 lb += np.float64(wt[i, k]) * c64 * c64
                         if not (lb * (1.0 - 1e-5) > np.float64(best[k])):
-                            full = True
+                            clear = False
                             break
-                if full:
+                    if clear:
+                        break
+                    lo2 = max(1, lo - 8)
                     for k in range(T):
                         best2[k] = inf
                         be2[k] = 1
-                    _fixed_errs_nb(xt, wt, bits, 1, lo, err, best2, be2, wok)
+                    _fixed_errs_nb(xt, wt, bits, lo2, lo, err, best2, be2, wok)
                     for k in range(T):
                         if best2[k] <= best[k] and best2[k] < inf:  # the lower byte wins a tie
                             best[k] = best2[k]
                             be[k] = be2[k]
+                    lo = lo2
             for k in range(T):
                 if mx[k] == zero_f:
                     be[k] = 0
