@@ -67,15 +67,32 @@ matrices x 6 candidates; a shared 2-core machine, so shares, not seconds):
     non-MIX candidates (scale search), MIX decode,
       codebook validation, Python glue                      8 %
 
-    after (17 CPU s, the same plan, errors and bytes)
+    after the previous session (17 CPU s, the same plan, errors and bytes)
     vectorised MIX search (SIMD lanes over 64 halves)       23 %
     book projection (numba) + fit glue                      ~15 %
     non-MIX candidate encodes (unchanged)                    7 %
     the measurement cache's JSON, rewritten per tensor       8 %
     mode-0 search (vectorised), fused error / level sums     9 %
 
-The 1-thread speedup measured with --cost-only on that machine (load ~15):
-4.8x CPU seconds per GB (14,514 -> 3,024), 5.4x wall.
+    now (12 CPU s under load 8; cProfile shares)
+    mode-1 MIX search, 8,576 calls (~22 per MIX fit: 3 starts
+      x <= 6 Lloyd steps, the final errors, the encode)     37 %
+    non-MIX candidate encodes (scale search), 832 calls     10 %
+    the fitter's fused error / Lloyd sums                    5 %
+    convert's fsyncs (cache, books, artifact)                5 %
+    book projection + bf16 repair                            4 %
+    mode-0 search (a window of bytes, not 126)               4 %
+    numpy sums, reference fitter, error_sums, glue          35 %
+
+At DS4 Flash shapes (--ds4-shape 1: gate/up 2048 x 4096, down 4096 x 2048,
+the Lloyd steps on 512 sampled rows, the final evaluations on all rows):
+mode-1 search 36 %, non-MIX encodes 27 %, the fitter's sums 11 %, mode-0
+search 11 %, decodes 3 %, error sums 2 %: the full-row evaluations and the
+non-MIX candidates weigh more than on the sample.
+
+Measured with --cost-only on the 2-core machine (load 8-13): 1 core 5.5x
+fewer CPU s/GB than the anchor (16,580 -> 3,013), 7.5x wall; 2 cores
+(--jobs 2) 14.4x wall; plans, errors and GGUF bytes identical.
 """
 
 from __future__ import annotations

@@ -251,6 +251,7 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
     dev = resolve_device(opts.device)
     saved = time.perf_counter()
     new = False
+    prepared = []  # per tensor: (choice, members, importance per expert, fallback weights, candidates)
     for choice, members in expert_tensors:
         n_exp = len(members)
         counts = None
@@ -268,46 +269,52 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
         fallback = (np.mean(np.stack(seen), axis=0) if seen else np.ones(cols)).astype(np.float64)
         fitting = [q for q in opts.candidates if _fits(q, cols)]
         load_books(cache, choice.name, books)
-        fresh = False
+        prepared.append((choice, members, imps, fallback, fitting))
 
-        def tasks(choice=choice, members=members, imps=imps, fallback=fallback, fitting=fitting):
-            # read on this thread, in order; each payload is measured independently
-            for m, imp in zip(members, imps):
+    def tasks():
+        # read on this thread, in order, across tensor boundaries (the workers
+        # never wait for a tensor's last expert); each payload is independent
+        for ti, (choice, members, imps, fallback, fitting) in enumerate(prepared):
+            for i, (m, imp) in enumerate(zip(members, imps)):
                 need = [q for q in fitting
                         if f"{choice.name}|{m.expert}|{q}" not in cache.data
                         or (get_qtype(q).is_mix and (choice.name, m.expert, q) not in books)]
                 if not need:
-                    yield m, None
+                    yield (ti, i), None
                     continue
                 x = np.ascontiguousarray(src.read_dequantized(m.name), dtype=np.float32)
                 src.release(m.name)  # x is a copy: the pages may go
                 err_w = imp.astype(np.float64) if imp is not None else fallback
-                yield m, (x, imp, err_w, need, f"{choice.name}/{m.expert}")
+                yield (ti, i), (x, imp, err_w, need, f"{choice.name}/{m.expert}")
 
-        for m, res in ordered_map(tasks(), lambda p: _measure_expert(p, opts, dev), jobs):
-            if res is None:
-                reused += 1
-            else:  # recorded in expert order whatever finished first
-                new = True
-                for q, meas, bk in res:
-                    cache.data[f"{choice.name}|{m.expert}|{q}"] = [meas.nbytes, meas.sse, meas.ssx, meas.wsse,
-                                                                  meas.wssx, meas.ref_wsse]
-                    if bk is not None:
-                        books.put(choice.name, m.expert, q, *bk)
-                        fresh = True
-            for q in fitting:
-                v = cache.data[f"{choice.name}|{m.expert}|{q}"]
-                out[(choice.name, m.expert, q)] = Measure(int(v[0]), *map(float, v[1:5]),
-                                                          None if v[5] is None else float(v[5]))
-            ev = meter.step(choice.name, expert=m.expert)
-            if progress is not None:
-                progress(ev)
-        if fresh:
-            save_books(cache, choice.name, [m.expert for m in members], fitting, books)
-        # the JSON grows with the run: rewrite it every _SAVE_EVERY_S, not per tensor
-        if new and time.perf_counter() - saved >= _SAVE_EVERY_S:
-            cache.save()
-            saved, new = time.perf_counter(), False
+    fresh = [False] * len(prepared)
+    for (ti, i), res in ordered_map(tasks(), lambda p: _measure_expert(p, opts, dev), jobs):
+        choice, members, _, _, fitting = prepared[ti]
+        m = members[i]
+        if res is None:
+            reused += 1
+        else:  # recorded in expert order whatever finished first
+            new = True
+            for q, meas, bk in res:
+                cache.data[f"{choice.name}|{m.expert}|{q}"] = [meas.nbytes, meas.sse, meas.ssx, meas.wsse,
+                                                              meas.wssx, meas.ref_wsse]
+                if bk is not None:
+                    books.put(choice.name, m.expert, q, *bk)
+                    fresh[ti] = True
+        for q in fitting:
+            v = cache.data[f"{choice.name}|{m.expert}|{q}"]
+            out[(choice.name, m.expert, q)] = Measure(int(v[0]), *map(float, v[1:5]),
+                                                      None if v[5] is None else float(v[5]))
+        ev = meter.step(choice.name, expert=m.expert)
+        if progress is not None:
+            progress(ev)
+        if i == len(members) - 1:  # the tensor is complete
+            if fresh[ti]:
+                save_books(cache, choice.name, [e.expert for e in members], fitting, books)
+            # the JSON grows with the run: rewrite it every _SAVE_EVERY_S, not per tensor
+            if new and time.perf_counter() - saved >= _SAVE_EVERY_S:
+                cache.save()
+                saved, new = time.perf_counter(), False
     if new:
         cache.save()
     return Measurements(out, weights, time.perf_counter() - t0, reused)
