@@ -55,13 +55,29 @@ def print_cost(r: dict) -> None:
     c = r["cost"]
     print(f"\nmeasure stage per GB of FP4 source ({c['fp4_source_gb'] * 1e3:.2f} MB; warm-up excluded; "
           f"wall and CPU seconds; the 1-min load average beside each, the machine may be shared):")
-    rows = [("path", "threads", "s", "s/GB", "CPU s/GB", "load", "dB @2.7", "dB @2.8333")]
+    sp = c.get("speedup", {})
+    rows = [("path", "threads", "jobs", "s", "s/GB", "CPU s/GB", "x anchor", "load", "dB @2.7", "dB @2.8333")]
     for label, v in c["paths"].items():
-        rows.append((label, v["threads"], _f(v["measure_s"]), _f(v["s_per_gb"], ",.0f"), _f(v["cpu_s_per_gb"], ",.0f"),
-                     f"{v['load_average'][0]:.1f}", _f(v["db_2.7"], ".4f"), _f(v["db_2.8333"], ".4f")))
+        rows.append((label, v["threads"], v.get("jobs", "-"), _f(v["measure_s"]), _f(v["s_per_gb"], ",.0f"),
+                     _f(v["cpu_s_per_gb"], ",.0f"), _f(sp.get(label), ".1f"), f"{v['load_average'][0]:.1f}",
+                     _f(v["db_2.7"], ".4f"), _f(v["db_2.8333"], ".4f")))
     print(_table(rows))
-    print(f"speedup at 1 thread: {c['speedup_1_thread']:.1f}x wall, {c['cpu_speedup_1_thread']:.1f}x CPU; "
-          f"plans, errors and GGUF bytes identical across paths: {c['same_plans_and_bytes']}")
+    if "speedup_1_thread" in c:
+        print(f"speedup at 1 thread: {c['speedup_1_thread']:.1f}x wall, {c['cpu_speedup_1_thread']:.1f}x CPU")
+    print(f"plans, errors and GGUF bytes identical across the default-effort paths: {c['same_plans_and_bytes']}")
+    for label, v in c["paths"].items():
+        if "same_plans_as_default" in v:
+            print(f"  {label}: same plans as the default effort: {v['same_plans_as_default']}")
+    d = r.get("ds4_shape")
+    if d:
+        print(f"\nmeasure_matrix at DeepSeek-V4 Flash shapes ({d['experts']} synthetic experts, gate/up "
+              f"{d['shape_gate_up']}, down {d['shape_down']}, {d['fp4_gb'] * 1e3:.1f} MB FP4):")
+        rows = [("path", "jobs", "s", "s/GB", "CPU s/GB", "DS4 Flash hours (138 GB)")]
+        for label, v in d["paths"].items():
+            rows.append((label, v["jobs"], _f(v["s"]), _f(v["s_per_gb"], ",.0f"), _f(v["cpu_s_per_gb"], ",.0f"),
+                         _f(v["s_per_gb"] * 138 / 3600, ",.1f")))
+        print(_table(rows))
+        print(f"  identical figures and books across paths: {d['identical']}")
 
 
 def print_report(r: dict) -> None:

@@ -67,15 +67,32 @@ matrices x 6 candidates; a shared 2-core machine, so shares, not seconds):
     non-MIX candidates (scale search), MIX decode,
       codebook validation, Python glue                      8 %
 
-    after (17 CPU s, the same plan, errors and bytes)
+    after the previous session (17 CPU s, the same plan, errors and bytes)
     vectorised MIX search (SIMD lanes over 64 halves)       23 %
     book projection (numba) + fit glue                      ~15 %
     non-MIX candidate encodes (unchanged)                    7 %
     the measurement cache's JSON, rewritten per tensor       8 %
     mode-0 search (vectorised), fused error / level sums     9 %
 
-The 1-thread speedup measured with --cost-only on that machine (load ~15):
-4.8x CPU seconds per GB (14,514 -> 3,024), 5.4x wall.
+    now (12 CPU s under load 8; cProfile shares)
+    mode-1 MIX search, 8,576 calls (~22 per MIX fit: 3 starts
+      x <= 6 Lloyd steps, the final errors, the encode)     37 %
+    non-MIX candidate encodes (scale search), 832 calls     10 %
+    the fitter's fused error / Lloyd sums                    5 %
+    convert's fsyncs (cache, books, artifact)                5 %
+    book projection + bf16 repair                            4 %
+    mode-0 search (a window of bytes, not 126)               4 %
+    numpy sums, reference fitter, error_sums, glue          35 %
+
+At DS4 Flash shapes (--ds4-shape 1: gate/up 2048 x 4096, down 4096 x 2048,
+the Lloyd steps on 512 sampled rows, the final evaluations on all rows):
+mode-1 search 36 %, non-MIX encodes 27 %, the fitter's sums 11 %, mode-0
+search 11 %, decodes 3 %, error sums 2 %: the full-row evaluations and the
+non-MIX candidates weigh more than on the sample.
+
+Measured with --cost-only on the 2-core machine (load 8-13): 1 core 5.5x
+fewer CPU s/GB than the anchor (16,580 -> 3,013), 7.5x wall; 2 cores
+(--jobs 2) 14.4x wall; plans, errors and GGUF bytes identical.
 """
 
 from __future__ import annotations
@@ -123,7 +140,7 @@ class Runner:
         self.n = 0
 
     def command(self, recipe: str, out: Path, target=None, granularity=None, fitter=None, cache=None,
-                threads=None) -> str:
+                threads=None, jobs=None, device="cpu", effort=None) -> str:
         parts = ["ds4quant", "convert", str(self.source), str(out), "--recipe", recipe]
         if target is not None:
             parts += ["--target-bpw", repr(float(target))]
@@ -141,11 +158,18 @@ class Runner:
             parts += ["--cache-dir", str(cache)]
         if threads is not None:
             parts += ["--threads", str(threads)]
+        if jobs is not None:
+            parts += ["--jobs", str(jobs)]
+        if device != "cpu":
+            parts += ["--device", device]
+        if effort is not None:
+            parts += ["--fit-effort", ",".join(map(str, effort))]
         return " ".join(parts + ["--json"])
 
     def convert(self, recipe: str = "adaptive", target=None, granularity: str = "tensor",
                 fitter: str = "optimized", cache: Optional[Path] = None, threads: Optional[int] = None,
-                keep: bool = False, legacy: bool = False) -> dict:
+                keep: bool = False, legacy: bool = False, jobs: Optional[int] = None, device: str = "cpu",
+                effort: Optional[tuple] = None) -> dict:
         import contextlib
 
         from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions, legacy_kernels
@@ -156,10 +180,12 @@ class Runner:
         shutil.rmtree(out, ignore_errors=True)
         adaptive = None
         if recipe == "adaptive":
+            eff = {} if effort is None else dict(fit_iterations=effort[0], fit_restarts=effort[1],
+                                                 fit_max_rows=effort[2])
             adaptive = AdaptiveOptions(target_bpw=float(target), candidates=self.candidates or DEFAULT_CANDIDATES,
                                        granularity=granularity, fitter=fitter,
                                        routing=str(self.routing) if self.routing else None,
-                                       cache_dir=str(cache))
+                                       cache_dir=str(cache), jobs=jobs, device=device, **eff)
         events = {"measure": [], "encode": []}
 
         def progress(ev):
@@ -184,7 +210,7 @@ class Runner:
             "command": self.command(recipe, out, target if recipe == "adaptive" else None,
                                     granularity if recipe == "adaptive" else None,
                                     fitter if recipe == "adaptive" else None,
-                                    cache if recipe == "adaptive" else None, threads),
+                                    cache if recipe == "adaptive" else None, threads, jobs, device, effort),
             "recipe": recipe, "target_bpw": target, "granularity": granularity if adaptive else None,
             "legacy_kernels": legacy,
             "fitter": fitter if adaptive else None, "threads": threads,
@@ -243,34 +269,54 @@ def strix_bpw() -> float:
     return (2 * b("rocmfp2") + b("rocmfp3")) / 3
 
 
-def measure_cost(run: "Runner", work: Path, facts: dict, threads: int) -> dict:
+def measure_cost(run: "Runner", work: Path, facts: dict, threads: int, devices=(), efforts=(),
+                 anchor: bool = True, one_core: bool = True, partial: Optional[Path] = None) -> dict:
     """The measure stage's cost per GB of FP4 source, before and after issue 14,
-    in this run: the pre-change kernels (``legacy_kernels()``) on 1 thread, the
-    current ones on 1 thread and on ``threads``; each from an empty cache at
-    2.8333 bpw, then 2.7 from the warm cache. Plans and errors must agree."""
+    in this run: the pre-change kernels (``legacy_kernels()``, 1 thread, the
+    anchor), the current ones on 1 core and on ``threads`` cores (``--jobs``
+    experts at once), on each of ``devices`` (``--device``), and at each of
+    ``efforts`` (a named ``--fit-effort`` trade-off); each from an empty cache
+    at 2.8333 bpw, then 2.7 from the warm cache. Plans, errors and bytes must
+    agree across the default-effort paths."""
     gb = facts["expert_bytes"] / 1e9
     out = {"fp4_source_gb": gb, "threads_all": threads, "paths": {}}
     plans = {}
-    for label, legacy, t in (("before (legacy kernels), 1 thread", True, 1), ("after, 1 thread", False, 1),
-                             (f"after, {threads} threads", False, threads)):
+    paths = [("before (legacy kernels), 1 thread", dict(legacy=True, threads=1, jobs=1))] if anchor else []
+    paths += [("after, 1 core", dict(threads=1, jobs=1))] if one_core else []
+    paths += [(f"after, {threads} cores", dict(threads=threads, jobs=threads))]
+    paths += [(f"after, {d} + {threads} cores", dict(threads=threads, jobs=threads, device=d)) for d in devices]
+    paths += [(f"after, {threads} cores, --fit-effort {','.join(map(str, e))}",
+               dict(threads=threads, jobs=threads, effort=tuple(e))) for e in efforts]
+    for label, kw in paths:
         cache = work / f"cache-cost-{len(out['paths'])}"
-        r = run.convert(target=17 / 6, cache=cache, threads=t, legacy=legacy)
-        w = run.convert(target=2.7, cache=cache, threads=t, legacy=legacy)
+        r = run.convert(target=17 / 6, cache=cache, **kw)
+        w = run.convert(target=2.7, cache=cache, **kw)
         sec, cpu = r["seconds"]["measure"], r["cpu_seconds"]["measure"]
         out["paths"][label] = {
-            "threads": t, "legacy_kernels": legacy, "measure_s": sec, "measure_cpu_s": cpu,
+            "threads": kw["threads"], "jobs": kw["jobs"], "legacy_kernels": kw.get("legacy", False),
+            "device": kw.get("device", "cpu"), "fit_effort": kw.get("effort"),
+            "measure_s": sec, "measure_cpu_s": cpu,
             "s_per_gb": sec / gb, "cpu_s_per_gb": cpu / gb, "load_average": r["load_average"],
             "db_2.8333": r["adaptive"]["predicted_weighted_sqnr_db"], "error_2.8333": r["adaptive"]["predicted_weighted_error"],
             "db_2.7": w["adaptive"]["predicted_weighted_sqnr_db"], "error_2.7": w["adaptive"]["predicted_weighted_error"],
             "gguf_sha256_2.8333": r["gguf_sha256"], "command": r["command"],
         }
-        plans[label] = ([(c["name"], c["qtype"]) for c in r["plan"]], [(c["name"], c["qtype"]) for c in w["plan"]],
-                        r["gguf_sha256"])
-        out["same_plans_and_bytes"] = len({json.dumps(v) for v in plans.values()}) == 1
+        got = ([(c["name"], c["qtype"]) for c in r["plan"]], [(c["name"], c["qtype"]) for c in w["plan"]],
+               r["gguf_sha256"], r["adaptive"]["predicted_weighted_error"], w["adaptive"]["predicted_weighted_error"])
+        if "effort" in kw:
+            ref = next(iter(plans.values()), None)
+            out["paths"][label]["same_plans_as_default"] = ref is not None and got[:2] == ref[:2]
+        else:
+            plans[label] = got
+        if partial is not None:  # what a run cut short still reports
+            partial.write_text(json.dumps(out, indent=2, default=_jsonable) + "\n")
+    out["same_plans_and_bytes"] = len({json.dumps(v) for v in plans.values()}) == 1
     p = out["paths"]
-    b, a1 = p["before (legacy kernels), 1 thread"], p["after, 1 thread"]
-    out["speedup_1_thread"] = b["s_per_gb"] / a1["s_per_gb"]
-    out["cpu_speedup_1_thread"] = b["cpu_s_per_gb"] / a1["cpu_s_per_gb"]
+    if anchor and one_core:
+        b = p["before (legacy kernels), 1 thread"]
+        out["speedup"] = {k: b["s_per_gb"] / v["s_per_gb"] for k, v in p.items() if k != next(iter(p))}
+        out["speedup_1_thread"] = out["speedup"]["after, 1 core"]
+        out["cpu_speedup_1_thread"] = b["cpu_s_per_gb"] / p["after, 1 core"]["cpu_s_per_gb"]
     return out
 
 
@@ -307,10 +353,21 @@ def benchmark(args) -> dict:
         tiny = work / "warmup-source"
         make_synthetic.make_synthetic(tiny, make_synthetic.preset("tiny", layers=2, experts=4), overwrite=True)
         Runner(tiny, work / "warmup", None, None, cands).convert(target=B, cache=work / "cache-warmup")
+        for d in args.device:  # the device's context and kernels load here, not in a timed run
+            Runner(tiny, work / "warmup", None, None, cands).convert(target=B, cache=work / f"cache-warmup-{d}",
+                                                                      device=d)
         result["warmup_seconds"] = time.perf_counter() - t0
 
-        result["cost"] = measure_cost(run, work, facts, threads)
+        result["cost"] = measure_cost(run, work, facts, threads, devices=args.device, efforts=args.fit_effort,
+                                      anchor=not args.skip_anchor, one_core=not args.skip_one_core,
+                                      partial=out_dir / "cost-partial.json")
+        if args.ds4_shape:
+            from _adaptive_ds4shape import ds4_expert_cost
+
+            result["ds4_shape"] = ds4_expert_cost(threads, devices=args.device, candidates=cands,
+                                                  experts=args.ds4_shape, one_core=not args.skip_one_core)
         if args.cost_only:
+            (out_dir / "adaptive-bench.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
             return result
         cache = {"optimized": work / "cache-optimized", "reference": work / "cache-reference"}
         runs = {}
@@ -482,6 +539,15 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-reference", action="store_true", help="skip the --fitter reference run")
     ap.add_argument("--cost-only", action="store_true",
                     help="only the measure-stage cost (before/after, 1 and all threads) and its plans' dB")
+    ap.add_argument("--device", action="append", default=[], metavar="DEV",
+                    help="also time the measure stage with --device DEV (cuda, torch-cpu); repeatable")
+    ap.add_argument("--fit-effort", action="append", default=[],
+                    type=lambda s: tuple(int(v) for v in s.split(",")), metavar="ITER,RESTARTS,ROWS",
+                    help="also time the measure stage at this --fit-effort (a trade-off row); repeatable")
+    ap.add_argument("--skip-anchor", action="store_true", help="skip the pre-change (legacy kernels) anchor")
+    ap.add_argument("--skip-one-core", action="store_true", help="skip the 1-core rows (and so the anchor ratio)")
+    ap.add_argument("--ds4-shape", type=int, default=0, metavar="N",
+                    help="also time measure_matrix on N synthetic experts at DeepSeek-V4 Flash shapes")
     ap.add_argument("--cold-threads-check", action="store_true",
                     help="also measure again from an empty cache with 1 thread and compare bytes")
     ap.add_argument("--out", help="folder for the PNG and JSON (default: a new temp folder)")

@@ -189,13 +189,21 @@ class _FastProblem:
     sums: the same float64 figures and books bit for bit, no bytes packed or
     decoded, and each distinct (books, mode) evaluated once."""
 
-    def __init__(self, qtype: str, mats: list, imps: list) -> None:
+    def __init__(self, qtype: str, mats: list, imps: list, device=None) -> None:
         self.qt = formats.get_qtype(qtype)
         self.mats = [np.ascontiguousarray(m, dtype=np.float32) for m in mats]
         self.imps = imps
         self.bits = 2 if self.qt.codebook_levels == 4 else 3
         self.fixed = _FIXED_106 if self.bits == 2 else _FIXED_105
         self._memo: dict = {}
+        # on a torch device the search runs there (the matrices stay resident
+        # across the Lloyd steps); the float64 sums below stay on the host
+        self.device = device
+        self._dev = None
+        if device is not None:
+            from ds4quant.formats._mix_search_torch import to_device
+
+            self._dev = [to_device(m, q, device) for m, q in zip(self.mats, imps)]
 
     def _run(self, books: np.ndarray, mode: int, stats: bool):
         L = self.qt.codebook_levels
@@ -203,8 +211,13 @@ class _FastProblem:
         num = np.zeros(2 * L)
         den = np.zeros(2 * L)
         total = 0.0
-        for x, q in zip(self.mats, self.imps):
-            ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
+        for i, (x, q) in enumerate(zip(self.mats, self.imps)):
+            if self._dev is not None:
+                from ds4quant.formats._mix_search_torch import choose_torch
+
+                ob, oe, codes, st = choose_torch(*self._dev[i], books, mode, self.bits)
+            else:
+                ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
             _check_status(self.qt, st, x.shape[1] // 16)
             h = x.reshape(-1, 16)
             has_w = q is not None
@@ -246,6 +259,7 @@ def fit_optimized(
     restarts: int = 2,
     max_rows: Optional[int] = None,
     impl: str = "fast",
+    device=None,
 ) -> OptimizedFit:
     """Fit one expert's book pair (and mode) for the MIX encoder's own error.
 
@@ -257,6 +271,8 @@ def fit_optimized(
         final choice is always made on all rows).
     impl: "fast" (vectorised search, fused sums, memoised errors) or
         "legacy" (encode + decode per step, the timing anchor); same result.
+    device: None (numba on the host) or a torch device ("cuda") for the
+        encoder's search of the "fast" fitter; the same result bit for bit.
     Returns an OptimizedFit whose error is <= the reference books' error.
     """
     qt = formats.get_qtype(qtype)
@@ -266,7 +282,10 @@ def fit_optimized(
         raise BadInputError("fit_optimized: iterations and restarts must be >= 0")
     if impl not in ("fast", "legacy"):
         raise BadInputError(f"fit_optimized: impl must be 'fast' or 'legacy', got {impl!r}")
-    P = _FastProblem if impl == "fast" else _Problem
+    if impl == "fast":
+        P = (lambda q, m, w: _FastProblem(q, m, w, device)) if device is not None else _FastProblem
+    else:
+        P = _Problem
     project = _project_fast if impl == "fast" else _project
     mats = [_check_matrix(m, i) for i, m in enumerate(matrices)]
     if not mats:

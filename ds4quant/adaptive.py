@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ds4quant import __version__
+from ds4quant.adaptive_cache import CACHE_VERSION, Cache, load_books, save_books, default_cache_dir
+from ds4quant.adaptive_jobs import check_device, default_jobs, ordered_map, resolve_device
 from ds4quant.allocate import Allocation, Candidate, Item, allocate
 from ds4quant.errors import BadInputError, BudgetError, UnknownQTypeError
 from ds4quant.formats import decode, encode, get_qtype
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 DEFAULT_CANDIDATES = ("rocmfp2", "rocmfp2_mix", "rocmfp3", "rocmfp3_mix", "rocmfp4_fast", "rocmfp4")
 GRANULARITIES = ("tensor", "expert")
 FITTERS = ("optimized", "reference")
-CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ class AdaptiveOptions:
     sensitivity: a ``sensitivity.json`` (``ds4quant.sensitivity``) whose
     per-tensor KL gains turn the weighted errors into predicted KL before
     allocating (without it every tensor's weighted error counts the same).
+    jobs: experts measured at once (None: convert's threads); device: "cpu"
+    or "cuda[:N]" for the MIX search (adaptive_jobs says what moves). Neither
+    changes a figure, a plan or a byte.
     """
 
     target_bpw: Optional[float] = None
@@ -74,6 +77,8 @@ class AdaptiveOptions:
     fit_restarts: int = 1
     fit_max_rows: int = 512
     sensitivity: Optional[str] = None
+    jobs: Optional[int] = None
+    device: str = "cpu"
 
     def validate(self) -> "AdaptiveOptions":
         if (self.target_bpw is None) == (self.max_bytes is None):
@@ -97,6 +102,9 @@ class AdaptiveOptions:
                 raise BadInputError(f"{q} cannot be an expert candidate", where="--candidates")
         if len(set(self.candidates)) != len(self.candidates):
             raise BadInputError("--candidates lists a qtype twice")
+        if self.jobs is not None and self.jobs < 1:
+            raise BadInputError(f"--jobs must be >= 1, got {self.jobs}")
+        check_device(self.device)
         return self
 
     def key(self) -> dict:
@@ -121,47 +129,6 @@ class Measure:
     wsse: float
     wssx: float
     ref_wsse: Optional[float] = None
-
-
-@dataclass
-class _Cache:
-    root: Optional[Path]
-    key: str
-    data: dict = field(default_factory=dict)  # "tensor|expert|qtype" -> list
-
-    @property
-    def file(self) -> Optional[Path]:
-        return None if self.root is None else self.root / f"measure-{self.key[:24]}.json"
-
-    def books_file(self, tensor: str) -> Optional[Path]:
-        if self.root is None:
-            return None
-        return self.root / f"books-{self.key[:24]}" / f"{tensor}.npz"
-
-    def load(self) -> None:
-        f = self.file
-        if f is None or not f.is_file():
-            return
-        try:
-            d = json.loads(f.read_text())
-            if d.get("version") == CACHE_VERSION and d.get("key") == self.key:
-                self.data = dict(d["measures"])
-        except (OSError, ValueError, KeyError, TypeError):
-            self.data = {}  # a damaged cache is only lost time; measure again
-
-    def save(self) -> None:
-        if self.root is None:
-            return
-        from ds4quant.artifact.atomic import atomic_write_json
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.file, {"version": CACHE_VERSION, "key": self.key, "measures": self.data})
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("DS4QUANT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ds4quant")
-    return Path(base)
 
 
 def expert_weights(counts: Optional[np.ndarray], n_expert: int) -> np.ndarray:
@@ -209,7 +176,7 @@ def legacy_kernels():
         _LEGACY, rocmfp_mix._LEGACY_ENCODE, histogram._LEGACY_LLOYD = old
 
 
-def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: AdaptiveOptions, seed: str):
+def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: AdaptiveOptions, seed: str, device=None):
     """(books, mode, ref_books_error or None) for one expert matrix."""
     from ds4quant.codebooks import fit_optimized, fit_reference
 
@@ -219,20 +186,27 @@ def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: Adapt
         return books, 1, None
     fit = fit_optimized([x], qtype, imp, seed=seed, iterations=opts.fit_iterations,
                         restarts=opts.fit_restarts, max_rows=opts.fit_max_rows,
-                        impl="legacy" if _LEGACY else "fast")
+                        impl="legacy" if _LEGACY else "fast", device=None if _LEGACY else device)
     return fit.books, fit.mode, fit.reference_error
 
 
 def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, qtype: str,
-                   opts: AdaptiveOptions, seed: str) -> tuple[Measure, Optional[tuple[np.ndarray, int]]]:
+                   opts: AdaptiveOptions, seed: str, device=None) -> tuple[Measure, Optional[tuple[np.ndarray, int]]]:
     """Encode ``x`` (float32 (rows, cols)) as ``qtype`` the way convert will;
-    return its Measure and, for MIX, the (books, mode) it used."""
+    return its Measure and, for MIX, the (books, mode) it used. ``device``
+    (a torch device or None) runs the MIX search there, the same bytes. The
+    error, weighted per column by ``err_w``, is taken here and only here."""
     qt = get_qtype(qtype)
     books = None
     ref = None
     if qt.is_mix:
-        b, mode, ref_err = _fit_books(x, qtype, imp, opts, seed)
-        data = encode(qt, x, imp, b, mode=mode)
+        b, mode, ref_err = _fit_books(x, qtype, imp, opts, seed, device)
+        if device is not None and not _LEGACY:
+            from ds4quant.formats._mix_search_torch import encode_torch
+
+            data = encode_torch(qt.name, x, imp, b, mode, device)
+        else:
+            data = encode(qt, x, imp, b, mode=mode)
         y = decode(qt, data, x.shape[1], b, modes=mode)
         books = (b, mode)
         # fit_optimized weighs its reference error by the raw importance (ones
@@ -271,12 +245,17 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
                "opts": opts.key()}
     key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()
     root = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
-    cache = _Cache(root, key)
+    cache = Cache(root, key)
     cache.load()
     out: dict[tuple[str, int, str], Measure] = {}
     weights: dict[str, np.ndarray] = {}
     reused = 0
     meter = Meter("measure", sum(len(m) for _, m in expert_tensors), "expert")
+    jobs = opts.jobs if opts.jobs is not None else default_jobs()
+    dev = resolve_device(opts.device)
+    saved = time.perf_counter()
+    new = False
+    prepared = []  # per tensor: (choice, members, importance per expert, fallback weights, candidates)
     for choice, members in expert_tensors:
         n_exp = len(members)
         counts = None
@@ -293,72 +272,69 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
         seen = [q for q in imps if q is not None]
         fallback = (np.mean(np.stack(seen), axis=0) if seen else np.ones(cols)).astype(np.float64)
         fitting = [q for q in opts.candidates if _fits(q, cols)]
-        _load_books(cache, choice.name, books)
-        fresh = False
-        for m, imp in zip(members, imps):
-            need = [q for q in fitting
-                    if f"{choice.name}|{m.expert}|{q}" not in cache.data
-                    or (get_qtype(q).is_mix and (choice.name, m.expert, q) not in books)]
-            if need:
+        load_books(cache, choice.name, books)
+        prepared.append((choice, members, imps, fallback, fitting))
+
+    def tasks():
+        # read on this thread, in order, across tensor boundaries (the workers
+        # never wait for a tensor's last expert); each payload is independent
+        for ti, (choice, members, imps, fallback, fitting) in enumerate(prepared):
+            for i, (m, imp) in enumerate(zip(members, imps)):
+                need = [q for q in fitting
+                        if f"{choice.name}|{m.expert}|{q}" not in cache.data
+                        or (get_qtype(q).is_mix and (choice.name, m.expert, q) not in books)]
+                if not need:
+                    yield (ti, i), None
+                    continue
                 x = np.ascontiguousarray(src.read_dequantized(m.name), dtype=np.float32)
+                src.release(m.name)  # x is a copy: the pages may go
                 err_w = imp.astype(np.float64) if imp is not None else fallback
-                for q in need:
-                    meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=f"{choice.name}/{m.expert}")
-                    cache.data[f"{choice.name}|{m.expert}|{q}"] = [meas.nbytes, meas.sse, meas.ssx, meas.wsse,
-                                                                  meas.wssx, meas.ref_wsse]
-                    if bk is not None:
-                        books.put(choice.name, m.expert, q, *bk)
-                        fresh = True
-                src.release(m.name)
-            else:
-                reused += 1
-            for q in fitting:
-                v = cache.data[f"{choice.name}|{m.expert}|{q}"]
-                out[(choice.name, m.expert, q)] = Measure(int(v[0]), *map(float, v[1:5]),
-                                                          None if v[5] is None else float(v[5]))
-            ev = meter.step(choice.name, expert=m.expert)
-            if progress is not None:
-                progress(ev)
-        if fresh:
-            _save_books(cache, choice.name, [m.expert for m in members], fitting, books)
+                yield (ti, i), (x, imp, err_w, need, f"{choice.name}/{m.expert}")
+
+    fresh = [False] * len(prepared)
+    for (ti, i), res in ordered_map(tasks(), lambda p: _measure_expert(p, opts, dev), jobs):
+        choice, members, _, _, fitting = prepared[ti]
+        m = members[i]
+        if res is None:
+            reused += 1
+        else:  # recorded in expert order whatever finished first
+            new = True
+            for q, meas, bk in res:
+                cache.data[f"{choice.name}|{m.expert}|{q}"] = [meas.nbytes, meas.sse, meas.ssx, meas.wsse,
+                                                              meas.wssx, meas.ref_wsse]
+                if bk is not None:
+                    books.put(choice.name, m.expert, q, *bk)
+                    fresh[ti] = True
+        for q in fitting:
+            v = cache.data[f"{choice.name}|{m.expert}|{q}"]
+            out[(choice.name, m.expert, q)] = Measure(int(v[0]), *map(float, v[1:5]),
+                                                      None if v[5] is None else float(v[5]))
+        ev = meter.step(choice.name, expert=m.expert)
+        if progress is not None:
+            progress(ev)
+        if i == len(members) - 1:  # the tensor is complete
+            if fresh[ti]:
+                save_books(cache, choice.name, [e.expert for e in members], fitting, books)
+            # the JSON grows with the run: rewrite it every _SAVE_EVERY_S, not per tensor
+            if new and time.perf_counter() - saved >= _SAVE_EVERY_S:
+                cache.save()
+                saved, new = time.perf_counter(), False
+    if new:
         cache.save()
     return Measurements(out, weights, time.perf_counter() - t0, reused)
 
 
-def _load_books(cache: _Cache, tensor: str, books: Books) -> None:
-    """Fill ``books`` from the tensor's cache file; a damaged file is ignored."""
-    f = cache.books_file(tensor)
-    if f is None or not f.is_file():
-        return
-    try:
-        with np.load(f) as z:
-            for k in z.files:
-                if k.endswith("|books"):
-                    e, q, _ = k.split("|")
-                    books.put(tensor, int(e), q, z[k].astype(np.float32), int(z[f"{e}|{q}|mode"]))
-    except (OSError, ValueError, KeyError):
-        return
+_SAVE_EVERY_S = 20.0
 
 
-def _save_books(cache: _Cache, tensor: str, experts, qtypes, books: Books) -> None:
-    f = cache.books_file(tensor)
-    if f is None:
-        return
-    import io
-
-    from ds4quant.artifact.atomic import atomic_write_bytes
-
-    arrays = {}
-    for e in experts:
-        for q in qtypes:
-            if (tensor, e, q) in books:
-                b, mode = books.get(tensor, e, q)
-                arrays[f"{e}|{q}|books"] = np.asarray(b, np.float32)
-                arrays[f"{e}|{q}|mode"] = np.int64(mode)
-    f.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    atomic_write_bytes(f, buf.getvalue())
+def _measure_expert(payload, opts: AdaptiveOptions, device) -> list:
+    """[(qtype, Measure, books or None)] for one expert matrix, in ``need`` order."""
+    x, imp, err_w, need, seed = payload
+    out = []
+    for q in need:
+        meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device)
+        out.append((q, meas, bk))
+    return out
 
 
 def allowed_candidates(opts: AdaptiveOptions, surface: str) -> tuple[str, ...]:

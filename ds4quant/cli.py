@@ -161,6 +161,11 @@ def _fit_effort(text: str) -> dict:
               help="adaptive: optimized-fitter Lloyd iterations, restarts, and rows sampled per expert.")
 @click.option("--cache-dir", type=click.Path(path_type=str), default=None,
               help="adaptive: measurement cache (default $DS4QUANT_CACHE or ~/.cache/ds4quant).")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="adaptive: experts measured at once (default: --threads). Never changes bytes.")
+@click.option("--device", "measure_device", default="cpu", show_default=True, metavar="cpu|cuda[:N]|torch-cpu",
+              help="adaptive: run the MIX search of the measure stage on a CUDA device through torch. "
+                   "Never changes bytes.")
 @click.option("--no-lucebox", is_flag=True, help="adaptive: allow layouts only ds4quant's runtime loads.")
 @click.option("--loose-sidecars", is_flag=True, help="Also write NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in OUTDIR (same source and recipe).")
@@ -170,7 +175,7 @@ def _fit_effort(text: str) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end; no progress lines.")
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
                 target_bpw, max_bytes, candidates, granularity, routing, sensitivity, fitter, fit_effort, cache_dir,
-                no_lucebox, loose_sidecars, resume, force, as_json):
+                jobs, measure_device, no_lucebox, loose_sidecars, resume, force, as_json):
     """Convert a DeepSeek-V4 checkpoint (official layout folder, or a F32/F16/BF16/Q8_0/MXFP4 GGUF) into a
     ROCmFPX artifact.
 
@@ -188,7 +193,8 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
             target_bpw=target_bpw, max_bytes=parse_size(max_bytes, "--max-bytes"),
             candidates=tuple(c.strip() for c in candidates.split(",") if c.strip()) if candidates else DEFAULT_CANDIDATES,
             granularity=granularity, fitter=fitter, routing=routing, cache_dir=cache_dir, lucebox=not no_lucebox,
-            sensitivity=sensitivity, **_fit_effort(fit_effort),
+            sensitivity=sensitivity, jobs=jobs, device=measure_device,
+            **_fit_effort(fit_effort),
         )
     progress = _progress_printer(not as_json and sys.stderr.isatty())
     rep = convert(source, outdir, recipe, threads=threads, imatrix=imatrix, tensor_types=tensor_types,

@@ -179,6 +179,24 @@ def numba_threads(threads: Optional[int]):
 # public API
 
 
+def encode_input(qt: QType, x: Any, importance: Any = None, nonfinite: str = "reject"):
+    """``encode``'s checks of its input: (float32 rows, importance or None),
+    or the refusal ``encode`` gives (also for encoders outside the registry,
+    such as the measure stage's device search)."""
+    arr = _as_rows(x, f"{qt.name} input")
+    rows, cols = arr.shape
+    _check_cols(qt, cols, f"{qt.name} input")
+    if nonfinite not in ("reject", "reference"):
+        raise BadInputError(f"nonfinite must be 'reject' or 'reference', got {nonfinite!r}")
+    if (nonfinite == "reject" or qt.is_mix) and not np.all(np.isfinite(arr)):
+        bad = np.argwhere(~np.isfinite(arr))[0]
+        raise BadInputError(
+            f"{qt.name} input has a non-finite value at row {bad[0]}, column {bad[1]}",
+            hint="clean the source, or pass nonfinite='reference' to encode it as the reference codec does",
+        )
+    return arr, _check_importance(importance, cols)
+
+
 def encode(
     qtype: "str | QType",
     x: Any,
@@ -210,18 +228,8 @@ def encode(
     if unknown:
         allowed = ", ".join(codec.encode_options) or "none"
         raise BadInputError(f"{qt.name} encoder has no option {sorted(unknown)} (options: {allowed})")
-    arr = _as_rows(x, f"{qt.name} input")
+    arr, imp = encode_input(qt, x, importance, nonfinite)
     rows, cols = arr.shape
-    _check_cols(qt, cols, f"{qt.name} input")
-    if nonfinite not in ("reject", "reference"):
-        raise BadInputError(f"nonfinite must be 'reject' or 'reference', got {nonfinite!r}")
-    if (nonfinite == "reject" or qt.is_mix) and not np.all(np.isfinite(arr)):
-        bad = np.argwhere(~np.isfinite(arr))[0]
-        raise BadInputError(
-            f"{qt.name} input has a non-finite value at row {bad[0]}, column {bad[1]}",
-            hint="clean the source, or pass nonfinite='reference' to encode it as the reference codec does",
-        )
-    imp = _check_importance(importance, cols)
     fn = _pick(codec.encode_ref, codec.encode_fast, impl, qt.name, "encoder")
     with numba_threads(threads):
         if qt.is_mix:

@@ -15,6 +15,8 @@ status; ``_pack_chosen_nb`` writes the blocks from them (the codec in
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -67,21 +69,36 @@ _TILES_PER_TASK = 16  # tiles per prange task (scratch is allocated per task)
 
 
 @numba.njit(cache=True, nogil=True)
+def _first_ge_nb(t):
+    """The first byte e in 1..126 with S(e) >= t (127 if none) for a positive
+    finite float32 t: a guess from t's binary exponent and top mantissa bits
+    (S(e) = (8 + M) 2^(E - 11), or M 2^-10 for E = 0), then walked to the exact
+    boundary of the non-decreasing table, so it is the bisection's answer."""
+    if t > UE4M3[126]:
+        return 127
+    m, k = math.frexp(t)  # t = m 2^k, m in [0.5, 1)
+    E = k + 7
+    if E >= 1:
+        e = (E << 3) + int(np.float32(16.0) * m - np.float32(8.0))
+    else:
+        e = int(t * np.float32(1024.0))
+    e = min(max(e, 1), 126)
+    while e > 1 and UE4M3[e - 1] >= t:
+        e -= 1
+    while e < 126 and UE4M3[e] < t:
+        e += 1
+    return e
+
+
+@numba.njit(cache=True, nogil=True)
 def _nearest_nb(t):
-    """``ue4m3.nearest_nb`` (the first byte of least float32 |S(e) - t|) by
-    bisection: below the first byte with S(e) >= t the rounded distance never
-    rises, above it never falls, so the least is at that byte or the one
-    below, and a tie run (huge t) is walked down to its first byte."""
+    """``ue4m3.nearest_nb`` (the first byte of least float32 |S(e) - t|):
+    below the first byte with S(e) >= t the rounded distance never rises,
+    above it never falls, so the least is at that byte or the one below, and
+    a tie run (huge t) is walked down to its first byte."""
     if not (t > np.float32(0.0)) or not np.isfinite(t):
         return 0
-    lo = 1
-    hi = 127
-    while lo < hi:  # first e in 1..126 with S(e) >= t, 127 if none
-        mid = (lo + hi) // 2
-        if UE4M3[mid] >= t:
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = _first_ge_nb(t)
     if lo == 127:
         e = 126
     elif lo > 1 and abs(UE4M3[lo - 1] - t) <= abs(UE4M3[lo] - t):
@@ -92,6 +109,33 @@ def _nearest_nb(t):
     while e > 1 and abs(UE4M3[e - 1] - t) == d:
         e -= 1
     return e
+
+
+_T_LO = np.uint32(np.float32(2.0**-7).view(np.uint32))  # S(8): bytes >= 8 are (8 + M) 2^(E - 11)
+_T_HI = np.uint32(np.float32(224.0).view(np.uint32))  # S(126)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nearest_lanes_nb(tt, cen, slow):
+    """cen[k] = _nearest_nb(tt[k]) for a tile, without a search where it can:
+    for S(8) <= t <= S(126) the byte of t truncated to 3 mantissa bits is
+    (bits >> 20) - 952 (S(e) <= t < S(e + 1)), so the first byte with
+    S(e) >= t is that or the next and the nearest is it or the one below;
+    other targets, and a possible tie run below, take _nearest_nb."""
+    T = tt.shape[0]
+    ti = tt.view(np.uint32)
+    for k in range(T):
+        u = ti[k]
+        lo = np.int64(u >> np.uint32(20)) - 952 + (1 if (u & np.uint32(0xFFFFF)) != 0 else 0)
+        lo = min(max(lo, 2), 126)
+        t = tt[k]
+        dlo = abs(UE4M3[lo - 1] - t)
+        e = lo - 1 if dlo <= abs(UE4M3[lo] - t) else lo
+        cen[k] = e
+        slow[k] = not (u >= _T_LO and u <= _T_HI) or (e == lo - 1 and e > 1 and abs(UE4M3[e - 1] - t) == dlo)
+    for k in range(T):
+        if slow[k]:
+            cen[k] = _nearest_nb(tt[k])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -193,11 +237,12 @@ def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
         wok = np.empty(T, np.bool_)
         fin = np.empty(T, np.bool_)
         cen = np.empty((2, T), np.int64)
+        tt = np.empty(T, np.float32)
+        slow = np.empty(T, np.bool_)
         s = np.empty(T, np.float32)
         inv = np.empty(T, np.float32)
         err = np.empty(T, np.float32)
         v = np.empty(T, np.float32)
-        lvl = np.empty(T, np.float32)
         best = np.empty(T, np.float32)
         bk = np.empty(T, np.int64)
         be = np.empty(T, np.int64)
@@ -208,8 +253,14 @@ def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
                 best[k] = inf
                 bk[k] = 0
                 be[k] = 1
-                for b in range(2):
-                    cen[b, k] = _nearest_nb(np.float32(mx[k] / ml[b])) if ml[b] > zero_f else 0
+            for b in range(2):
+                if ml[b] > zero_f:
+                    for k in range(T):
+                        tt[k] = np.float32(mx[k] / ml[b])
+                    _nearest_lanes_nb(tt, cen[b], slow)
+                else:
+                    for k in range(T):
+                        cen[b, k] = 0
             for b in range(2):
                 if not (ml[b] > zero_f):
                     continue
@@ -223,15 +274,15 @@ def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
                         _cand_err4_nb(xt, wt, s, inv, err, books[b], split[b])
                     else:
                         _cand_err8_nb(xt, wt, s, inv, err, books[b], split[b])
+                    # candidates come in (book, byte) order, so the kernel's tie rule (lower
+                    # book, then lower byte) never adopts a later one: a strict < is the rule
                     for k in range(T):
                         e = cen[b, k] + delta
-                        if e < 1 or e > 126:
-                            continue
                         er = err[k] if wok[k] else inf
-                        if er < best[k] or (er == best[k] and (b < bk[k] or (b == bk[k] and e < be[k]))):
-                            best[k] = er
-                            bk[k] = b
-                            be[k] = e
+                        take = e >= 1 and e <= 126 and er < best[k]
+                        best[k] = er if take else best[k]
+                        bk[k] = b if take else bk[k]
+                        be[k] = e if take else be[k]
             for k in range(T):
                 if mx[k] == zero_f:
                     bk[k] = 0
@@ -259,15 +310,77 @@ def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
                 out_e[g] = be[k]
 
 
+@numba.njit(cache=True, nogil=True)
+def _zero_from_nb(m, start):
+    """The first byte e in 1..126 with float32 m * (1/S(e)) < 0.5 (126 if none),
+    walked from ``start`` (the condition holds from some byte on: 1/S falls):
+    from there on every element of a half of max |x| = m quantises to level 0,
+    so every larger byte gives the same error, sum (w x) x."""
+    half = np.float32(0.5)
+    e = max(1, min(start, 126))
+    if np.float32(m * UE4M3_INV[e]) < half:
+        while e > 1 and np.float32(m * UE4M3_INV[e - 1]) < half:
+            e -= 1
+        return e
+    while e < 126 and not (np.float32(m * UE4M3_INV[e]) < half):
+        e += 1
+    return e
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fixed_errs_nb(xt, wt, bits, e0, e1, err, best, be, wok):
+    """Mode-0 candidates e0..e1-1 in ascending order into best/be (strict <)."""
+    T = xt.shape[1]
+    zero_f = np.float32(0.0)
+    for e in range(e0, e1):
+        s = UE4M3[e]
+        inv = UE4M3_INV[e]
+        for k in range(T):
+            err[k] = zero_f
+        for i in range(16):
+            for k in range(T):
+                x = xt[i, k]
+                q = np.float32(x * inv)
+                if bits == 2:  # §3: {-1, 0, 1, 2}, ties to the lower code
+                    y = np.float32(-1.0)
+                    y = np.float32(0.0) if q > np.float32(-0.5) else y
+                    y = np.float32(1.0) if q > np.float32(0.5) else y
+                    y = np.float32(2.0) if q > np.float32(1.5) else y
+                else:  # §5: sign + {0, 1, 2, 4}, ties to the lower magnitude
+                    a = abs(q)
+                    y = zero_f
+                    y = np.float32(1.0) if a > np.float32(0.5) else y
+                    y = np.float32(2.0) if a > np.float32(1.5) else y
+                    y = np.float32(4.0) if a > np.float32(3.0) else y
+                    y = -y if q < zero_f else y
+                d = np.float32(x - np.float32(s * y))
+                err[k] = np.float32(err[k] + np.float32(np.float32(wt[i, k] * d) * d))
+        for k in range(T):
+            if wok[k] and err[k] < best[k]:
+                best[k] = err[k]
+                be[k] = e
+
+
 @numba.njit(cache=True, parallel=True, nogil=True)
 def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
     """Mode 0: per half the byte of _encode_fixed_nb (least error over
-    1..126, ties to the smaller byte); status as _choose_nb."""
+    1..126, ties to the smaller byte); status as _choose_nb.
+
+    Only a window of bytes is evaluated per tile, with the answer of all 126:
+    above the window every lane's error is the constant of its all-zero
+    quantisation (``_zero_from_nb``), already met inside it; below it, a lane's
+    clipping bound sum w (|x| - S Vmax)^2 (real, float64; it falls as S rises),
+    less 1e-5 for the float32 rounding of the evaluated error (under 2e-6),
+    exceeds the lane's best, so no byte there can win or tie. While that
+    fails for a lane, the tile evaluates the next 8 bytes below and keeps the
+    first least over both ranges (the lower byte wins a tie)."""
     G = h.shape[0]
     T = _TILE
     per = T * _TILES_PER_TASK
     inf = np.float32(np.inf)
     zero_f = np.float32(0.0)
+    vmax = np.float32(2.0) if bits == 2 else np.float32(4.0)
+    vneg = np.float32(1.0) if bits == 2 else np.float32(4.0)
     for task in numba.prange((G + per - 1) // per):
         xt = np.empty((16, T), np.float32)
         wt = np.empty((16, T), np.float32)
@@ -277,39 +390,52 @@ def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
         err = np.empty(T, np.float32)
         best = np.empty(T, np.float32)
         be = np.empty(T, np.int64)
+        best2 = np.empty(T, np.float32)
+        be2 = np.empty(T, np.int64)
         for t0 in range(task * per, min(G, (task + 1) * per), T):
             n = min(T, G - t0)
             _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin)
             for k in range(T):
                 best[k] = inf
                 be[k] = 1
-            for e in range(1, 127):
-                s = UE4M3[e]
-                inv = UE4M3_INV[e]
-                for k in range(T):
-                    err[k] = zero_f
-                for i in range(16):
+            lo = 127
+            hi = 1
+            for k in range(n):
+                if mx[k] > zero_f and fin[k] and wok[k]:
+                    c = _nearest_nb(np.float32(mx[k] / vmax))
+                    lo = min(lo, max(1, c - 12))
+                    hi = max(hi, _zero_from_nb(mx[k], c + 8))
+            if lo <= hi:
+                _fixed_errs_nb(xt, wt, bits, lo, hi + 1, err, best, be, wok)
+                # extend downwards, 8 bytes (an octave) at a time, while some lane's
+                # clipping bound at the byte below does not clear its best
+                while lo > 1:
+                    sl = np.float64(UE4M3[lo - 1])
+                    clear = True
+                    for k in range(n):
+                        if not (mx[k] > zero_f and fin[k] and wok[k]):
+                            continue
+                        lb = 0.0
+                        for i in range(16):
+                            x = np.float64(xt[i, k])
+                            c64 = abs(x) - sl * np.float64(vmax if x > 0.0 else vneg)
+                            if c64 > 0.0:
+                                lb += np.float64(wt[i, k]) * c64 * c64
+                        if not (lb * (1.0 - 1e-5) > np.float64(best[k])):
+                            clear = False
+                            break
+                    if clear:
+                        break
+                    lo2 = max(1, lo - 8)
                     for k in range(T):
-                        x = xt[i, k]
-                        q = np.float32(x * inv)
-                        if bits == 2:  # §3: {-1, 0, 1, 2}, ties to the lower code
-                            y = np.float32(-1.0)
-                            y = np.float32(0.0) if q > np.float32(-0.5) else y
-                            y = np.float32(1.0) if q > np.float32(0.5) else y
-                            y = np.float32(2.0) if q > np.float32(1.5) else y
-                        else:  # §5: sign + {0, 1, 2, 4}, ties to the lower magnitude
-                            a = abs(q)
-                            y = zero_f
-                            y = np.float32(1.0) if a > np.float32(0.5) else y
-                            y = np.float32(2.0) if a > np.float32(1.5) else y
-                            y = np.float32(4.0) if a > np.float32(3.0) else y
-                            y = -y if q < zero_f else y
-                        d = np.float32(x - np.float32(s * y))
-                        err[k] = np.float32(err[k] + np.float32(np.float32(wt[i, k] * d) * d))
-                for k in range(T):
-                    if wok[k] and err[k] < best[k]:
-                        best[k] = err[k]
-                        be[k] = e
+                        best2[k] = inf
+                        be2[k] = 1
+                    _fixed_errs_nb(xt, wt, bits, lo2, lo, err, best2, be2, wok)
+                    for k in range(T):
+                        if best2[k] <= best[k] and best2[k] < inf:  # the lower byte wins a tie
+                            best[k] = best2[k]
+                            be[k] = be2[k]
+                    lo = lo2
             for k in range(T):
                 if mx[k] == zero_f:
                     be[k] = 0

@@ -31,6 +31,9 @@ MIX = ("rocmfp2_mix", "rocmfp3_mix")
 # suite's light effort (2 iterations, 0 restarts, 64 rows), measured with
 # main's code (6e8481d) before issue 14. The fast path must not be worse.
 TODAY = {2.7: 334.8224675890745, 17 / 6: 269.2279181767368}
+# The same at the default effort (6 iterations, 1 restart, 512 rows), from the
+# pre-change kernels (legacy_kernels(), benchmarks/results/adaptive_cost_ds4tiny_2core_run1.json).
+TODAY_DEFAULT = {2.7: 313.50545272279595, 17 / 6: 254.18054807328568}
 
 
 def _legacy_encode(*a, **k):
@@ -183,3 +186,13 @@ def test_weighted_error_is_no_worse_than_before_issue_14(runs, target):
     rep = runs[target]["t1"][0]
     assert rep.bpw_experts <= target
     assert rep.adaptive["predicted_weighted_error"] <= TODAY[target] * (1 + 1e-12)
+
+
+def test_default_effort_error_is_no_worse_than_before_issue_14(tmp_path):
+    """The shipped sample at the default --fit-effort, 2 workers: the plan's
+    routing-weighted imatrix error at each budget against the pre-change figure."""
+    for target in sorted(TODAY_DEFAULT, reverse=True):  # the cold run first, the second reuses the cache
+        opts = AdaptiveOptions(target_bpw=target, routing=str(ROUTING), cache_dir=str(tmp_path / "c"), jobs=2)
+        rep = convert(SAMPLE, tmp_path / f"o-{target:.4f}", "adaptive", imatrix=IMATRIX, threads=1, adaptive=opts)
+        assert rep.bpw_experts <= target
+        assert rep.adaptive["predicted_weighted_error"] <= TODAY_DEFAULT[target] * (1 + 1e-12), target

@@ -71,6 +71,7 @@ PLACEMENT = (
     ("ds4quant/report.py", "pipeline"),
     ("ds4quant/inspection.py", "pipeline"),
     ("ds4quant/adaptive.py", "pipeline"),
+    ("ds4quant/adaptive_*.py", "pipeline"),
     ("ds4quant/allocate.py", "pipeline"),
     ("ds4quant/recipes.py", "pipeline"),
     ("ds4quant/calibrate.py", "pipeline"),

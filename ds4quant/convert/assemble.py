@@ -141,7 +141,7 @@ def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, spl
 # Options that never change bytes (resume.MAY_CHANGE's output-side subset): dropped from the
 # recorded command so the manifest, and so SHA256SUMS, are the same for the same inputs.
 _NO_BYTES_FLAGS = ("--json", "--resume", "--force")
-_NO_BYTES_VALUED = ("--threads", "--cache-dir")
+_NO_BYTES_VALUED = ("--threads", "--cache-dir", "--jobs", "--device")
 
 # Figures of how a run went, not of what it made: kept for the report and --json only.
 _RUN_ONLY_KEYS = ("measure_seconds", "measures_reused")

@@ -50,9 +50,9 @@ FIXED: Mapping[str, str] = MappingProxyType({
     "lucebox": "--no-lucebox",
 })
 # Never compared: they change where or how fast, not which bytes.
-MAY_CHANGE: tuple[str, ...] = ("outdir", "source path", "--threads", "--name", "--split-max-size",
-                               "--loose-sidecars", "--json", "--cache-dir", "--imatrix path", "--routing path",
-                               "--sensitivity path")
+MAY_CHANGE: tuple[str, ...] = ("outdir", "source path", "--threads", "--jobs", "--device", "--name",
+                               "--split-max-size", "--loose-sidecars", "--json", "--cache-dir", "--imatrix path",
+                               "--routing path", "--sensitivity path")
 
 
 def resume_options(*, source_fingerprint: str, tool_version: str, recipe: str, tensor_types, dense_type,

@@ -1,0 +1,92 @@
+"""The measure stage's cost at DeepSeek-V4 Flash shapes (benchmarks/adaptive.py --ds4-shape N).
+
+The sample and the synthetic presets have small matrices (128 x 512 at most),
+where per-call overheads weigh more and the fitter's row sample (512 rows)
+covers every row. A DS4 Flash expert is gate/up 2048 x 4096 and down
+4096 x 2048: the Lloyd steps run on 512 sampled rows and the final error
+evaluations (reference books, refined books, fixed levels, the encode) on
+all rows. This times ``adaptive.measure_matrix`` for every candidate on N
+synthetic experts at those shapes (FP4-grid values: E2M1 levels times a
+power-of-two scale per 32, Student-t(3) before rounding; log-normal column
+importance), through ``adaptive_jobs.ordered_map`` as the measure stage runs
+them, and checks that every path gives the same figures and books.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import numpy as np
+
+GATE_UP = (2048, 4096)  # (rows = moe_intermediate, cols = hidden)
+DOWN = (4096, 2048)
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def _rng(key: str) -> np.random.Generator:
+    return np.random.default_rng(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little"))
+
+
+def fp4_matrix(key: str, shape) -> np.ndarray:
+    g = _rng(key)
+    x = (0.02 * g.standard_t(3, shape)).astype(np.float32).reshape(shape[0], -1, 32)
+    blk = np.abs(x).max(-1, keepdims=True)
+    scale = (2.0 ** np.ceil(np.log2(np.maximum(blk, 1e-30) / 6.0))).astype(np.float32)
+    v = np.abs(x) / scale
+    mid = (_E2M1[1:] + _E2M1[:-1]) / 2  # nearest E2M1 level
+    q = _E2M1[np.searchsorted(mid, v)]
+    return (np.sign(x) * q * scale).reshape(shape).astype(np.float32)
+
+
+def importance(key: str, cols: int) -> np.ndarray:
+    return np.exp(_rng(key).standard_normal(cols)).astype(np.float32)
+
+
+def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True) -> dict:
+    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions, _fits, measure_matrix
+    from ds4quant.adaptive_jobs import ordered_map, resolve_device
+    from ds4quant.formats import numba_threads
+
+    cands = tuple(candidates or DEFAULT_CANDIDATES)
+    opts = AdaptiveOptions(target_bpw=2.7, candidates=cands)  # the default --fit-effort
+    mats = []
+    for e in range(experts):
+        imp_in, imp_down = importance(f"in/{e}", GATE_UP[1]), importance(f"down/{e}", DOWN[1])
+        for which, shape, imp in (("gate", GATE_UP, imp_in), ("up", GATE_UP, imp_in), ("down", DOWN, imp_down)):
+            mats.append((f"{which}/{e}", fp4_matrix(f"{which}/{e}", shape), imp))
+    weights = sum(x.size for _, x, _ in mats)
+    gb = weights * (0.5 + 1 / 32) / 1e9  # FP4 codes + one E8M0 byte per 32
+    paths = ([("1 core", 1, "cpu")] if one_core else []) + ([(f"{threads} cores", threads, "cpu")] if threads > 1 else [])
+    paths += [(f"{d} + {threads} cores", threads, d) for d in devices]
+    out = {"experts": experts, "shape_gate_up": list(GATE_UP), "shape_down": list(DOWN), "fp4_gb": gb,
+           "candidates": list(cands), "paths": {}}
+    results = {}
+    for label, jobs, device in paths:
+        dev = resolve_device(device)
+
+        def items():
+            for key, x, imp in mats:
+                yield key, (x, imp)
+
+        def work(p, dev=dev):
+            x, imp = p
+            r = []
+            for q in cands:
+                if not _fits(q, x.shape[1]):
+                    continue
+                m, bk = measure_matrix(x, imp, imp.astype(np.float64), q, opts, seed="ds4", device=dev)
+                r.append((q, m, None if bk is None else (bk[0].tobytes(), bk[1])))
+            return r
+
+        load = os.getloadavg()[0]
+        with numba_threads(jobs):
+            c0, t0 = time.process_time(), time.perf_counter()
+            got = list(ordered_map(items(), work, jobs))
+            sec, cpu = time.perf_counter() - t0, time.process_time() - c0
+        results[label] = got
+        out["paths"][label] = {"jobs": jobs, "device": device, "s": sec, "cpu_s": cpu, "s_per_gb": sec / gb,
+                               "cpu_s_per_gb": cpu / gb, "load_average": load}
+    out["identical"] = len({repr(v) for v in results.values()}) == 1
+    return out
