@@ -448,7 +448,7 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
     if T < GEMM_MIN_TOKENS:
         exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, whi, wlo, hi, lo, log2c, out, flags)
     else:
-        from ds4quant.runtime.fast import decode_tile_nb
+        from ds4quant.runtime.fast import decode_tile
 
         tile = max(8, min(rows, _TILE_BYTES // (4 * cols)))
         scratch = np.empty((tile, cols), np.float32)
@@ -456,7 +456,7 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
         for r0 in range(0, rows, tile):
             r1 = min(rows, r0 + tile)
             w = scratch[: r1 - r0]
-            decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, w)
+            decode_tile(kind, p0, p1, data, r0, r1, cols, lut, mode, w)
             acc = a @ w.astype(np.float64).T
             acc += 0.0  # an exact zero sum is +0.0
             over = (span_t + (whi[r0:r1] - wlo[r0:r1])[None, :]) > _SPAN_BITS
