@@ -3,6 +3,7 @@
     python benchmarks/runtime.py                      # DS4 layer shapes: hidden 4096, expert 2048, 256 experts, top-6
     python benchmarks/runtime.py --quick              # tiny shapes (a smoke run of the script)
     python benchmarks/runtime.py --recipes rocmfp2-strix --owner torch-cpu:0 --json
+    python benchmarks/runtime.py --load-only --experts 8 --work /tmp/rt8   # load time / peak RSS at DS4 shapes
 
 Steps, all in one run:
 
@@ -20,6 +21,13 @@ Steps, all in one run:
      on every call;
 4. the worker owner (``worker:0``) per call against the same owner kind in
    process, when the build has it.
+
+``--load-only`` converts (or reuses, with ``--work``) the artifacts and
+reports only step 2, for every placement kind that changes what load reads:
+one owner holding every expert (contiguous memmap slices), two owners
+interleaving experts (copies of the non-contiguous ids) and a hot half plus
+``none`` (a shard reads half). ``--experts`` sets the experts per layer of
+the conversion path too (256 at DS4 shapes does not fit a small host).
 
 ``--direct`` skips the conversion (too slow at DS4 shapes on a small host):
 the owner's stacks are built straight from ``formats.encode`` of a 64-row
@@ -186,22 +194,55 @@ def _header(art):
         view.close()
 
 
-def _child_load(art: str, owner: str) -> None:
+def _placements(n_layer: int, n_expert: int, owner: str) -> dict:
+    other = owner.rsplit(":", 1)[0] + ":1"
+    half = tuple(range(n_expert // 2))
+    return {
+        "one owner": {L: {owner: tuple(range(n_expert))} for L in range(n_layer)},
+        "two owners interleaved": {L: {owner: tuple(range(0, n_expert, 2)), other: tuple(range(1, n_expert, 2))}
+                                   for L in range(n_layer)},
+        "hot half + none": {L: {owner: half, "none": tuple(range(n_expert // 2, n_expert))} for L in range(n_layer)},
+    }
+
+
+def _rss_kb() -> int:
+    """Current resident set (VmRSS), KiB; ru_maxrss is the peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def _child_load(art: str, owner: str, which: str = "one owner") -> None:
     from ds4quant import runtime
 
     h = _header(art)
-    plc = {L: {owner: tuple(range(h.n_expert))} for L in range(h.n_layer)}
+    plc = _placements(h.n_layer, h.n_expert, owner)[which]
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss0 = _rss_kb()
     t = time.perf_counter()
     with runtime.load(art, placement=plc, mode="fast") as rt:
         dt = time.perf_counter() - t
         resident = int(sum(rt.resident_bytes().values()))
+        after = _rss_kb()
+        # one call per owner touching every resident page of layer LAYER (the memmap pages come
+        # in); numpy straight to the owners: importing torch here would count its libraries
+        for o in rt.owners.values():
+            ids = np.asarray(o.experts(LAYER), dtype=np.int64)
+            if ids.size:
+                o.run_slots(LAYER, np.zeros((ids.size, h.hidden), np.float32), ids, "fast")
+        used = _rss_kb()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"load_s": dt, "resident_bytes": resident, "rss_before_kb": base, "peak_rss_kb": peak}))
+    print(json.dumps({"placement": which, "load_s": dt, "resident_bytes": resident, "rss_before_kb": base,
+                      "rss_start_kb": rss0, "rss_after_load_kb": after, "rss_after_call_kb": used,
+                      "peak_rss_kb": peak}))
 
 
-def measure_load(art: Path, owner: str) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child-load", str(art), "--owner", owner],
+def measure_load(art: Path, owner: str, which: str = "one owner") -> dict:
+    r = subprocess.run([sys.executable, __file__, "--child-load", str(art), "--owner", owner, "--placement-kind", which],
                        capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -360,15 +401,18 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="folder for the source and artifacts (kept; default a temp dir)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--placement-kind", default="one owner", help=argparse.SUPPRESS)
+    ap.add_argument("--load-only", action="store_true", help="only load time and peak RSS (step 2), per placement kind")
     ap.add_argument("--direct", action="store_true", help="stacks from formats.encode, no conversion (see above)")
-    ap.add_argument("--experts", type=int, default=16, help="--direct: experts in the layer")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="experts per layer (--direct: default 16; conversion: default the shape's 256 / 16)")
     ap.add_argument("--no-worker", action="store_true", help="--direct: skip the worker cost")
     a = ap.parse_args(argv)
     if a.direct:
         dims = QUICK if a.quick else FULL
         batches = [int(b) for b in a.batches.split(",")]
         recipes = [r for r in a.recipes.split(",") if r in DIRECT_RECIPES] or list(DIRECT_RECIPES)
-        rep = [bench_direct(r, a.experts, dims["hidden"], dims["moe_inter"], dims["topk"], batches, a.repeat,
+        rep = [bench_direct(r, a.experts or 16, dims["hidden"], dims["moe_inter"], dims["topk"], batches, a.repeat,
                             not a.no_worker) for r in recipes]
         if a.json:
             print(json.dumps(rep, indent=1))
@@ -378,16 +422,43 @@ def main(argv=None) -> int:
         return 0
     owner = a.owner or _default_owner()
     if a.child_load:
-        _child_load(a.child_load, owner)
+        _child_load(a.child_load, owner, a.placement_kind)
         return 0
     batches = [int(b) for b in a.batches.split(",")]
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ds4q-rt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    arts = make_artifacts(work, QUICK if a.quick else FULL, a.recipes.split(","))
+    dims = dict(QUICK if a.quick else FULL)
+    if a.experts:
+        dims["experts"] = a.experts
+    t0 = time.perf_counter()
+    arts = make_artifacts(work, dims, a.recipes.split(","))
+    convert_s = time.perf_counter() - t0
+    if a.load_only:
+        rep = []
+        for name, art in arts.items():
+            files = sum(p.stat().st_size for p in art.glob("*.gguf"))
+            for which in _placements(2, 2, owner):
+                r = measure_load(art, owner, which)
+                r.update(artifact=name, gguf_bytes=files, convert_s=convert_s, dims=dims)
+                rep.append(r)
+        if a.json:
+            print(json.dumps(rep, indent=1))
+            return 0
+        print(f"load-only: {dims['experts']} experts/layer, hidden {dims['hidden']}, expert ffn {dims['moe_inter']}, "
+              f"{dims['layers']} layers (conversion {convert_s:.0f} s)")
+        for r in rep:
+            M = 2 ** 20
+            print(f"  {r['artifact']:14s} {r['placement']:24s} load {r['load_s']:6.2f} s  resident "
+                  f"{r['resident_bytes'] / M:8.1f} MiB  RSS start {r['rss_start_kb'] / 1024:7.1f}  after load "
+                  f"{r['rss_after_load_kb'] / 1024:7.1f}  after a call {r['rss_after_call_kb'] / 1024:7.1f}  peak "
+                  f"{r['peak_rss_kb'] / 1024:7.1f} MiB  (peak - start {(r['peak_rss_kb'] - r['rss_start_kb']) / 1024:7.1f}"
+                  f" MiB; GGUF {r['gguf_bytes'] / M:.1f} MiB)")
+        return 0
     report = []
     for name, art in arts.items():
         r = bench_artifact(art, owner, batches, a.repeat)
         r.update(measure_load(art, owner))
+        r["convert_s"] = convert_s
         r["ratios"] = _ratios(r, batches)
         report.append(r)
     if a.json:

@@ -59,7 +59,9 @@ below 2^(wlo + alo + 53): exact in float64, so the float64 sum is the exact
 sum and one conversion to float32 is the definition's rounding. Because the
 order is free, the float64 dot may be reassociated and fused (FMA of an
 exact product is the same sum): ``_dot_f64`` is vectorised with exactly
-those two fastmath flags, and from ``GEMM_MIN_TOKENS`` tokens per expert the
+those two fastmath flags (rows are decoded by ``fast.decode_row_fast``, the
+same bits as ``formats.decode``; the kernels compile with the SLP vectoriser,
+which packs operations and cannot change a value), and from ``GEMM_MIN_TOKENS`` tokens per expert the
 product is decoded tiles times BLAS dgemm. A sum that is exactly zero is
 mapped to +0.0 (``+ 0.0``) whatever sign the reduction left. whi/wlo depend
 only on the weights: ``row_spans`` computes them once per expert (the CPU
@@ -77,6 +79,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 from ds4quant.errors import BadInputError
 from ds4quant.formats._components import decode_row_nb
+from ds4quant.runtime.fast import _slp, decode_row_fast
 
 BLOCK = 32
 LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
@@ -306,7 +309,7 @@ def row_spans_nb(kind, p0, p1, data, cols, lut, mode, whi, wlo, bad):
         w = np.empty(cols, np.float32)
         wb = w.view(np.uint32)
         for j in range(c * chunk, min(rows, c * chunk + chunk)):
-            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
+            decode_row_fast(kind, p0, p1, data[j], cols, lut, mode, w, wb)
             hi, lo, finite = row_span_nb(w, wb)
             whi[j] = hi
             wlo[j] = lo
@@ -339,7 +342,7 @@ def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, whi, wlo, tok_hi, to
                     need = True
             if not need:
                 continue
-            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
+            decode_row_fast(kind, p0, p1, data[j], cols, lut, mode, w, wb)
             for t in range(T):
                 if flags[t, j] == 0:
                     out[t, j] = np.float32(_dot_f64(w, a, t, cols) + 0.0)  # + 0.0: -0.0 -> +0.0
@@ -412,7 +415,7 @@ def row_spans(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.
     wlo = np.empty(rows, np.int32)
     bad = np.zeros(rows, np.uint8)
     if rows:
-        row_spans_nb(kind, p0, p1, data, cols, lut, mode, whi, wlo, bad)
+        _slp(row_spans_nb, kind, p0, p1, data, cols, lut, mode, whi, wlo, bad)
     for v in (whi, wlo, bad):
         v.setflags(write=False)
     return whi, wlo, bad
@@ -446,7 +449,7 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
         raise BadInputError(f"exact mode: weight row {int(np.argmax(bad))} has a NaN or Inf value", where=what)
     log2c = int(math.ceil(math.log2(cols)))
     if T < GEMM_MIN_TOKENS:
-        exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, whi, wlo, hi, lo, log2c, out, flags)
+        _slp(exact_matmul_nb, kind, p0, p1, data, cols, lut, mode, a, whi, wlo, hi, lo, log2c, out, flags)
     else:
         from ds4quant.runtime.fast import decode_tile
 

@@ -209,23 +209,27 @@ def fused_matmul_nb(kind, p0, p1, data, cols, lut, mode, x, out):
                 out[t, j] = _dot_lanes(w, x, t, cols)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def decode_row_fast(kind, p0, p1, row, cols, lut, mode, out, out_bits):
+    """``decode_row_nb`` with the lane families' vectorisable decoder (same bits)."""
+    nb = cols // 32
+    if kind == K_SCALE and p1 == 16 and _ss.BITS[p0] == 2:
+        _lane_decode(kind, 2, row, nb, lut, mode, _ss.SCALES[p0], out)
+    elif kind == K_SCALE and p1 == 16 and _ss.BITS[p0] == 3:
+        _lane_decode(kind, 3, row, nb, lut, mode, _ss.SCALES[p0], out)
+    elif kind == K_MIX and p0 == 2:
+        _lane_decode(kind, 2, row, nb, lut, mode, _ss.SCALES[0], out)
+    elif kind == K_MIX and p0 == 3:
+        _lane_decode(kind, 3, row, nb, lut, mode, _ss.SCALES[0], out)
+    else:
+        decode_row_nb(kind, p0, p1, row, cols, lut, mode, out, out_bits)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, out):
     """Decode rows r0..r1-1 of data uint8 (rows, row_bytes) into out float32 (r1 - r0, cols)."""
-    bits = 0
-    if kind == K_SCALE and p1 == 16 and (_ss.BITS[p0] == 2 or _ss.BITS[p0] == 3):
-        bits = _ss.BITS[p0]
-    elif kind == K_MIX and (p0 == 2 or p0 == 3):
-        bits = p0
-    nb = cols // 32
-    sc = _ss.SCALES[p0] if kind == K_SCALE else _ss.SCALES[0]
     for j in numba.prange(r1 - r0):
-        if bits == 2:
-            _lane_decode(kind, 2, data[r0 + j], nb, lut, mode, sc, out[j])
-        elif bits == 3:
-            _lane_decode(kind, 3, data[r0 + j], nb, lut, mode, sc, out[j])
-        else:
-            decode_row_nb(kind, p0, p1, data[r0 + j], cols, lut, mode, out[j], out[j].view(np.uint32))
+        decode_row_fast(kind, p0, p1, data[r0 + j], cols, lut, mode, out[j], out[j].view(np.uint32))
 
 
 def decode_tile(kind: int, p0: int, p1: int, data: np.ndarray, r0: int, r1: int, cols: int, lut: np.ndarray,
