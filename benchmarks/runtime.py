@@ -11,7 +11,8 @@ Steps, all in one run:
    samples/make_synthetic.py) converted with each recipe (rocmfp2-strix,
    adaptive);
 2. in a child process per artifact: ``runtime.load`` time and peak RSS
-   (ru_maxrss of the child) against the bytes the placement makes resident;
+   (VmRSS after load and after one call, VmHWM peak of the child) against the
+   bytes the placement makes resident (``--load-only``: only this step);
 3. MoE layer latency (routed experts of layer 1, seeded routing) at batch 1
    and 64 for the owner in fast and exact mode, beside the anchors measured
    in the same process over the same experts and routing:
@@ -205,11 +206,13 @@ def _placements(n_layer: int, n_expert: int, owner: str) -> dict:
     }
 
 
-def _rss_kb() -> int:
-    """Current resident set (VmRSS), KiB; ru_maxrss is the peak."""
+def _rss_kb(field: str = "VmRSS") -> int:
+    """This process's resident set (VmRSS) or its peak (VmHWM), KiB, -1 where
+    /proc has none. Not ru_maxrss: Linux carries that across exec, so a child
+    would report its parent's peak."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
         pass
@@ -221,7 +224,7 @@ def _child_load(art: str, owner: str, which: str = "one owner") -> None:
 
     h = _header(art)
     plc = _placements(h.n_layer, h.n_expert, owner)[which]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _rss_kb("VmHWM")
     rss0 = _rss_kb()
     t = time.perf_counter()
     with runtime.load(art, placement=plc, mode="fast") as rt:
@@ -235,7 +238,7 @@ def _child_load(art: str, owner: str, which: str = "one owner") -> None:
             if ids.size:
                 o.run_slots(LAYER, np.zeros((ids.size, h.hidden), np.float32), ids, "fast")
         used = _rss_kb()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _rss_kb("VmHWM")
     print(json.dumps({"placement": which, "load_s": dt, "resident_bytes": resident, "rss_before_kb": base,
                       "rss_start_kb": rss0, "rss_after_load_kb": after, "rss_after_call_kb": used,
                       "peak_rss_kb": peak}))

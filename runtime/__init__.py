@@ -194,7 +194,10 @@ class Runtime:
 
     # -- the whole MoE block --------------------------------------------
     def route(self, layer: int, hidden, token_ids):
-        """(top_k_index int64 [T,k], top_k_weights f32 [T,k]) from the artifact's router."""
+        """(top_k_index int64 [T,k], top_k_weights f32 [T,k]) from the artifact's router.
+
+        fast: one batched ``route`` call (bitwise transformers' router on the
+        batch); exact: ``route_rows`` (each token alone: batch-invariant)."""
         import torch
 
         v, h = self.view, self.header

@@ -6,7 +6,8 @@ stack's experts), its ``DecodeTableRegistry``, and runs the routed-expert
 FFN on the slots routed to it::
 
     exact: runtime/exact.py's definition (Q, exact D, fixed SWIGLU, one rounding)
-    fast:  float32: a decoded tile of rows times BLAS, numpy exp SwiGLU
+    fast:  float32: few tokens per expert, a lane GEMV over the packed rows;
+           more, a decoded tile of rows times BLAS (runtime/fast.py); numpy exp SwiGLU
 
 Slots are grouped by expert, so each weight row is decoded once per call.
 A MIX stack is unusable until its books are registered: ``run_slots`` on an
