@@ -44,11 +44,20 @@ _SLP_LOCK = threading.Lock()
 _SLP_DONE: set = set()
 
 
+def _arg_key(a):
+    # what numba's typing of an argument depends on, without numba.typeof (whose
+    # Python-level cost, ~100 us per array, would dominate a batch-1 call)
+    if isinstance(a, np.ndarray):
+        f = a.flags
+        return (a.dtype.str, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
+    return type(a)
+
+
 def _slp(fn, *args):
     """Call ``fn(*args)``, compiling it for these argument types with LLVM's
     SLP vectoriser on the first time (numba.core.config.SLP_VECTORIZE is read
     at each compilation; cache=True keeps the vectorised code)."""
-    key = (fn, tuple(numba.typeof(a) for a in args))
+    key = (fn, tuple(_arg_key(a) for a in args))
     if key not in _SLP_DONE:
         from numba.core import config
 
@@ -57,7 +66,7 @@ def _slp(fn, *args):
                 old = config.SLP_VECTORIZE
                 config.SLP_VECTORIZE = 1
                 try:
-                    fn.compile(key[1])
+                    fn.compile(tuple(numba.typeof(a) for a in args))
                 finally:
                     config.SLP_VECTORIZE = old
                 _SLP_DONE.add(key)
