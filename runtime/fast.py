@@ -247,12 +247,19 @@ def decode_tile(kind: int, p0: int, p1: int, data: np.ndarray, r0: int, r1: int,
     _slp(decode_tile_nb, kind, p0, p1, data, r0, r1, cols, lut, mode, out)
 
 
+def _ro(a: np.ndarray, dtype) -> np.ndarray:
+    """``exact.readonly`` unless ``a`` already is one (the owner caches its operands read-only)."""
+    if a.dtype == dtype and not a.flags.writeable and a.flags.c_contiguous:
+        return a
+    from ds4quant.runtime.exact import readonly
+
+    return readonly(a, dtype)
+
+
 def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.ndarray, mode: int,
                 x: np.ndarray) -> np.ndarray:
     """x float32 (T, cols) @ decode(data).T -> float32 (T, rows)."""
-    from ds4quant.runtime.exact import readonly
-
-    data, lut = readonly(data), readonly(lut, np.float32)
+    data, lut = _ro(data, np.uint8), _ro(lut, np.float32)
     rows = data.shape[0]
     T = x.shape[0]
     out = np.empty((T, rows), np.float32)
@@ -260,7 +267,7 @@ def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: n
         return out
     bits = lane_bits(kind, p0, p1)
     if T < (LANE_MIN_TOKENS if bits else GEMM_MIN_TOKENS):
-        xr = readonly(x, np.float32)
+        xr = _ro(x, np.float32)
         if bits:
             _slp(lane_matmul_nb, kind, p0, bits, data, cols, lut, mode, xr, out)
         else:
