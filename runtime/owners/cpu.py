@@ -92,7 +92,7 @@ class CpuOwner:
     def _drop_spans(self, tensor: str) -> None:
         for k in [k for k in self._spans if k[0] == tensor]:
             del self._spans[k]
-        for k in [k for k, op in self._ops.items() if op[7].tensor == tensor]:
+        for k in [k for k, (op, _) in self._ops.items() if op[7].tensor == tensor]:
             del self._ops[k]
 
     def remove_stack(self, tensor: str) -> None:
@@ -139,10 +139,19 @@ class CpuOwner:
     def _operand(self, layer: int, proj: str, expert: int):
         """(kind, p0, p1, data (rows, row_bytes), cols, lut, mode, stack, (tensor, local)):
         decode_row_nb's arguments, cached until the tensor's books or residency change."""
-        op = self._ops.get((layer, proj, expert))
-        if op is None:
-            op = self._ops[(layer, proj, expert)] = self._make_operand(layer, proj, expert)
-        return op
+        key = (layer, proj, expert)
+        hit = self._ops.get(key)
+        if hit is not None and hit[1] is not None:
+            # a MIX operand is valid only while the very books it was built from are
+            # registered (lookup raises once unregistered; a re-registration is new books)
+            if self.registry.lookup(self.identity, hit[0][7].tensor)[0] is not hit[1]:
+                hit = None
+        if hit is None:
+            op = self._make_operand(layer, proj, expert)
+            books = (self.registry.lookup(self.identity, op[7].tensor)[0]
+                     if QTYPES[op[7].qtype].is_mix else None)
+            hit = self._ops[key] = (op, books)
+        return hit[0]
 
     def _make_operand(self, layer: int, proj: str, expert: int):
         hit = self._where.get((layer, proj, expert))
