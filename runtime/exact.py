@@ -79,7 +79,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 from ds4quant.errors import BadInputError
 from ds4quant.formats._components import decode_row_nb
-from ds4quant.runtime.fast import _slp, decode_row_fast
+from ds4quant.runtime.fast import _parallel, _slp, decode_row_fast
 
 BLOCK = 32
 LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
@@ -348,6 +348,12 @@ def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, whi, wlo, tok_hi, to
                     out[t, j] = np.float32(_dot_f64(w, a, t, cols) + 0.0)  # + 0.0: -0.0 -> +0.0
 
 
+# Serial twins for one thread or small products (fast.PARALLEL_MIN_WORK): the same
+# per-output code, and any order of the exact sum is the same sum, so the same bytes.
+row_spans_serial = numba.njit(cache=True, nogil=True)(row_spans_nb.py_func)
+exact_matmul_serial = numba.njit(cache=True, nogil=True)(exact_matmul_nb.py_func)
+
+
 @numba.njit(**_NB)
 def _e_nb(z):
     n = np.rint(z * INV_LN2)
@@ -415,7 +421,8 @@ def row_spans(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.
     wlo = np.empty(rows, np.int32)
     bad = np.zeros(rows, np.uint8)
     if rows:
-        _slp(row_spans_nb, kind, p0, p1, data, cols, lut, mode, whi, wlo, bad)
+        _slp(row_spans_nb if _parallel(rows * cols) else row_spans_serial, kind, p0, p1, data, cols, lut, mode,
+             whi, wlo, bad)
     for v in (whi, wlo, bad):
         v.setflags(write=False)
     return whi, wlo, bad
@@ -449,7 +456,8 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
         raise BadInputError(f"exact mode: weight row {int(np.argmax(bad))} has a NaN or Inf value", where=what)
     log2c = int(math.ceil(math.log2(cols)))
     if T < GEMM_MIN_TOKENS:
-        _slp(exact_matmul_nb, kind, p0, p1, data, cols, lut, mode, a, whi, wlo, hi, lo, log2c, out, flags)
+        _slp(exact_matmul_nb if _parallel(rows * cols * T) else exact_matmul_serial, kind, p0, p1, data, cols,
+             lut, mode, a, whi, wlo, hi, lo, log2c, out, flags)
     else:
         from ds4quant.runtime.fast import decode_tile
 

@@ -241,10 +241,25 @@ def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, out):
         decode_row_fast(kind, p0, p1, data[r0 + j], cols, lut, mode, out[j], out[j].view(np.uint32))
 
 
+# The same kernels without the parallel region: numba's launch costs 0.1-2 ms on a
+# busy host (threads wait to be scheduled), more than the whole product of a small
+# matrix; one thread or a small product takes these (same bits: each output is
+# computed alone either way).
+lane_matmul_serial = numba.njit(cache=True, nogil=True)(lane_matmul_nb.py_func)
+fused_matmul_serial = numba.njit(cache=True, nogil=True)(fused_matmul_nb.py_func)
+decode_tile_serial = numba.njit(cache=True, nogil=True)(decode_tile_nb.py_func)
+PARALLEL_MIN_WORK = 1 << 21  # weights x tokens from which the parallel kernels pay off
+
+
+def _parallel(work: int) -> bool:
+    return work >= PARALLEL_MIN_WORK and numba.get_num_threads() > 1
+
+
 def decode_tile(kind: int, p0: int, p1: int, data: np.ndarray, r0: int, r1: int, cols: int, lut: np.ndarray,
                 mode: int, out: np.ndarray) -> None:
     """``decode_tile_nb`` compiled with the SLP vectoriser (bitwise ``formats.decode``)."""
-    _slp(decode_tile_nb, kind, p0, p1, data, r0, r1, cols, lut, mode, out)
+    fn = decode_tile_nb if _parallel((r1 - r0) * cols) else decode_tile_serial
+    _slp(fn, kind, p0, p1, data, r0, r1, cols, lut, mode, out)
 
 
 def _ro(a: np.ndarray, dtype) -> np.ndarray:
@@ -268,10 +283,11 @@ def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: n
     bits = lane_bits(kind, p0, p1)
     if T < (LANE_MIN_TOKENS if bits else GEMM_MIN_TOKENS):
         xr = _ro(x, np.float32)
+        par = _parallel(rows * cols * T)
         if bits:
-            _slp(lane_matmul_nb, kind, p0, bits, data, cols, lut, mode, xr, out)
+            _slp(lane_matmul_nb if par else lane_matmul_serial, kind, p0, bits, data, cols, lut, mode, xr, out)
         else:
-            _slp(fused_matmul_nb, kind, p0, p1, data, cols, lut, mode, xr, out)
+            _slp(fused_matmul_nb if par else fused_matmul_serial, kind, p0, p1, data, cols, lut, mode, xr, out)
         return out
     tile = max(8, min(rows, TILE_BYTES // (4 * cols)))
     scratch = np.empty((tile, cols), np.float32)

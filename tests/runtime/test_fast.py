@@ -88,7 +88,8 @@ def test_lane_kernel_bits_follow_their_stated_order(name):
 
 @pytest.mark.parametrize("tokens", [1, 2, 5, 9])
 @pytest.mark.parametrize("name", ["rocmfp2", "rocmfp3_mix", "rocmfp4"])
-def test_fast_bytes_do_not_depend_on_threads_or_the_batch(name, tokens):
+def test_fast_bytes_do_not_depend_on_threads_or_the_batch(name, tokens, monkeypatch):
+    monkeypatch.setattr(Fm, "PARALLEL_MIN_WORK", 0)  # 2 threads: the parallel kernels; 1: the serial ones
     cols = 256
     mode, books, data, _ = next(_cases(name, rows=70, cols=cols))
     kind, p0, p1 = row_kind(name)
