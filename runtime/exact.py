@@ -66,7 +66,8 @@ product is decoded tiles times BLAS dgemm. A sum that is exactly zero is
 mapped to +0.0 (``+ 0.0``) whatever sign the reduction left. whi/wlo depend
 only on the weights: ``row_spans`` computes them once per expert (the CPU
 owner caches them). Otherwise the slot is flagged and
-``exact_dot_fallback`` computes it with Python integers. ``exact_dot_ref``
+``exact_wide.fallback_rows_nb`` computes it in a wide fixed-point
+accumulator (``exact_dot_fallback`` is the same with Python integers). ``exact_dot_ref``
 is the slow, obviously correct reference.
 """
 
@@ -78,7 +79,7 @@ import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from ds4quant.errors import BadInputError
-from ds4quant.formats._components import decode_row_nb
+from ds4quant.runtime.exact_wide import fallback_rows_nb
 from ds4quant.runtime.fast import _parallel, _slp, decode_row_fast
 
 BLOCK = 32
@@ -473,13 +474,9 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
             over = (span_t + (whi[r0:r1] - wlo[r0:r1])[None, :]) > _SPAN_BITS
             out[:, r0:r1] = acc
             flags[:, r0:r1] = over
-    if flags.any():
-        w = np.empty(cols, np.float32)
+    if flags.any():  # rare: adversarial exponent spreads; the wide accumulator, exactly
         qi = np.rint(np.ldexp(a, -np.repeat(s, BLOCK, axis=1))).astype(np.int64)
-        for j in np.flatnonzero(flags.any(axis=0)):  # rare: adversarial exponent spreads
-            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, w.view(np.uint32))
-            for t in np.flatnonzero(flags[:, j]):
-                out[t, j] = exact_dot_fallback(w, qi[t], s[t])
+        _slp(fallback_rows_nb, kind, p0, p1, data, cols, lut, mode, qi, readonly(s, np.int64), flags, out)
     return out
 
 

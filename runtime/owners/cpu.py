@@ -145,6 +145,7 @@ class CpuOwner:
             # a MIX operand is valid only while the very books it was built from are
             # registered (lookup raises once unregistered; a re-registration is new books)
             if self.registry.lookup(self.identity, hit[0][7].tensor)[0] is not hit[1]:
+                self._drop_spans(hit[0][7].tensor)  # its exact-mode spans came from the old books too
                 hit = None
         if hit is None:
             op = self._make_operand(layer, proj, expert)

@@ -219,3 +219,6 @@ def test_cached_operands_follow_the_registry():
         got = o.run_slots(LAYER, x, ids, m)
         assert np.array_equal(got.view(np.uint32), fresh.run_slots(LAYER, x, ids, m).view(np.uint32))
         assert not np.array_equal(got, first[m])
+    # the exact-mode row spans (they depend on the books) were rebuilt, not kept
+    for k, v in fresh._spans.items():
+        assert all(np.array_equal(a, b) for a, b in zip(o._spans[k], v)), k
