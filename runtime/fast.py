@@ -1,24 +1,25 @@
 """Fast mode kernels; never a dequantized copy of a whole matrix.
 
-Two paths per projection of one expert, by tokens per expert:
+Two paths per projection of one expert:
 
-- below ``GEMM_MIN_TOKENS`` (``LANE_MIN_TOKENS`` for the lane families): a
-  fused GEMV, rows in parallel, that reads each packed row once per token
-  and never writes a decoded weight. For the 2- and 3-bit codes with
-  16-weight scale groups (rocmfp2, rocmfp2_s40, rocmfp3, both MIX widths:
-  the DS4 expert formats) a 16-weight group is four code chunks, each a
-  table row of four levels (``row_lut``), multiplied into eight float32
-  lanes that LLVM packs into one vector; the group's lane sums are scaled
-  once. Other formats decode a row into an L1 scratch row and dot it with
-  the same eight lanes.
-- from there on: a decoded tile of rows (about ``TILE_BYTES``) times
-  float32 BLAS, the tile decoded by the same table reads (bitwise
-  ``formats.decode``; exact mode's dgemm tiles use it too).
+- the 2- and 3-bit codes with 16-weight scale groups (rocmfp2, rocmfp2_s40,
+  rocmfp3, both MIX widths: the DS4 expert formats), below
+  ``LANE_MIN_TOKENS`` tokens: a lane GEMV, rows in parallel, that reads each
+  packed row once per token and never writes a decoded weight. A 16-weight
+  group is four code chunks, each a table row of four levels (``row_lut``),
+  multiplied into eight float32 lanes that LLVM packs into one vector; the
+  group's lane sums are scaled once.
+- otherwise: a decoded tile of rows (about ``TILE_BYTES``) times float32
+  BLAS, the tile decoded by the same table reads for those families
+  (bitwise ``formats.decode``; exact mode's dgemm tiles use it too). Other
+  formats take it from one token: decoding a tile and BLAS's GEMV beat a
+  scalar row dot (rocmfp4_fast 2048 x 4096, one token: 5.9 vs 8.8 ms).
 
 No fastmath: every lane is plain float32 multiply and add in a fixed order
-and the lanes are summed in a fixed tree, so a row's result does not depend
-on the thread count or the batch (each output is computed by one thread
-alone; the BLAS path is as deterministic as BLAS). The lane kernels are
+and the lanes are summed in a fixed tree, so a GEMV row's result does not
+depend on the thread count or the batch (each output is computed by one
+thread alone); the BLAS path is as deterministic as BLAS for a given thread
+count. The lane kernels are
 compiled with LLVM's SLP vectoriser on (``_slp``), which numba leaves off by
 default; it packs independent scalar operations and cannot change a bit.
 Fast mode's distance from exact mode is reported by the callers.
@@ -35,7 +36,6 @@ from ds4quant.formats import _scale_search as _ss
 from ds4quant.formats._components import K_MIX, K_SCALE, UE4M3, decode_row_nb
 
 TILE_BYTES = 4 << 20  # decoded tile for the BLAS path: a few MiB of float32 (L3 resident)
-GEMM_MIN_TOKENS = 8  # other formats: from here BLAS on decoded tiles beats the fused GEMV
 LANE_MIN_TOKENS = 4  # lane families: the GEMV costs one pass per token; BLAS tiles win from about 4 (DS4 shapes)
 
 # ---------------------------------------------------------------- compile with SLP
@@ -168,22 +168,6 @@ def _lane_decode(kind, bits, row, nb, lut, mode, sc, w):
                 w[q + 7] = l7 * s
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _dot_lanes(w, x, t, cols):
-    """dot(w, x[t]) in eight float32 lanes (cols % 32 == 0), a fixed tree at the end."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-    for i in range(0, cols, 8):
-        a0 += w[i] * x[t, i]
-        a1 += w[i + 1] * x[t, i + 1]
-        a2 += w[i + 2] * x[t, i + 2]
-        a3 += w[i + 3] * x[t, i + 3]
-        a4 += w[i + 4] * x[t, i + 4]
-        a5 += w[i + 5] * x[t, i + 5]
-        a6 += w[i + 6] * x[t, i + 6]
-        a7 += w[i + 7] * x[t, i + 7]
-    return ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))
-
-
 _ROW_CHUNK = 16  # rows per parallel work item: fixed, so the split never depends on the thread count
 
 
@@ -202,20 +186,6 @@ def lane_matmul_nb(kind, p0, bits, data, cols, lut, mode, x, out):
                     out[t, j] = _lane_dot(kind, 2, row, nb, lut, mode, sc, x, t)
                 else:
                     out[t, j] = _lane_dot(kind, 3, row, nb, lut, mode, sc, x, t)
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def fused_matmul_nb(kind, p0, p1, data, cols, lut, mode, x, out):
-    """out[t, j] = dot(decode(row j), x[t]) for any layout, decoded once into a scratch row."""
-    rows = data.shape[0]
-    T = x.shape[0]
-    for c in numba.prange((rows + _ROW_CHUNK - 1) // _ROW_CHUNK):
-        w = np.empty(cols, np.float32)
-        wb = w.view(np.uint32)
-        for j in range(c * _ROW_CHUNK, min(rows, c * _ROW_CHUNK + _ROW_CHUNK)):
-            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
-            for t in range(T):
-                out[t, j] = _dot_lanes(w, x, t, cols)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -248,7 +218,6 @@ def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, out):
 # optimises the outlined parallel body better (3-bit lane GEMV 2.2 vs 3.7 ms at
 # 2048 x 4096, one thread).
 lane_matmul_serial = numba.njit(cache=True, nogil=True)(lane_matmul_nb.py_func)
-fused_matmul_serial = numba.njit(cache=True, nogil=True)(fused_matmul_nb.py_func)
 decode_tile_serial = numba.njit(cache=True, nogil=True)(decode_tile_nb.py_func)
 PARALLEL_MIN_WORK = 1 << 21  # weights x tokens from which the parallel kernels pay off
 
@@ -283,13 +252,9 @@ def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: n
     if not (T and rows):
         return out
     bits = lane_bits(kind, p0, p1)
-    if T < (LANE_MIN_TOKENS if bits else GEMM_MIN_TOKENS):
-        xr = _ro(x, np.float32)
-        par = _parallel(rows * cols * T)
-        if bits:
-            _slp(lane_matmul_nb if par else lane_matmul_serial, kind, p0, bits, data, cols, lut, mode, xr, out)
-        else:
-            _slp(fused_matmul_nb if par else fused_matmul_serial, kind, p0, p1, data, cols, lut, mode, xr, out)
+    if bits and T < LANE_MIN_TOKENS:
+        fn = lane_matmul_nb if _parallel(rows * cols * T) else lane_matmul_serial
+        _slp(fn, kind, p0, bits, data, cols, lut, mode, _ro(x, np.float32), out)
         return out
     tile = max(8, min(rows, TILE_BYTES // (4 * cols)))
     scratch = np.empty((tile, cols), np.float32)
