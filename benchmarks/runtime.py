@@ -3,6 +3,7 @@
     python benchmarks/runtime.py                      # DS4 layer shapes: hidden 4096, expert 2048, 256 experts, top-6
     python benchmarks/runtime.py --quick              # tiny shapes (a smoke run of the script)
     python benchmarks/runtime.py --recipes rocmfp2-strix --owner torch-cpu:0 --json
+    python benchmarks/runtime.py --load-only --experts 8 --work /tmp/rt8   # load time / peak RSS at DS4 shapes
 
 Steps, all in one run:
 
@@ -10,7 +11,8 @@ Steps, all in one run:
    samples/make_synthetic.py) converted with each recipe (rocmfp2-strix,
    adaptive);
 2. in a child process per artifact: ``runtime.load`` time and peak RSS
-   (ru_maxrss of the child) against the bytes the placement makes resident;
+   (VmRSS after load and after one call, VmHWM peak of the child) against the
+   bytes the placement makes resident (``--load-only``: only this step);
 3. MoE layer latency (routed experts of layer 1, seeded routing) at batch 1
    and 64 for the owner in fast and exact mode, beside the anchors measured
    in the same process over the same experts and routing:
@@ -20,6 +22,13 @@ Steps, all in one run:
      on every call;
 4. the worker owner (``worker:0``) per call against the same owner kind in
    process, when the build has it.
+
+``--load-only`` converts (or reuses, with ``--work``) the artifacts and
+reports only step 2, for every placement kind that changes what load reads:
+one owner holding every expert (contiguous memmap slices), two owners
+interleaving experts (copies of the non-contiguous ids) and a hot half plus
+``none`` (a shard reads half). ``--experts`` sets the experts per layer of
+the conversion path too (256 at DS4 shapes does not fit a small host).
 
 ``--direct`` skips the conversion (too slow at DS4 shapes on a small host):
 the owner's stacks are built straight from ``formats.encode`` of a 64-row
@@ -89,13 +98,17 @@ def _routing(n_expert: int, k: int, T: int, seed: int):
     return idx, w / w.sum(1, keepdims=True) * np.float32(1.5)
 
 
-def _timeit(fn, repeat: int) -> float:
-    fn()  # warm-up: numba compiles, page-ins
+def _timeit(fn, repeat: int, cpu: bool = True) -> float:
+    """Best of ``repeat`` after a warm-up (numba compiles, page-ins): this
+    process's CPU seconds (robust on a shared host; pin NUMBA_NUM_THREADS /
+    OPENBLAS_NUM_THREADS to 1 so CPU time is latency), or wall seconds."""
+    fn()
+    clock = time.process_time if cpu else time.perf_counter
     best = float("inf")
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return best
 
 
@@ -159,6 +172,8 @@ def bench_artifact(art: Path, owner: str, batches: list[int], repeat: int) -> di
                 x = np.random.default_rng(100 + T).standard_normal((T, h.hidden)).astype(np.float32)
                 xt, it, wt = torch.from_numpy(x), torch.from_numpy(idx), torch.from_numpy(w)
                 res[f"{mode}_b{T}_s"] = _timeit(lambda: rt.run_layer(LAYER, xt, it, wt), repeat)
+                if mode == "fast" and T == 1:  # the worker's comparison is in wall time
+                    res["fast_b1_wall_s"] = _timeit(lambda: rt.run_layer(LAYER, xt, it, wt), repeat, cpu=False)
                 outs[(mode, T)] = rt.run_layer(LAYER, xt, it, wt).out.numpy()
                 if mode == "fast":
                     res.update({f"{k}_b{T}" if k.endswith("_s") else k: v
@@ -171,8 +186,9 @@ def bench_artifact(art: Path, owner: str, batches: list[int], repeat: int) -> di
         with runtime.load(art, placement=wplc, mode="fast") as rt:
             idx, w = _routing(h.n_expert, h.n_expert_used, 1, seed=1)
             x = torch.randn((1, h.hidden))
+            # wall time: the work happens in the child process
             res["worker_b1_s"] = _timeit(lambda: rt.run_layer(LAYER, x, torch.from_numpy(idx),
-                                                                torch.from_numpy(w)), repeat)
+                                                                torch.from_numpy(w)), repeat, cpu=False)
     return res
 
 
@@ -186,22 +202,57 @@ def _header(art):
         view.close()
 
 
-def _child_load(art: str, owner: str) -> None:
+def _placements(n_layer: int, n_expert: int, owner: str) -> dict:
+    other = owner.rsplit(":", 1)[0] + ":1"
+    half = tuple(range(n_expert // 2))
+    return {
+        "one owner": {L: {owner: tuple(range(n_expert))} for L in range(n_layer)},
+        "two owners interleaved": {L: {owner: tuple(range(0, n_expert, 2)), other: tuple(range(1, n_expert, 2))}
+                                   for L in range(n_layer)},
+        "hot half + none": {L: {owner: half, "none": tuple(range(n_expert // 2, n_expert))} for L in range(n_layer)},
+    }
+
+
+def _rss_kb(field: str = "VmRSS") -> int:
+    """This process's resident set (VmRSS) or its peak (VmHWM), KiB, -1 where
+    /proc has none. Not ru_maxrss: Linux carries that across exec, so a child
+    would report its parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def _child_load(art: str, owner: str, which: str = "one owner") -> None:
     from ds4quant import runtime
 
     h = _header(art)
-    plc = {L: {owner: tuple(range(h.n_expert))} for L in range(h.n_layer)}
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    plc = _placements(h.n_layer, h.n_expert, owner)[which]
+    base = _rss_kb("VmHWM")
+    rss0 = _rss_kb()
     t = time.perf_counter()
     with runtime.load(art, placement=plc, mode="fast") as rt:
         dt = time.perf_counter() - t
         resident = int(sum(rt.resident_bytes().values()))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"load_s": dt, "resident_bytes": resident, "rss_before_kb": base, "peak_rss_kb": peak}))
+        after = _rss_kb()
+        # one call per owner touching every resident page of layer LAYER (the memmap pages come
+        # in); numpy straight to the owners: importing torch here would count its libraries
+        for o in rt.owners.values():
+            ids = np.asarray(o.experts(LAYER), dtype=np.int64)
+            if ids.size:
+                o.run_slots(LAYER, np.zeros((ids.size, h.hidden), np.float32), ids, "fast")
+        used = _rss_kb()
+    peak = _rss_kb("VmHWM")
+    print(json.dumps({"placement": which, "load_s": dt, "resident_bytes": resident, "rss_before_kb": base,
+                      "rss_start_kb": rss0, "rss_after_load_kb": after, "rss_after_call_kb": used,
+                      "peak_rss_kb": peak}))
 
 
-def measure_load(art: Path, owner: str) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child-load", str(art), "--owner", owner],
+def measure_load(art: Path, owner: str, which: str = "one owner") -> dict:
+    r = subprocess.run([sys.executable, __file__, "--child-load", str(art), "--owner", owner, "--placement-kind", which],
                        capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -215,7 +266,7 @@ def _ratios(r: dict, batches: list[int]) -> dict:
         out[f"b{T} exact time / fast"] = e / f
         out[f"b{T} fast vs exact relative L2"] = r[f"fast_vs_exact_rel_b{T}"]
     if "worker_b1_s" in r:
-        out["b1 worker time / in-process"] = r["worker_b1_s"] / r["fast_b1_s"]
+        out["b1 worker time / in-process (wall)"] = r["worker_b1_s"] / r.get("fast_b1_wall_s", r["fast_b1_s"])
     return out
 
 
@@ -360,15 +411,18 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="folder for the source and artifacts (kept; default a temp dir)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--placement-kind", default="one owner", help=argparse.SUPPRESS)
+    ap.add_argument("--load-only", action="store_true", help="only load time and peak RSS (step 2), per placement kind")
     ap.add_argument("--direct", action="store_true", help="stacks from formats.encode, no conversion (see above)")
-    ap.add_argument("--experts", type=int, default=16, help="--direct: experts in the layer")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="experts per layer (--direct: default 16; conversion: default the shape's 256 / 16)")
     ap.add_argument("--no-worker", action="store_true", help="--direct: skip the worker cost")
     a = ap.parse_args(argv)
     if a.direct:
         dims = QUICK if a.quick else FULL
         batches = [int(b) for b in a.batches.split(",")]
         recipes = [r for r in a.recipes.split(",") if r in DIRECT_RECIPES] or list(DIRECT_RECIPES)
-        rep = [bench_direct(r, a.experts, dims["hidden"], dims["moe_inter"], dims["topk"], batches, a.repeat,
+        rep = [bench_direct(r, a.experts or 16, dims["hidden"], dims["moe_inter"], dims["topk"], batches, a.repeat,
                             not a.no_worker) for r in recipes]
         if a.json:
             print(json.dumps(rep, indent=1))
@@ -378,16 +432,43 @@ def main(argv=None) -> int:
         return 0
     owner = a.owner or _default_owner()
     if a.child_load:
-        _child_load(a.child_load, owner)
+        _child_load(a.child_load, owner, a.placement_kind)
         return 0
     batches = [int(b) for b in a.batches.split(",")]
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ds4q-rt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    arts = make_artifacts(work, QUICK if a.quick else FULL, a.recipes.split(","))
+    dims = dict(QUICK if a.quick else FULL)
+    if a.experts:
+        dims["experts"] = a.experts
+    t0 = time.perf_counter()
+    arts = make_artifacts(work, dims, a.recipes.split(","))
+    convert_s = time.perf_counter() - t0
+    if a.load_only:
+        rep = []
+        for name, art in arts.items():
+            files = sum(p.stat().st_size for p in art.glob("*.gguf"))
+            for which in _placements(2, 2, owner):
+                r = measure_load(art, owner, which)
+                r.update(artifact=name, gguf_bytes=files, convert_s=convert_s, dims=dims)
+                rep.append(r)
+        if a.json:
+            print(json.dumps(rep, indent=1))
+            return 0
+        print(f"load-only: {dims['experts']} experts/layer, hidden {dims['hidden']}, expert ffn {dims['moe_inter']}, "
+              f"{dims['layers']} layers (conversion {convert_s:.0f} s)")
+        for r in rep:
+            M = 2 ** 20
+            print(f"  {r['artifact']:14s} {r['placement']:24s} load {r['load_s']:6.2f} s  resident "
+                  f"{r['resident_bytes'] / M:8.1f} MiB  RSS start {r['rss_start_kb'] / 1024:7.1f}  after load "
+                  f"{r['rss_after_load_kb'] / 1024:7.1f}  after a call {r['rss_after_call_kb'] / 1024:7.1f}  peak "
+                  f"{r['peak_rss_kb'] / 1024:7.1f} MiB  (peak - start {(r['peak_rss_kb'] - r['rss_start_kb']) / 1024:7.1f}"
+                  f" MiB; GGUF {r['gguf_bytes'] / M:.1f} MiB)")
+        return 0
     report = []
     for name, art in arts.items():
         r = bench_artifact(art, owner, batches, a.repeat)
         r.update(measure_load(art, owner))
+        r["convert_s"] = convert_s
         r["ratios"] = _ratios(r, batches)
         report.append(r)
     if a.json:
@@ -397,10 +478,10 @@ def main(argv=None) -> int:
         print(f"== {r['artifact']} on {r['owner']}: resident {r['resident_bytes'] / 2**20:.1f} MiB "
               f"(predecoded anchor {r['upper_bytes'] / 2**20:.1f} MiB for the experts used)")
         for T in batches:
-            print(f"  batch {T:3d}: fast {r[f'fast_b{T}_s'] * 1e3:9.2f} ms  exact {r[f'exact_b{T}_s'] * 1e3:9.2f} ms"
+            print(f"  batch {T:3d} (CPU): fast {r[f'fast_b{T}_s'] * 1e3:9.2f} ms  exact {r[f'exact_b{T}_s'] * 1e3:9.2f} ms"
                   f"  upper {r[f'upper_s_b{T}'] * 1e3:9.2f} ms  lower {r[f'lower_s_b{T}'] * 1e3:9.2f} ms")
         if "worker_b1_s" in r:
-            print(f"  worker batch 1: {r['worker_b1_s'] * 1e3:.2f} ms")
+            print(f"  worker batch 1: {r['worker_b1_s'] * 1e3:.2f} ms (wall)")
         print(f"  load {r['load_s']:.2f} s, peak RSS {r['peak_rss_kb'] / 1024:.1f} MiB "
               f"(before load {r['rss_before_kb'] / 1024:.1f} MiB), resident {r['resident_bytes'] / 2**20:.1f} MiB")
         for k, v in r["ratios"].items():

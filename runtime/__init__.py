@@ -198,7 +198,10 @@ class Runtime:
 
     # -- the whole MoE block --------------------------------------------
     def route(self, layer: int, hidden, token_ids):
-        """(top_k_index int64 [T,k], top_k_weights f32 [T,k]) from the artifact's router."""
+        """(top_k_index int64 [T,k], top_k_weights f32 [T,k]) from the artifact's router.
+
+        fast: one batched ``route`` call (bitwise transformers' router on the
+        batch); exact: ``route_rows`` (each token alone: batch-invariant)."""
         import torch
 
         v, h = self.view, self.header
@@ -211,12 +214,7 @@ class Runtime:
 
         if self.mode != "exact":
             return route(hidden, token_ids, w, bias, tid, h.n_expert_used, h.routed_scale)
-        # torch's float32 matmul sums in a thread-count-dependent order; exact mode
-        # routes on one thread so the thread count never changes its bytes
-        from ds4quant.runtime.reference import torch_threads
-
-        with torch_threads(1):
-            return route(hidden, token_ids, w, bias, tid, h.n_expert_used, h.routed_scale)
+        return route_rows(hidden, token_ids, w, bias, tid, h.n_expert_used, h.routed_scale)
 
     def shared(self, layer: int, hidden):
         """The shared expert on the home process (exact mode: the exact definition)."""
@@ -239,6 +237,41 @@ class Runtime:
         hidden = hidden.to(torch.float32)
         idx, w = self.route(layer, hidden, token_ids)
         return self.run_layer(layer, hidden, idx, w, shared=self.shared(layer, hidden)).out
+
+
+def route_rows(hidden, token_ids, w, bias, tid, top_k: int, routed_scale: float):
+    """Exact mode's routing: each token routed alone, so its experts and weights
+    never depend on the other tokens of its batch.
+
+    torch's float32 matmul (and its vectorised elementwise loops, whose scalar
+    tails fall on different elements for different batch shapes) can give a row
+    other bits inside another batch. Here every row is ``route`` of a fresh,
+    allocator-aligned [1, H] copy on one torch thread: the same call, shape,
+    alignment and thread count whatever the batch, so the bytes are those of
+    transformers' router given that token alone (fast mode keeps the batched
+    call, bitwise equal to transformers' router on the whole batch).
+    """
+    import torch
+
+    from ds4quant.runtime.reference import torch_threads
+    from ds4quant.runtime.route import route
+
+    T = int(hidden.shape[0]) if hidden.ndim == 2 else 0
+    if hidden.ndim != 2 or T == 0:  # route's own checks and empty-batch result
+        with torch_threads(1):
+            return route(hidden, token_ids, w, bias, tid, top_k, routed_scale)
+    ids = token_ids.reshape(-1) if isinstance(token_ids, torch.Tensor) else None
+    if tid is not None and (ids is None or ids.numel() != T):
+        with torch_threads(1):  # route raises its one-line error for the bad token ids
+            return route(hidden, token_ids, w, bias, tid, top_k, routed_scale)
+    idx, wts = [], []
+    with torch_threads(1):
+        for t in range(T):
+            i, v = route(hidden[t:t + 1].clone(memory_format=torch.contiguous_format),
+                         None if ids is None else ids[t:t + 1].clone(), w, bias, tid, top_k, routed_scale)
+            idx.append(i)
+            wts.append(v)
+    return torch.cat(idx), torch.cat(wts)
 
 
 def _close_all(owners) -> None:

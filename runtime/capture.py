@@ -14,18 +14,44 @@ which ``plan_placement(token_topk=...)`` uses for an exact token-resident rate.
 ``hook_routers(model, rec)`` records a transformers DeepseekV4 model's router
 outputs (forward hooks on every ``mlp.gate``) until the returned handle's
 ``remove()``.
+
+Capture through the runtime: ``profile_through_runtime(model, rt, seqs)``
+runs each sequence (batch 1, one torch thread: calibrate's protocol) through
+the model with every MoE block calling ``rt.moe`` (the artifact's router,
+routed experts and shared expert), counts the routing ``rt.moe`` chose, and
+``write_profile(out_dir, profile)`` writes the files ``ds4quant calibrate``
+writes (routing.csv, the Lucebox hotness table, and routing.json)::
+
+    with runtime.load("art", mode="exact") as rt:
+        prof = profile_through_runtime(model, rt, seqs)          # follow="model"
+    write_profile("calib-rt", prof)
+
+``follow="model"`` keeps the model's own block output flowing to the next
+layer (every layer routes the reference's activations: the profile is the
+runtime's routing of calibrate's inputs, comparable count for count);
+``follow="runtime"`` lets ``rt.moe``'s output flow (the artifact's MoE layers
+drive the later layers' inputs, so a lossy artifact may route differently).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import contextlib
+import hashlib
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ds4quant.errors import BadInputError, ShapeError
-from ds4quant.routing import RoutingProfile
+from ds4quant.routing import RoutingProfile, write_routing_csv, write_routing_json
 
-__all__ = ["RoutingRecorder", "hook_routers"]
+__all__ = ["RoutingRecorder", "hook_routers", "through_runtime", "profile_through_runtime", "write_profile",
+           "ROUTING_CSV", "ROUTING_JSON"]
+
+#: calibrate's routing file names (ds4quant.calibrate.ROUTING_CSV / ROUTING_JSON; a test checks they agree)
+ROUTING_CSV = "routing.csv"
+ROUTING_JSON = "routing.json"
+FOLLOW = ("model", "runtime")
 
 
 def _as_numpy(idx: Any) -> np.ndarray:
@@ -115,3 +141,88 @@ def hook_routers(model, recorder: RoutingRecorder) -> _Handles:
 
         handles.append(layer.mlp.gate.register_forward_hook(hook))
     return _Handles(handles)
+
+
+# --------------------------------------------------------------------------
+# capture through the runtime
+
+
+@contextlib.contextmanager
+def through_runtime(model, rt, follow: str = "model") -> Iterator[None]:
+    """Inside the block, every MoE block of ``model`` (transformers
+    DeepseekV4) calls ``rt.moe(layer, hidden, input_ids)``; its output or the
+    block's own continues (``follow``, see the module docstring)."""
+    from ds4quant.runtime.reference import moe_blocks
+
+    if follow not in FOLLOW:
+        raise BadInputError(f"follow must be one of {list(FOLLOW)}, got {follow!r}")
+    blocks = moe_blocks(model)
+    if len(model.model.layers) != rt.header.n_layer or len(blocks) != rt.header.n_layer:
+        raise ShapeError(f"model has {len(model.model.layers)} layers ({len(blocks)} MoE blocks), the artifact "
+                         f"{rt.header.n_layer}")
+
+    def make(layer: int, block):
+        orig = block.forward
+
+        def forward(hidden_states, input_ids=None):
+            shape = hidden_states.shape
+            flat = hidden_states.reshape(-1, shape[-1])
+            tok = None if input_ids is None else input_ids.reshape(-1)
+            z = rt.moe(layer, flat, tok)
+            if follow == "model":
+                return orig(hidden_states, input_ids=input_ids)
+            return z.to(hidden_states.dtype).reshape(shape)
+
+        return forward
+
+    for i, block in blocks:
+        block.forward = make(i, block)  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        for _, block in blocks:
+            block.__dict__.pop("forward", None)
+
+
+def _tokens_sha256(seqs: Sequence[Sequence[int]]) -> str:
+    # calibrate's definition: one line per sequence, ids joined by single spaces
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update((" ".join(str(int(t)) for t in s) + "\n").encode("ascii"))
+    return h.hexdigest()
+
+
+def profile_through_runtime(model, rt, seqs: Sequence[Sequence[int]], follow: str = "model",
+                            source: Optional[Mapping[str, Any]] = None) -> RoutingProfile:
+    """Run each token sequence through ``model`` with its MoE blocks on ``rt``
+    (``through_runtime``), one sequence at a time on one torch thread as
+    calibrate does, and return the routing ``rt.moe`` chose as a profile."""
+    import torch
+
+    from ds4quant.runtime.reference import torch_threads
+
+    h = rt.header
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise BadInputError("profile_through_runtime needs non-empty token sequences")
+    rec = RoutingRecorder(int(h.n_layer), int(h.n_expert), int(h.n_expert_used))
+    old = rt.recorder
+    rt.recorder = rec
+    try:
+        with torch_threads(1), torch.no_grad(), through_runtime(model, rt, follow):
+            for ids in seqs:
+                model(input_ids=torch.tensor([[int(t) for t in ids]], dtype=torch.long), use_cache=False)
+    finally:
+        rt.recorder = old
+    info = {"artifact": Path(getattr(rt.view, "folder", "") or "").name, "mode": rt.mode, "follow": follow,
+            "tokens_sha256": _tokens_sha256(seqs), "sequences": len(seqs),
+            "reference": "ds4quant runtime rt.moe, transformers DeepseekV4ForCausalLM fp32 eager, batch 1"}
+    return rec.profile(source={**info, **dict(source or {})})
+
+
+def write_profile(out_dir: "str | Path", profile: RoutingProfile) -> dict[str, Path]:
+    """routing.csv and routing.json into ``out_dir`` (an existing folder), as calibrate writes them."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise BadInputError("is not a folder", where=str(out))
+    return {"routing_csv": write_routing_csv(out / ROUTING_CSV, profile),
+            "routing_json": write_routing_json(out / ROUTING_JSON, profile)}

@@ -59,12 +59,15 @@ below 2^(wlo + alo + 53): exact in float64, so the float64 sum is the exact
 sum and one conversion to float32 is the definition's rounding. Because the
 order is free, the float64 dot may be reassociated and fused (FMA of an
 exact product is the same sum): ``_dot_f64`` is vectorised with exactly
-those two fastmath flags, and from ``GEMM_MIN_TOKENS`` tokens per expert the
+those two fastmath flags (rows are decoded by ``fast.decode_row_fast``, the
+same bits as ``formats.decode``; the kernels compile with the SLP vectoriser,
+which packs operations and cannot change a value), and from ``GEMM_MIN_TOKENS`` tokens per expert the
 product is decoded tiles times BLAS dgemm. A sum that is exactly zero is
 mapped to +0.0 (``+ 0.0``) whatever sign the reduction left. whi/wlo depend
 only on the weights: ``row_spans`` computes them once per expert (the CPU
 owner caches them). Otherwise the slot is flagged and
-``exact_dot_fallback`` computes it with Python integers. ``exact_dot_ref``
+``exact_wide.fallback_rows_nb`` computes it in a wide fixed-point
+accumulator (``exact_dot_fallback`` is the same with Python integers). ``exact_dot_ref``
 is the slow, obviously correct reference.
 """
 
@@ -76,7 +79,8 @@ import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from ds4quant.errors import BadInputError
-from ds4quant.formats._components import decode_row_nb
+from ds4quant.runtime.exact_wide import fallback_rows_nb
+from ds4quant.runtime.fast import _parallel, _slp, decode_row_fast
 
 BLOCK = 32
 LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
@@ -306,7 +310,7 @@ def row_spans_nb(kind, p0, p1, data, cols, lut, mode, whi, wlo, bad):
         w = np.empty(cols, np.float32)
         wb = w.view(np.uint32)
         for j in range(c * chunk, min(rows, c * chunk + chunk)):
-            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
+            decode_row_fast(kind, p0, p1, data[j], cols, lut, mode, w, wb)
             hi, lo, finite = row_span_nb(w, wb)
             whi[j] = hi
             wlo[j] = lo
@@ -339,10 +343,16 @@ def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, whi, wlo, tok_hi, to
                     need = True
             if not need:
                 continue
-            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
+            decode_row_fast(kind, p0, p1, data[j], cols, lut, mode, w, wb)
             for t in range(T):
                 if flags[t, j] == 0:
                     out[t, j] = np.float32(_dot_f64(w, a, t, cols) + 0.0)  # + 0.0: -0.0 -> +0.0
+
+
+# Serial twins for one thread or small products (fast.PARALLEL_MIN_WORK): the same
+# per-output code, and any order of the exact sum is the same sum, so the same bytes.
+row_spans_serial = numba.njit(cache=True, nogil=True)(row_spans_nb.py_func)
+exact_matmul_serial = numba.njit(cache=True, nogil=True)(exact_matmul_nb.py_func)
 
 
 @numba.njit(**_NB)
@@ -412,7 +422,8 @@ def row_spans(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.
     wlo = np.empty(rows, np.int32)
     bad = np.zeros(rows, np.uint8)
     if rows:
-        row_spans_nb(kind, p0, p1, data, cols, lut, mode, whi, wlo, bad)
+        _slp(row_spans_nb if _parallel(rows * cols) else row_spans_serial, kind, p0, p1, data, cols, lut, mode,
+             whi, wlo, bad)
     for v in (whi, wlo, bad):
         v.setflags(write=False)
     return whi, wlo, bad
@@ -446,9 +457,10 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
         raise BadInputError(f"exact mode: weight row {int(np.argmax(bad))} has a NaN or Inf value", where=what)
     log2c = int(math.ceil(math.log2(cols)))
     if T < GEMM_MIN_TOKENS:
-        exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, whi, wlo, hi, lo, log2c, out, flags)
+        _slp(exact_matmul_nb if _parallel(rows * cols * T) else exact_matmul_serial, kind, p0, p1, data, cols,
+             lut, mode, a, whi, wlo, hi, lo, log2c, out, flags)
     else:
-        from ds4quant.runtime.fast import decode_tile_nb
+        from ds4quant.runtime.fast import decode_tile
 
         tile = max(8, min(rows, _TILE_BYTES // (4 * cols)))
         scratch = np.empty((tile, cols), np.float32)
@@ -456,19 +468,15 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
         for r0 in range(0, rows, tile):
             r1 = min(rows, r0 + tile)
             w = scratch[: r1 - r0]
-            decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, w)
+            decode_tile(kind, p0, p1, data, r0, r1, cols, lut, mode, w)
             acc = a @ w.astype(np.float64).T
             acc += 0.0  # an exact zero sum is +0.0
             over = (span_t + (whi[r0:r1] - wlo[r0:r1])[None, :]) > _SPAN_BITS
             out[:, r0:r1] = acc
             flags[:, r0:r1] = over
-    if flags.any():
-        w = np.empty(cols, np.float32)
+    if flags.any():  # rare: adversarial exponent spreads; the wide accumulator, exactly
         qi = np.rint(np.ldexp(a, -np.repeat(s, BLOCK, axis=1))).astype(np.int64)
-        for j in np.flatnonzero(flags.any(axis=0)):  # rare: adversarial exponent spreads
-            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, w.view(np.uint32))
-            for t in np.flatnonzero(flags[:, j]):
-                out[t, j] = exact_dot_fallback(w, qi[t], s[t])
+        _slp(fallback_rows_nb, kind, p0, p1, data, cols, lut, mode, qi, readonly(s, np.int64), flags, out)
     return out
 
 

@@ -1,18 +1,33 @@
 """Fast mode kernels; never a dequantized copy of a whole matrix.
 
-Few tokens per expert (below ``GEMM_MIN_TOKENS``): one fused numba kernel,
-rows in parallel, each row decoded into an L1-sized scratch row and dotted
-with every token while it is hot (a GEMV reads the packed bytes once: about
-a tenth of the predecoded float32 product's memory traffic). More tokens:
-a decoded tile of rows (about 1 MiB) times float32 BLAS.
+Two paths per projection of one expert:
 
-Each weight row is decoded once per call whatever the batch size (the owner
-groups slots by expert). The sums are float32 in a free order (the fused
-dot is vectorised with fastmath): fast mode's distance from exact mode is
-reported by the callers, not hidden.
+- the 2- and 3-bit codes with 16-weight scale groups (rocmfp2, rocmfp2_s40,
+  rocmfp3, both MIX widths: the DS4 expert formats), below
+  ``LANE_MIN_TOKENS`` tokens: a lane GEMV, rows in parallel, that reads each
+  packed row once per token and never writes a decoded weight. A 16-weight
+  group is four code chunks, each a table row of four levels (``row_lut``),
+  multiplied into eight float32 lanes that LLVM packs into one vector; the
+  group's lane sums are scaled once.
+- otherwise: a decoded tile of rows (about ``TILE_BYTES``) times float32
+  BLAS, the tile decoded by the same table reads for those families
+  (bitwise ``formats.decode``; exact mode's dgemm tiles use it too). Other
+  formats take it from one token: decoding a tile and BLAS's GEMV beat a
+  scalar row dot (rocmfp4_fast 2048 x 4096, one token: 5.9 vs 8.8 ms).
+
+No fastmath: every lane is plain float32 multiply and add in a fixed order
+and the lanes are summed in a fixed tree, so a GEMV row's result does not
+depend on the thread count or the batch (each output is computed by one
+thread alone); the BLAS path is as deterministic as BLAS for a given thread
+count. The lane kernels are
+compiled with LLVM's SLP vectoriser on (``_slp``), which numba leaves off by
+default; it packs independent scalar operations and cannot change a bit.
+Fast mode's distance from exact mode is reported by the callers.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numba
 import numpy as np
@@ -20,57 +35,49 @@ import numpy as np
 from ds4quant.formats import _scale_search as _ss
 from ds4quant.formats._components import K_MIX, K_SCALE, UE4M3, decode_row_nb
 
-TILE_BYTES = 1 << 20  # scratch tile: about 1 MiB of float32, cache sized
-GEMM_MIN_TOKENS = 8  # from here BLAS on decoded tiles beats the fused GEMV
+TILE_BYTES = 4 << 20  # decoded tile for the BLAS path: a few MiB of float32 (L3 resident)
+LANE_MIN_TOKENS = 4  # lane families: the GEMV costs one pass per token; BLAS tiles win from about 4 (DS4 shapes)
+
+# ---------------------------------------------------------------- compile with SLP
+
+_SLP_LOCK = threading.Lock()
+_SLP_DONE: set = set()
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _dot_f32(w, x, t, cols):
-    acc = np.float32(0.0)
-    for i in range(cols):
-        acc += w[i] * x[t, i]
-    return acc
+def _arg_key(a):
+    # what numba's typing of an argument depends on, without numba.typeof (whose
+    # Python-level cost, ~100 us per array, would dominate a batch-1 call)
+    if isinstance(a, np.ndarray):
+        f = a.flags
+        return (a.dtype.str, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
+    return type(a)
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
-def fused_matmul_nb(kind, p0, p1, data, cols, lut, mode, x, out):
-    """out[t, j] = dot(decode(row j), x[t]) for every row, decoded once into a scratch row."""
-    rows = data.shape[0]
-    T = x.shape[0]
-    chunk = 8
-    for c in numba.prange((rows + chunk - 1) // chunk):
-        w = np.empty(cols, np.float32)
-        wb = w.view(np.uint32)
-        for j in range(c * chunk, min(rows, c * chunk + chunk)):
-            decode_row_nb(kind, p0, p1, data[j], cols, lut, mode, w, wb)
-            for t in range(T):
-                out[t, j] = _dot_f32(w, x, t, cols)
+def _slp(fn, *args):
+    """Call ``fn(*args)``, compiling it for these argument types with LLVM's
+    SLP vectoriser on the first time (numba.core.config.SLP_VECTORIZE is read
+    at each compilation; cache=True keeps the vectorised code)."""
+    key = (fn, tuple(_arg_key(a) for a in args))
+    if key not in _SLP_DONE:
+        from numba.core import config
+
+        with _SLP_LOCK:
+            if key not in _SLP_DONE:
+                old = config.SLP_VECTORIZE
+                config.SLP_VECTORIZE = 1
+                try:
+                    fn.compile(tuple(numba.typeof(a) for a in args))
+                finally:
+                    config.SLP_VECTORIZE = old
+                _SLP_DONE.add(key)
+    return fn(*args)
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
-def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, out):
-    """Decode rows r0..r1-1 of data uint8 (rows, row_bytes) into out float32 (r1 - r0, cols)."""
-    for j in numba.prange(r1 - r0):
-        decode_row_nb(kind, p0, p1, data[r0 + j], cols, lut, mode, out[j], out[j].view(np.uint32))
+# ---------------------------------------------------------------- lane families
 
 
-# Pair tables (2-bit and 3-bit codes with 16-weight scale groups: rocmfp2,
-# rocmfp2_s40, rocmfp3 and the MIX pair): for few tokens the GEMV never
-# decodes a weight. P[bk, t, p, c] = lev[bk, c & m] * x[t, 2p] + lev[bk, c >> b]
-# * x[t, 2p + 1] for every pair code c of weights 2p, 2p + 1, so a 16-weight
-# group costs 8 table reads and one scale multiply. Tables are
-# (cols / 2) * 4^b floats per book and token: 32 KiB / 256 KiB at 4096 / 2048
-# input features, L2 sized.
-
-
-#: Code widths that take the pair-table GEMV. 3-bit tables (64 entries per
-#: pair) measured no faster than the fused decode+dot at DS4 shapes (4.5 vs
-#: 4.3 ms per 4096 x 2048 matrix, one thread), so only 2-bit codes use it.
-PAIR_WIDTHS = (2,)
-
-
-def _pair_kind(kind: int, p0: int, p1: int) -> int:
-    """Code width for the pair-table GEMV (2 or 3), or 0 when the layout has none."""
+def lane_bits(kind: int, p0: int, p1: int) -> int:
+    """Code width (2 or 3) of a lane-family layout, else 0."""
     if kind == K_SCALE and p1 == 16 and int(_ss.BITS[p0]) in (2, 3):
         return int(_ss.BITS[p0])
     if kind == K_MIX and p0 in (2, 3):
@@ -78,106 +85,183 @@ def _pair_kind(kind: int, p0: int, p1: int) -> int:
     return 0
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
-def pair_tables_nb(lut, bits, x, P):
-    nbk, T, npair, ncode = P.shape
-    m = (1 << bits) - 1
-    for p in numba.prange(npair):
-        for bk in range(nbk):
-            for t in range(T):
-                x0 = x[t, 2 * p]
-                x1 = x[t, 2 * p + 1]
-                for c in range(ncode):
-                    P[bk, t, p, c] = lut[bk, c & m, 0] * x0 + lut[bk, c >> bits, 0] * x1
+@numba.njit(cache=True, nogil=True, inline="always")
+def _chunk(row, o, c, cb):
+    """Chunk c (four codes: 8 or 12 bits) of the code stream at row[o:]."""
+    if cb == 8:
+        return np.int64(row[o + c])
+    pos = 12 * c
+    w = np.int64(row[o + (pos >> 3)]) | (np.int64(row[o + (pos >> 3) + 1]) << 8)
+    return (w >> (pos & 7)) & 0xFFF
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _pair_row(P, bk, t, row, o, bits, pb):
-    # The 16 weights (8 pairs) of one scale group starting at pair pb, summed
-    # as a tree: the eight reads are independent, not one chain of adds.
-    if bits == 2:
-        v0 = np.int64(row[o])
-        v1 = np.int64(row[o + 1])
-        v2 = np.int64(row[o + 2])
-        v3 = np.int64(row[o + 3])
-        s0 = P[bk, t, pb, v0 & 15] + P[bk, t, pb + 1, v0 >> 4]
-        s1 = P[bk, t, pb + 2, v1 & 15] + P[bk, t, pb + 3, v1 >> 4]
-        s2 = P[bk, t, pb + 4, v2 & 15] + P[bk, t, pb + 5, v2 >> 4]
-        s3 = P[bk, t, pb + 6, v3 & 15] + P[bk, t, pb + 7, v3 >> 4]
-        return (s0 + s1) + (s2 + s3)
-    # 3-bit: 48 bits = 6 bytes, four 12-bit chunks of two 6-bit pair codes
-    lo = (np.int64(row[o]) | (np.int64(row[o + 1]) << 8) | (np.int64(row[o + 2]) << 16))
-    hi = (np.int64(row[o + 3]) | (np.int64(row[o + 4]) << 8) | (np.int64(row[o + 5]) << 16))
-    s0 = P[bk, t, pb, lo & 63] + P[bk, t, pb + 1, (lo >> 6) & 63]
-    s1 = P[bk, t, pb + 2, (lo >> 12) & 63] + P[bk, t, pb + 3, (lo >> 18) & 63]
-    s2 = P[bk, t, pb + 4, hi & 63] + P[bk, t, pb + 5, (hi >> 6) & 63]
-    s3 = P[bk, t, pb + 6, (hi >> 12) & 63] + P[bk, t, pb + 7, (hi >> 18) & 63]
-    return (s0 + s1) + (s2 + s3)
+def _meta(kind, mode, sc, meta):
+    """(scale, book) of a half block's scale byte (MIX mode 1: book bit 7)."""
+    if kind == K_SCALE:
+        return sc[meta], 0
+    if mode == 1:
+        return UE4M3[meta & 0x7F], meta >> 7
+    return UE4M3[meta], 0
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _lane_dot(kind, bits, row, nb, lut, mode, sc, x, t):
+    """dot(decode(row), x[t]) in eight float32 lanes, summed as a fixed tree."""
+    qsb = 4 * bits
+    cb = 8 if bits == 2 else 12
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    for b in range(nb):
+        o = b * (qsb + 2)
+        for h in range(2):
+            s, bk = _meta(kind, mode, sc, np.int64(row[o + qsb + h]))
+            oo = o + 2 * bits * h
+            xb = 32 * b + 16 * h
+            va = _chunk(row, oo, 0, cb)
+            vb = _chunk(row, oo, 1, cb)
+            vc = _chunk(row, oo, 2, cb)
+            vd = _chunk(row, oo, 3, cb)
+            # lane m: weights m and m + 8 of the group (chunks a|b then c|d)
+            g0 = lut[bk, va, 0] * x[t, xb] + lut[bk, vc, 0] * x[t, xb + 8]
+            g1 = lut[bk, va, 1] * x[t, xb + 1] + lut[bk, vc, 1] * x[t, xb + 9]
+            g2 = lut[bk, va, 2] * x[t, xb + 2] + lut[bk, vc, 2] * x[t, xb + 10]
+            g3 = lut[bk, va, 3] * x[t, xb + 3] + lut[bk, vc, 3] * x[t, xb + 11]
+            g4 = lut[bk, vb, 0] * x[t, xb + 4] + lut[bk, vd, 0] * x[t, xb + 12]
+            g5 = lut[bk, vb, 1] * x[t, xb + 5] + lut[bk, vd, 1] * x[t, xb + 13]
+            g6 = lut[bk, vb, 2] * x[t, xb + 6] + lut[bk, vd, 2] * x[t, xb + 14]
+            g7 = lut[bk, vb, 3] * x[t, xb + 7] + lut[bk, vd, 3] * x[t, xb + 15]
+            a0 += g0 * s
+            a1 += g1 * s
+            a2 += g2 * s
+            a3 += g3 * s
+            a4 += g4 * s
+            a5 += g5 * s
+            a6 += g6 * s
+            a7 += g7 * s
+    return ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _lane_decode(kind, bits, row, nb, lut, mode, sc, w):
+    """decode(row) into w float32 (cols,): lut level * scale, bitwise ``formats.decode``."""
+    qsb = 4 * bits
+    cb = 8 if bits == 2 else 12
+    for b in range(nb):
+        o = b * (qsb + 2)
+        for h in range(2):
+            s, bk = _meta(kind, mode, sc, np.int64(row[o + qsb + h]))
+            oo = o + 2 * bits * h
+            for p in range(2):
+                va = _chunk(row, oo, 2 * p, cb)
+                vb = _chunk(row, oo, 2 * p + 1, cb)
+                # all eight loads before the stores: the vectoriser may not move a load past a store
+                l0, l1, l2, l3 = lut[bk, va, 0], lut[bk, va, 1], lut[bk, va, 2], lut[bk, va, 3]
+                l4, l5, l6, l7 = lut[bk, vb, 0], lut[bk, vb, 1], lut[bk, vb, 2], lut[bk, vb, 3]
+                q = 32 * b + 16 * h + 8 * p
+                w[q] = l0 * s
+                w[q + 1] = l1 * s
+                w[q + 2] = l2 * s
+                w[q + 3] = l3 * s
+                w[q + 4] = l4 * s
+                w[q + 5] = l5 * s
+                w[q + 6] = l6 * s
+                w[q + 7] = l7 * s
+
+
+_ROW_CHUNK = 16  # rows per parallel work item: fixed, so the split never depends on the thread count
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def pair_matmul_nb(kind, p0, bits, data, cols, mode, P, out):
-    """out[t, j] = sum over scale groups of scale * (sum of the group's pair-table reads)."""
+def lane_matmul_nb(kind, p0, bits, data, cols, lut, mode, x, out):
+    """out[t, j] = dot(decode(row j), x[t]) for a lane-family layout (``lane_bits``)."""
     rows = data.shape[0]
-    T = P.shape[1]
+    T = x.shape[0]
     nb = cols // 32
-    qsb = 4 * bits
-    bb = qsb + 2
-    sc = _ss.SCALES[p0]
-    for j in numba.prange(rows):
-        row = data[j]
-        for t in range(T):
-            tot0 = np.float32(0.0)  # one accumulator per half block: two short chains
-            tot1 = np.float32(0.0)
-            for b in range(nb):
-                o = b * bb
-                for h in range(2):
-                    meta = np.int64(row[o + qsb + h])
-                    if kind == K_SCALE:
-                        s = sc[meta]
-                        bk = 0
-                    elif mode == 1:
-                        s = UE4M3[meta & 0x7F]
-                        bk = meta >> 7
-                    else:
-                        s = UE4M3[meta]
-                        bk = 0
-                    if bits == 2:
-                        g = _pair_row(P, bk, t, row, o + 4 * h, 2, 16 * b + 8 * h)
-                    else:
-                        g = _pair_row(P, bk, t, row, o + 6 * h, 3, 16 * b + 8 * h)
-                    if h == 0:
-                        tot0 += g * s
-                    else:
-                        tot1 += g * s
-            out[t, j] = tot0 + tot1
+    sc = _ss.SCALES[p0] if kind == K_SCALE else _ss.SCALES[0]
+    for c in numba.prange((rows + _ROW_CHUNK - 1) // _ROW_CHUNK):
+        for j in range(c * _ROW_CHUNK, min(rows, c * _ROW_CHUNK + _ROW_CHUNK)):
+            row = data[j]
+            for t in range(T):  # literal widths: each inlined copy has constant chunk sizes
+                if bits == 2:
+                    out[t, j] = _lane_dot(kind, 2, row, nb, lut, mode, sc, x, t)
+                else:
+                    out[t, j] = _lane_dot(kind, 3, row, nb, lut, mode, sc, x, t)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def decode_row_fast(kind, p0, p1, row, cols, lut, mode, out, out_bits):
+    """``decode_row_nb`` with the lane families' vectorisable decoder (same bits)."""
+    nb = cols // 32
+    if kind == K_SCALE and p1 == 16 and _ss.BITS[p0] == 2:
+        _lane_decode(kind, 2, row, nb, lut, mode, _ss.SCALES[p0], out)
+    elif kind == K_SCALE and p1 == 16 and _ss.BITS[p0] == 3:
+        _lane_decode(kind, 3, row, nb, lut, mode, _ss.SCALES[p0], out)
+    elif kind == K_MIX and p0 == 2:
+        _lane_decode(kind, 2, row, nb, lut, mode, _ss.SCALES[0], out)
+    elif kind == K_MIX and p0 == 3:
+        _lane_decode(kind, 3, row, nb, lut, mode, _ss.SCALES[0], out)
+    else:
+        decode_row_nb(kind, p0, p1, row, cols, lut, mode, out, out_bits)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, out):
+    """Decode rows r0..r1-1 of data uint8 (rows, row_bytes) into out float32 (r1 - r0, cols)."""
+    for j in numba.prange(r1 - r0):
+        decode_row_fast(kind, p0, p1, data[r0 + j], cols, lut, mode, out[j], out[j].view(np.uint32))
+
+
+# The same kernels without the parallel region: numba's launch costs 0.1-2 ms on a
+# busy host (threads wait to be scheduled), more than the whole product of a small
+# matrix; small products take these (same bits: each output is computed alone
+# either way). Large ones keep the parallel kernels even on one thread: LLVM
+# optimises the outlined parallel body better (3-bit lane GEMV 2.2 vs 3.7 ms at
+# 2048 x 4096, one thread).
+lane_matmul_serial = numba.njit(cache=True, nogil=True)(lane_matmul_nb.py_func)
+decode_tile_serial = numba.njit(cache=True, nogil=True)(decode_tile_nb.py_func)
+PARALLEL_MIN_WORK = 1 << 21  # weights x tokens from which the parallel kernels pay off
+
+
+def _parallel(work: int) -> bool:
+    return work >= PARALLEL_MIN_WORK
+
+
+def decode_tile(kind: int, p0: int, p1: int, data: np.ndarray, r0: int, r1: int, cols: int, lut: np.ndarray,
+                mode: int, out: np.ndarray) -> None:
+    """``decode_tile_nb`` compiled with the SLP vectoriser (bitwise ``formats.decode``)."""
+    fn = decode_tile_nb if _parallel((r1 - r0) * cols) else decode_tile_serial
+    _slp(fn, kind, p0, p1, data, r0, r1, cols, lut, mode, out)
+
+
+def _ro(a: np.ndarray, dtype) -> np.ndarray:
+    """``exact.readonly`` unless ``a`` already is one (the owner caches its operands read-only)."""
+    if a.dtype == dtype and not a.flags.writeable and a.flags.c_contiguous:
+        return a
+    from ds4quant.runtime.exact import readonly
+
+    return readonly(a, dtype)
 
 
 def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.ndarray, mode: int,
                 x: np.ndarray) -> np.ndarray:
-    """x float32 (T, cols) @ decode(data).T -> float32 (T, rows), tile by tile."""
-    from ds4quant.runtime.exact import readonly
-
-    data, lut = readonly(data), readonly(lut, np.float32)
+    """x float32 (T, cols) @ decode(data).T -> float32 (T, rows)."""
+    data, lut = _ro(data, np.uint8), _ro(lut, np.float32)
     rows = data.shape[0]
     T = x.shape[0]
     out = np.empty((T, rows), np.float32)
-    if T < GEMM_MIN_TOKENS:
-        bits = _pair_kind(kind, p0, p1)
-        if bits in PAIR_WIDTHS and T and rows:
-            nbk = 2 if kind == K_MIX else 1
-            P = np.empty((nbk, T, cols // 2, 1 << (2 * bits)), np.float32)
-            pair_tables_nb(lut, bits, readonly(x, np.float32), P)
-            pair_matmul_nb(kind, p0, bits, data, cols, mode, P, out)
-        elif T and rows:
-            fused_matmul_nb(kind, p0, p1, data, cols, lut, mode, readonly(x, np.float32), out)
+    if not (T and rows):
+        return out
+    bits = lane_bits(kind, p0, p1)
+    if bits and T < LANE_MIN_TOKENS:
+        fn = lane_matmul_nb if _parallel(rows * cols * T) else lane_matmul_serial
+        _slp(fn, kind, p0, bits, data, cols, lut, mode, _ro(x, np.float32), out)
         return out
     tile = max(8, min(rows, TILE_BYTES // (4 * cols)))
     scratch = np.empty((tile, cols), np.float32)
     for r0 in range(0, rows, tile):
         r1 = min(rows, r0 + tile)
         w = scratch[: r1 - r0]
-        decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, w)
+        decode_tile(kind, p0, p1, data, r0, r1, cols, lut, mode, w)
         np.matmul(x, w.T, out=out[:, r0:r1])
     return out
 

@@ -6,7 +6,8 @@ stack's experts), its ``DecodeTableRegistry``, and runs the routed-expert
 FFN on the slots routed to it::
 
     exact: runtime/exact.py's definition (Q, exact D, fixed SWIGLU, one rounding)
-    fast:  float32: a decoded tile of rows times BLAS, numpy exp SwiGLU
+    fast:  float32: few tokens per expert, a lane GEMV over the packed rows;
+           more, a decoded tile of rows times BLAS (runtime/fast.py); numpy exp SwiGLU
 
 Slots are grouped by expert, so each weight row is decoded once per call.
 A MIX stack is unusable until its books are registered: ``run_slots`` on an
@@ -52,6 +53,9 @@ class CpuOwner:
         # (tensor, local) -> exact.row_spans: depends only on the weights (and a
         # MIX expert's books), so computed on an expert's first exact call, not per call
         self._spans: dict[tuple[str, int], tuple] = {}
+        # (layer, proj, expert) -> _operand's tuple (read-only data view, level table):
+        # built once, not per call (a batch-1 call is a few ms; Python per call adds up)
+        self._ops: dict[tuple[int, str, int], tuple] = {}
 
     # ---------------------------------------------------------------- residency
 
@@ -88,6 +92,8 @@ class CpuOwner:
     def _drop_spans(self, tensor: str) -> None:
         for k in [k for k in self._spans if k[0] == tensor]:
             del self._spans[k]
+        for k in [k for k, (op, _) in self._ops.items() if op[7].tensor == tensor]:
+            del self._ops[k]
 
     def remove_stack(self, tensor: str) -> None:
         """Unregister the tensor's decode table (if any), then free it."""
@@ -126,11 +132,29 @@ class CpuOwner:
         self._stacks.clear()
         self._where.clear()
         self._spans.clear()
+        self._ops.clear()
 
     # ---------------------------------------------------------------- compute
 
     def _operand(self, layer: int, proj: str, expert: int):
-        """(kind, p0, p1, data (rows, row_bytes), cols, lut, mode, stack): decode_row_nb's arguments."""
+        """(kind, p0, p1, data (rows, row_bytes), cols, lut, mode, stack, (tensor, local)):
+        decode_row_nb's arguments, cached until the tensor's books or residency change."""
+        key = (layer, proj, expert)
+        hit = self._ops.get(key)
+        if hit is not None and hit[1] is not None:
+            # a MIX operand is valid only while the very books it was built from are
+            # registered (lookup raises once unregistered; a re-registration is new books)
+            if self.registry.lookup(self.identity, hit[0][7].tensor)[0] is not hit[1]:
+                self._drop_spans(hit[0][7].tensor)  # its exact-mode spans came from the old books too
+                hit = None
+        if hit is None:
+            op = self._make_operand(layer, proj, expert)
+            books = (self.registry.lookup(self.identity, op[7].tensor)[0]
+                     if QTYPES[op[7].qtype].is_mix else None)
+            hit = self._ops[key] = (op, books)
+        return hit[0]
+
+    def _make_operand(self, layer: int, proj: str, expert: int):
         hit = self._where.get((layer, proj, expert))
         if hit is None:
             raise BadInputError(f"expert {expert} of layer {layer} has no resident {proj} weights",
@@ -143,7 +167,7 @@ class CpuOwner:
             lut = row_lut(stack.qtype, all_books[hit[1]], mode)
         else:
             lut, mode = row_lut(stack.qtype), 1
-        return kind, p0, p1, X.readonly(stack.data[hit[1]]), stack.cols, lut, mode, stack, hit
+        return kind, p0, p1, X.readonly(stack.data[hit[1]]), stack.cols, X.readonly(lut, np.float32), mode, stack, hit
 
     def _row_spans(self, op):
         spans = self._spans.get(op[8])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -82,3 +83,50 @@ def test_router_hooks_reproduce_the_shipped_routing_csv():
     got = rec.profile()
     assert got.tokens == sum(len(s) for s in seqs)
     assert np.array_equal(got.counts, want.counts), (got.counts - want.counts.astype(np.int64))
+
+
+def test_capture_through_rt_moe_writes_calibrates_profile_files(tmp_path):
+    """Tokens run through rt.moe (the artifact's routers, on the reference model's block
+    inputs) give the routing files `ds4quant calibrate` writes for the same tokens, in
+    exact and fast mode: routing.csv byte for byte, routing.json's counts and tokens."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from ds4quant import calibrate as C
+    from ds4quant import runtime
+    from ds4quant.convert import convert
+    from ds4quant.runtime import capture
+    from ds4quant.runtime.reference import load_reference
+
+    assert (capture.ROUTING_CSV, capture.ROUTING_JSON) == (C.ROUTING_CSV, C.ROUTING_JSON)
+    sample = ROOT / "samples/ds4-tiny"
+    cfg = json.loads((sample / "config.json").read_text())
+    seqs = C.read_tokens(ROOT / "samples/tokens.txt", cfg["vocab_size"], cfg["max_position_embeddings"])[:3]
+    C.calibrate(sample, [list(s) for s in seqs], tmp_path / "cal")
+    art = tmp_path / "art"
+    convert(sample, art, "mxfp4", threads=1)
+    model = load_reference(str(sample))
+    want = read_routing(tmp_path / "cal" / C.ROUTING_JSON)
+    for mode in ("exact", "fast"):
+        out = tmp_path / mode
+        out.mkdir()
+        with runtime.load(art, mode=mode) as rt:
+            prof = capture.profile_through_runtime(model, rt, seqs)
+            assert rt.recorder is None  # the temporary recorder is gone
+        files = capture.write_profile(out, prof)
+        assert set(files) == {"routing_csv", "routing_json"}
+        assert (out / C.ROUTING_CSV).read_bytes() == (tmp_path / "cal" / C.ROUTING_CSV).read_bytes(), mode
+        got = read_routing(out / C.ROUTING_JSON)
+        assert np.array_equal(got.counts, want.counts) and got.tokens == want.tokens == sum(len(s) for s in seqs)
+        assert got.source["tokens_sha256"] == want.source["tokens_sha256"] and got.source["mode"] == mode
+    # follow="runtime": the artifact's MoE outputs drive later layers; hash layers route by
+    # token id alone, so they still agree; every layer still counts k slots per token
+    with runtime.load(art, mode="fast") as rt:
+        prof = capture.profile_through_runtime(model, rt, seqs[:1], follow="runtime")
+    k = cfg["num_experts_per_tok"]
+    assert prof.counts.sum(axis=1).tolist() == [len(seqs[0]) * k] * cfg["num_hidden_layers"]
+    assert [len(s) for s in seqs[:1]] == [prof.tokens]
+    assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)  # blocks restored
+    with pytest.raises(BadInputError, match="follow"):
+        with runtime.load(art, mode="fast") as rt:
+            capture.profile_through_runtime(model, rt, seqs[:1], follow="nobody")

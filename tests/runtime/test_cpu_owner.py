@@ -193,3 +193,32 @@ def test_bad_mode_and_shapes_are_refused():
     x[0, 5] = np.inf
     with pytest.raises(BadInputError, match="NaN or Inf"):
         o.run_slots(LAYER, x, np.array([1]), "exact")
+
+
+def test_cached_operands_follow_the_registry():
+    """The owner caches each expert's operands; unregistering through the registry
+    itself makes the next call raise, and new books give the new books' result."""
+    o, stacks, entries = _owner("rocmfp2_mix")
+    x = S.tokens(2)
+    ids = np.array([1, 4])
+    first = {m: o.run_slots(LAYER, x, ids, m) for m in ("fast", "exact")}
+    gate = stacks["gate"].tensor
+    o.registry.unregister(gate)
+    for m in ("fast", "exact"):
+        with pytest.raises(UnregisteredTableError):
+            o.run_slots(LAYER, x, ids, m)
+    ent = entries[gate]
+    other = type(ent)(ent.name, ent.qtype, ent.modes, ent.books[:, ::-1, :].copy(), expert_ids=ent.expert_ids,
+                      n_global=ent.n_global)  # the two books swapped
+    o.registry.register(gate, stacks["gate"], stacks["gate"].expert_ids, other)
+    fresh = CpuOwner("cpu:9", swiglu_limit=LIMIT)
+    for s in stacks.values():
+        fresh.add_stack(s)
+        fresh.register_books(s.tensor, s.expert_ids, other if s.tensor == gate else entries[s.tensor])
+    for m in ("fast", "exact"):
+        got = o.run_slots(LAYER, x, ids, m)
+        assert np.array_equal(got.view(np.uint32), fresh.run_slots(LAYER, x, ids, m).view(np.uint32))
+        assert not np.array_equal(got, first[m])
+    # the exact-mode row spans (they depend on the books) were rebuilt, not kept
+    for k, v in fresh._spans.items():
+        assert all(np.array_equal(a, b) for a, b in zip(o._spans[k], v)), k

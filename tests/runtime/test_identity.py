@@ -133,6 +133,42 @@ def test_a_token_does_not_depend_on_its_batch(strix, hidden):
             assert _sha(res[pos:pos + 1]) == _sha(one)
 
 
+@pytest.mark.parametrize("owners", [["torch-cpu:0", "torch-cpu:1"]] + ([["cpu:0", "torch-cpu:1"]] if HAVE_CPU else []))
+def test_moe_with_its_routing_does_not_depend_on_the_batch(strix, hidden, owners):
+    """rt.moe, routing included: a token alone, inside 7 and inside 64 tokens,
+    on both a hash layer (tid2eid) and a top-k layer, gives the same bytes.
+    (On this CPU torch's batched router matmul gives every row of a batch of 64
+    other bits than the row alone, so a batched exact router fails this.)"""
+    x, tok = hidden
+    g = torch.Generator().manual_seed(6)
+    big = torch.randn((64, 256), generator=g) * 2
+    big_tok = torch.randint(0, 512, (64,), generator=g)
+    big[37], big_tok[37] = x[4], tok[4]  # the token with the 300x outlier
+    with runtime.load(strix, placement=_split(owners)) as rt:
+        for L in (HASH_LAYER, TOPK_LAYER):
+            one = rt.moe(L, x[4:5], tok[4:5])
+            i1, w1 = rt.route(L, x[4:5], tok[4:5])
+            for batch, btok, pos in ((big[32:39], big_tok[32:39], 5), (big, big_tok, 37)):
+                assert _sha(rt.moe(L, batch, btok)[pos:pos + 1]) == _sha(one), f"layer {L}, batch {len(batch)}"
+                bi, bw = rt.route(L, batch, btok)
+                assert torch.equal(bi[pos:pos + 1], i1) and torch.equal(bw[pos:pos + 1].view(torch.int32),
+                                                                        w1.view(torch.int32))
+
+
+def test_exact_routing_is_transformers_routing_of_each_token_alone(strix, hidden):
+    x, tok = hidden
+    with runtime.load(strix, placement={L: {"torch-cpu:0": tuple(range(E))} for L in range(4)}) as rt, \
+            runtime.load(strix, mode="fast", placement={L: {"torch-cpu:0": tuple(range(E))} for L in range(4)}) as rf:
+        for L in (HASH_LAYER, TOPK_LAYER):
+            idx, w = rt.route(L, x, tok)
+            for t in range(x.shape[0]):  # fast mode's batched route (= transformers) on the token alone
+                i1, w1 = rf.route(L, x[t:t + 1].clone(), tok[t:t + 1].clone())
+                assert torch.equal(idx[t:t + 1], i1) and torch.equal(w[t:t + 1].view(torch.int32), w1.view(torch.int32))
+        with pytest.raises(Ds4quantError):
+            rt.route(HASH_LAYER, x, tok[:3])  # route's own refusal, not a per-row crash
+        assert rt.route(TOPK_LAYER, x[:0], tok[:0])[0].shape == (0, 4)
+
+
 def test_fast_mode_is_close_to_exact_and_reported_not_equal(strix, hidden, reference):
     x, tok = hidden
     with runtime.load(strix, mode="fast", placement=_split(["torch-cpu:0", "torch-cpu:1"])) as rt:
