@@ -34,6 +34,7 @@ import numpy as np
 
 from ds4quant.formats import _scale_search as _ss
 from ds4quant.formats._components import K_MIX, K_SCALE, UE4M3, decode_row_nb
+from ds4quant.formats._components import _chunk_nb as _chunk  # chunk c of a block's code stream
 
 TILE_BYTES = 4 << 20  # decoded tile for the BLAS path: a few MiB of float32 (L3 resident)
 LANE_MIN_TOKENS = 4  # lane families: the GEMV costs one pass per token; BLAS tiles win from about 4 (DS4 shapes)
@@ -83,16 +84,6 @@ def lane_bits(kind: int, p0: int, p1: int) -> int:
     if kind == K_MIX and p0 in (2, 3):
         return p0
     return 0
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _chunk(row, o, c, cb):
-    """Chunk c (four codes: 8 or 12 bits) of the code stream at row[o:]."""
-    if cb == 8:
-        return np.int64(row[o + c])
-    pos = 12 * c
-    w = np.int64(row[o + (pos >> 3)]) | (np.int64(row[o + (pos >> 3) + 1]) << 8)
-    return (w >> (pos & 7)) & 0xFFF
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
