@@ -113,6 +113,22 @@ def test_two_ranks_give_the_single_process_hashes(mx, tokens, tmp_path, own_tmp)
     assert _leftovers(own_tmp) == before
 
 
+def test_fast_mode_through_two_ranks_answers_like_one_process(mx, tokens, tmp_path, own_tmp):
+    """Fast mode is not bitwise (owner-local BLAS), so only the answer is compared:
+    the lossless artifact's greedy response through the ranks is the one-process one."""
+    from ds4quant.verify import verify
+
+    plc = _rank_placement(mx, 2, tmp_path / "cluster.json")
+    before = _leftovers(own_tmp)
+    rep = verify(mx, source=COPY, fidelity=True, mode="fast", tokens=tokens, placements=(None, str(plc)))
+    f = rep.fidelity
+    assert f["kl_mean"] < 1e-6 and f["top1"] == 1.0
+    assert f["second_placement"]["response_sha256"] == f["response_sha256"]
+    (c,) = f["cluster"]
+    assert c["n_ranks"] == 2 and c["calls"] > 40
+    assert _leftovers(own_tmp) == before
+
+
 def test_a_bad_cluster_placement_is_refused_with_exit_2(mx, tmp_path, own_tmp):
     from click.testing import CliRunner
 
