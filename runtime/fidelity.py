@@ -37,7 +37,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from ds4quant.errors import BadInputError
 
@@ -206,6 +206,17 @@ def protocol_identifiers(seed: int = PROTOCOL_SEED, n: int = N_IDENTIFIERS) -> t
         if x not in out:
             out.append(x)
     return tuple(out)
+
+
+def novel_trials(task: CopyTask, rng: random.Random) -> Iterator[Trial]:
+    """Endless seeded trials of ``task`` on identifiers that are not the protocol's
+    (calibration and evaluation text must never contain them). The caller may draw
+    from ``rng`` between trials: the stream is the one a plain loop would give."""
+    banned = set(protocol_identifiers())
+    while True:
+        ident = make_identifier(rng)
+        if ident not in banned:
+            yield make_trial(task, rng, ident, rng.choice(TEMPLATES))
 
 
 def protocol_trials(task: CopyTask = ECHO, seed: int = PROTOCOL_SEED, n: int = N_IDENTIFIERS,

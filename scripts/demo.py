@@ -52,16 +52,8 @@ def calibration_tokens(n: int = CALIB_SEQS) -> list[list[int]]:
 
     tok = fd.as_tokenizer(source_tokenizer(SAMPLE))
     task = copy_task(SAMPLE)
-    rng = random.Random(CALIB_SEED)
-    banned = set(fd.protocol_identifiers())
-    out = []
-    while len(out) < n:
-        ident = fd.make_identifier(rng)
-        if ident in banned:
-            continue
-        tr = fd.make_trial(task, rng, ident, rng.choice(fd.TEMPLATES))
-        out.append([tok.bos_token_id] + tok.encode(tr.prompt + tr.expected + "\n"))
-    return out
+    trials = fd.novel_trials(task, random.Random(CALIB_SEED))
+    return [[tok.bos_token_id] + tok.encode(tr.prompt + tr.expected + "\n") for _, tr in zip(range(n), trials)]
 
 
 def _calibration_current(calib: Path) -> bool:

@@ -104,13 +104,8 @@ def builtin_docs(task) -> list[str]:
     from ds4quant.runtime import fidelity as fd
 
     rng = random.Random(EVAL_SEED)
-    banned = set(fd.protocol_identifiers())
     docs = []
-    while len(docs) < EVAL_DOCS:
-        ident = fd.make_identifier(rng)
-        if ident in banned:
-            continue
-        tr = fd.make_trial(task, rng, ident, rng.choice(fd.TEMPLATES))
+    for _, tr in zip(range(EVAL_DOCS), fd.novel_trials(task, rng)):
         docs.append(tr.prompt + tr.expected + "\n" + "\n".join(fd.filler_lines(rng, 2)))
     return docs
 
