@@ -50,7 +50,7 @@ import random
 import time
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Any
 
 from ds4quant.errors import BadInputError
 from ds4quant.verify._run import Context

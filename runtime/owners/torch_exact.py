@@ -73,8 +73,6 @@ def quantize_blocks(x):
 
 
 def _propagate(acc):
-    import torch
-
     for i in range(acc.shape[1] - 1):
         carry = acc[:, i] >> LIMB  # arithmetic shift: floor division by 2^16
         acc[:, i] -= carry << LIMB

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ds4quant.errors import BadInputError, CodebookError, ShapeError
+from ds4quant.errors import BadInputError, ShapeError
 from ds4quant.runtime.owners.base import MODES, ExpertStack
 
 DEFAULT_SWIGLU_LIMIT = 10.0
