@@ -5,7 +5,8 @@
 1. calibrate the FP4 source on copy-task prompts (training distribution, a
    calibration seed; never the protocol's identifiers) -> imatrix + routing;
 2. convert it: rocmfp2-strix (rocmfp2 gate/up + rocmfp3 down), rocmfp2 on every
-   routed expert (rocmfp2-strix with the down experts overridden), mxfp4
+   routed expert (rocmfp2-strix with the down experts overridden; with the
+   imatrix, and without it: "rocmfp2-no-imatrix"), mxfp4
    (lossless repack), adaptive at rocmfp2-strix's expert bits per weight
    (allocated by predicted KL from the calibration's sensitivity.json, and
    once more without it: "adaptive-unweighted");
@@ -149,6 +150,8 @@ def main(argv=None) -> int:
         "mxfp4": dict(recipe="mxfp4"),
         "rocmfp2-strix": dict(recipe="rocmfp2-strix", imatrix=imx),
         "rocmfp2": dict(recipe="rocmfp2-strix", imatrix=imx, tensor_types=[r"ffn_down_exps=rocmfp2"]),
+        # the uniform recipe as convert runs it without --imatrix
+        "rocmfp2-no-imatrix": dict(recipe="rocmfp2-strix", tensor_types=[r"ffn_down_exps=rocmfp2"]),
         "adaptive": dict(recipe="adaptive", imatrix=imx, adaptive=AdaptiveOptions(
             target_bpw=STRIX_BPW, routing=str(calib / "routing.csv"), cache_dir=str(work / "cache"),
             sensitivity=str(calib / "sensitivity.json"), **fit)),
