@@ -9,11 +9,19 @@ count or the other rows of a batch:
 1. ``quantize_blocks``: per 32 inputs, s = frexp(max|x|).exponent - 7 (+1 when
    max/2^s > 127), q = round_half_even(x / 2^s) in [-127, 127].
 2. ``exact_linear``: every product W[j,i] * q_i * 2^s_i is an integer
-   (float32 mantissa of W x q, < 2^31) times a power of two. Terms are binned
-   by exponent into 16-bit limbs (term << (E mod 16) lands in limb E // 16,
-   < 2^46; a limb sums at most 2^16 of them, < 2^62: integer sums in any
-   order are exact), carries are propagated, and the limb number is rounded
-   once to float32 (round to nearest even, subnormals included).
+   (float32 mantissa of W x q, < 2^31) times a power of two. Where a (token,
+   weight row) pair's bit span fits a float64 significand (|W| < 2^whi, W a
+   multiple of 2^wlo over the row; the token's nonzero blocks likewise give
+   ahi = max(s + 7), alo = min(s); whi + ahi + ceil(log2 cols) - wlo - alo
+   <= 53), every partial sum in any order and with any fusing is exact, so
+   a float64 matrix product (BLAS, cuBLAS: their order does not matter
+   here) is the exact sum, and one cast rounds it to float32. The other
+   pairs take the limb path: terms binned by exponent into 16-bit limbs
+   (term << (E mod 16) lands in limb E // 16, < 2^46; a limb sums at most
+   2^16 of them, < 2^62: integer sums in any order are exact), carries
+   propagated, the limb number rounded once to float32 (round to nearest
+   even, subnormals included). Both give the same bits; the split only
+   decides the cost.
 3. ``swiglu_exact``: float64, one op at a time (separate tensor ops are never
    fused into an FMA outside torch.compile), the fixed exp of the plan.
 """
@@ -30,6 +38,7 @@ LIMB = 16
 MAX_COLS = 1 << 16
 # elements of one (slots x rows x cols) product chunk: bounds temporary memory
 CHUNK = 1 << 21
+F64_SPAN = 53  # float64 significand bits: the span an exact float64 sum may cover
 
 LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
 LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")
@@ -132,9 +141,10 @@ def _split_weights(w):
     return m, e.to(torch.int64) - 24
 
 
-def exact_linear(w, x):
+def exact_linear(w, x, spans=None):
     """Step 2 of exact mode: y[n, j] = RNE_fp32(sum_i W[j, i] * a[n, i]) with a the
-    block-quantized x. w float32 (rows, cols), x float32 (n, cols) -> float32 (n, rows)."""
+    block-quantized x. w float32 (rows, cols), x float32 (n, cols) -> float32 (n, rows);
+    ``spans``: ``weight_spans(w)``, when the caller keeps it per resident tensor."""
     import torch
 
     rows, cols = w.shape
@@ -143,14 +153,74 @@ def exact_linear(w, x):
         raise ShapeError(f"exact product: input has {x.shape[1]} features, the weight {cols}")
     if cols > MAX_COLS:
         raise ShapeError(f"exact product supports up to {MAX_COLS} input features, got {cols}")
-    out = torch.empty((n, rows), dtype=torch.float32, device=w.device)
     if n == 0 or rows == 0:
-        return out
-    if not bool(torch.isfinite(w).all()):
-        raise BadInputError("exact mode weight has a non-finite value")
+        return torch.empty((n, rows), dtype=torch.float32, device=w.device)
+    if spans is None:
+        spans = weight_spans(w)  # refuses a non-finite weight
     q, s = quantize_blocks(x)
+    fits = f64_pairs(w, q, s, spans)
+    a = q.to(torch.float64) * _pow2_f64(s.repeat_interleave(BLOCK, dim=1))  # exact: |q| < 2^7
+    # + 0.0 turns an exact zero's possible -0.0 into +0.0, as the definition wants
+    out = ((a @ w.to(torch.float64).T) + 0.0).to(torch.float32)
+    if not bool(fits.all()):
+        wm, we = _split_weights(w)
+        for t in (~fits).any(dim=1).nonzero()[:, 0].tolist():
+            r = (~fits[t]).nonzero()[:, 0]
+            out[t, r] = _limb_linear(wm.index_select(0, r), we.index_select(0, r),
+                                     q[t:t + 1], s[t:t + 1])[0]
+    return out
+
+
+def weight_spans(w):
+    """int64 (rows,): whi - wlo of each float32 weight row (|W| < 2^whi, every W a
+    multiple of 2^wlo; 0 for an all-zero row), from the bits: no libm. A NaN/Inf
+    weight is an error (exact mode's weights must be finite)."""
+    import torch
+
+    bits = w.contiguous().view(torch.int32) & 0x7FFFFFFF
+    if bool((bits >= 0x7F800000).any()):
+        raise BadInputError("exact mode weight has a non-finite value")
+    ef = bits >> 23
+    mant = bits & 0x7FFFFF
+    sig = torch.where(ef > 0, mant | 0x800000, mant)  # value = sig * 2^(max(ef, 1) - 150)
+    e0 = torch.clamp(ef, min=1) - 150
+    # bit length of sig and its lowest set bit, read off exact int -> float32 conversions
+    blen = (sig.to(torch.float32).view(torch.int32) >> 23) - 126
+    ctz = ((sig & -sig).to(torch.float32).view(torch.int32) >> 23) - 127
+    nz = bits != 0
+    big = 1 << 20
+    whi = torch.where(nz, e0 + blen, -big).amax(dim=1)
+    wlo = torch.where(nz, e0 + ctz, big).amin(dim=1)
+    return torch.where(nz.any(dim=1), whi - wlo, 0).to(torch.int64)
+
+
+def f64_pairs(w, q, s, spans=None):
+    """bool (n, rows): the (token, weight row) pairs whose exact sum a float64
+    product computes exactly in any order (the bit-span bound above).
+    ``spans``: ``weight_spans(w)`` when the caller keeps it."""
+    import torch
+
+    rows, cols = w.shape
+    n = q.shape[0]
+    wspan = weight_spans(w) if spans is None else spans
+    live = (q.reshape(n, cols // BLOCK, BLOCK) != 0).any(dim=2)
+    big = 1 << 20
+    ahi = torch.where(live, s + 7, -big).amax(dim=1)
+    alo = torch.where(live, s, big).amin(dim=1)
+    aspan = torch.where(live.any(dim=1), ahi - alo, 0)
+    log2c = int(math.ceil(math.log2(cols))) if cols > 1 else 0
+    return (aspan[:, None] + wspan[None, :] + log2c) <= F64_SPAN
+
+
+def _limb_linear(wm, we, q, s):
+    """The limb path of ``exact_linear`` on split weights (rows, cols) and
+    quantized rows (n, cols) -> float32 (n, rows)."""
+    import torch
+
+    rows, cols = wm.shape
+    n = q.shape[0]
+    out = torch.empty((n, rows), dtype=torch.float32, device=wm.device)
     s_el = s.repeat_interleave(BLOCK, dim=1)  # (n, cols)
-    wm, we = _split_weights(w)
     per = min(rows, max(1, CHUNK // cols))
     tn = max(1, CHUNK // (per * cols))
     # chunks of (slots x rows); each output depends only on its own row and slot
@@ -171,7 +241,7 @@ def exact_linear(w, x):
             sh = torch.where(live, P << (E - LIMB * c), torch.zeros_like(P))
             nb = cmax - cmin + 1 + 5  # 5 spare limbs take the carries (80 bits of headroom)
             M = (t1 - t0) * (r1 - r0)
-            acc = torch.zeros((M, nb), dtype=torch.int64, device=w.device)
+            acc = torch.zeros((M, nb), dtype=torch.int64, device=wm.device)
             acc.scatter_add_(1, (c - cmin).reshape(M, cols), sh.reshape(M, cols))
             out[t0:t1, r0:r1] = limbs_to_f32(acc, LIMB * cmin).reshape(t1 - t0, r1 - r0)
     return out
@@ -209,9 +279,10 @@ def swiglu_exact(g, u, limit: float):
     return (silu * uc).to(torch.float32)
 
 
-def expert_exact(wg, wu, wd, x, limit: float):
-    """One expert on rows x (float32 (n, H)) in exact mode -> float32 (n, H)."""
-    g = exact_linear(wg, x)
-    u = exact_linear(wu, x)
+def expert_exact(wg, wu, wd, x, limit: float, spans=(None, None, None)):
+    """One expert on rows x (float32 (n, H)) in exact mode -> float32 (n, H).
+    ``spans``: the three weights' ``weight_spans`` when the caller keeps them."""
+    g = exact_linear(wg, x, spans[0])
+    u = exact_linear(wu, x, spans[1])
     h = swiglu_exact(g, u, limit)
-    return exact_linear(wd, h)
+    return exact_linear(wd, h, spans[2])

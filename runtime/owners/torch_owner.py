@@ -63,6 +63,10 @@ class TorchOwner:
         # (layer, proj) -> {global expert id: (stack, local index, device bytes)}
         self._where: dict[tuple[int, str], dict[int, tuple]] = {}
         self._stacks: list[ExpertStack] = []
+        # (layer, proj, expert) -> torch_exact.weight_spans of its decoded rows: a
+        # property of resident bytes that never change, kept so exact mode sizes
+        # each (token, row) sum once per expert, not once per call
+        self._spans: dict[tuple[int, str, int], object] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -113,6 +117,7 @@ class TorchOwner:
         self.registry.unregister_all()  # unregister before free
         self._where.clear()
         self._stacks.clear()
+        self._spans.clear()
         self._closed = True
 
     # -- compute ---------------------------------------------------------
@@ -141,6 +146,14 @@ class TorchOwner:
             data = dev[local]
         return formats.decode_torch(stack.qtype, data, stack.cols, **kw)
 
+    def _weight_spans(self, layer: int, proj: str, e: int, w):
+        from ds4quant.runtime.owners import torch_exact
+
+        key = (layer, proj, e)
+        if key not in self._spans:
+            self._spans[key] = torch_exact.weight_spans(w)
+        return self._spans[key]
+
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
         import torch
         from ds4quant.runtime.owners import torch_exact
@@ -159,7 +172,9 @@ class TorchOwner:
                 wg, wu, wd = (self._decode(layer, p, int(e)) for p in ("gate", "up", "down"))
                 xs = xt.index_select(0, rows)
                 if mode == "exact":
-                    y = torch_exact.expert_exact(wg, wu, wd, xs, self.swiglu_limit)
+                    spans = tuple(self._weight_spans(layer, p, int(e), w)
+                                  for p, w in zip(("gate", "up", "down"), (wg, wu, wd)))
+                    y = torch_exact.expert_exact(wg, wu, wd, xs, self.swiglu_limit, spans)
                 else:
                     g = xs @ wg.T
                     u = xs @ wu.T

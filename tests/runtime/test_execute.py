@@ -214,6 +214,61 @@ def test_exact_linear_is_the_rational_sum_rounded_once(case):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def _decoded_like(rng, r, c):
+    """Weights as a low-bit decode gives them: small integer levels times per-16 power-of-two scales."""
+    lv = rng.integers(-3, 4, (r, c)).astype(np.float64)
+    sc = np.exp2(rng.integers(-9, -5, (r, c // 16))).repeat(16, axis=1)
+    return (lv * sc).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", ["decoded", "mixed", "signed_zero", "cancel_to_zero"])
+def test_exact_linear_float64_path_gives_the_rational_sum(case):
+    """The float64 product handles the pairs whose bit span fits 53 bits, the limb path
+    the rest; either way each output is the exact sum rounded once (+0.0 for zero)."""
+    rng = np.random.default_rng(["decoded", "mixed", "signed_zero", "cancel_to_zero"].index(case) + 10)
+    r, c, n = 6, 64, 4
+    w = _decoded_like(rng, r, c)
+    x = rng.standard_normal((n, c)).astype(np.float32)
+    if case == "mixed":
+        w[1, 0] = np.float32(2.0 ** 60)  # row 1 spans > 53 bits with any token: limb path
+        x[2, :32] *= np.float32(2.0 ** -40)  # token 2 spans > 53 bits with every row
+    if case == "signed_zero":
+        w[0] = -0.0
+        w[3, :] = 0.0
+        w[3, 5] = -2.0 ** -8
+        x[1] = 0.0
+        x[1, 5] = -0.0
+    if case == "cancel_to_zero":
+        w[2] = 0.0
+        w[2, 0], w[2, 1] = 2.0 ** -7, -(2.0 ** -7)
+        x[:, 0] = x[:, 1] = 1.5
+    wt, xt = torch.from_numpy(w), torch.from_numpy(x)
+    q, s = torch_exact.quantize_blocks(xt)
+    fits = torch_exact.f64_pairs(wt, q, s).numpy()
+    if case == "mixed":
+        assert not fits[:, 1].any() and not fits[2].any() and fits[0, 0] and fits[3, 5]
+    else:
+        assert fits.all()
+    got = torch_exact.exact_linear(wt, xt).numpy()
+    want = _reference_linear(w, x)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    if case in ("signed_zero", "cancel_to_zero"):
+        zeros = want == 0
+        assert zeros.any() and not np.signbit(got[zeros]).any()
+
+
+def test_exact_linear_limb_path_alone_matches_float64_path():
+    """Forcing every pair through the limbs gives the float64 path's bits."""
+    rng = np.random.default_rng(21)
+    w = torch.from_numpy(_decoded_like(rng, 40, 128))
+    x = torch.from_numpy(rng.standard_normal((7, 128)).astype(np.float32))
+    q, s = torch_exact.quantize_blocks(x)
+    assert bool(torch_exact.f64_pairs(w, q, s).all())
+    wm, we = torch_exact._split_weights(w)
+    limbs = torch_exact._limb_linear(wm, we, q, s)
+    assert torch.equal(limbs.view(torch.int32), torch_exact.exact_linear(w, x).view(torch.int32))
+
+
 def test_exact_linear_refuses_non_finite_input():
     with pytest.raises(BadInputError, match="non-finite"):
         torch_exact.exact_linear(torch.ones((2, 32)), torch.full((1, 32), float("nan")))
