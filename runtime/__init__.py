@@ -50,8 +50,11 @@ def _read_placement(path):
 
 
 def make_owner(name: str, swiglu_limit: float = 10.0):
-    """An owner for a placement owner name: cpu[:N], torch-cpu:N, cuda:N, hip:N, worker:N."""
-    kind, _, num = name.partition(":")
+    """An owner for a placement owner name: cpu[:N], torch-cpu:N, cuda:N, hip:N, worker:N,
+    worker:N/OWNER (a child process hosting OWNER, e.g. worker:1/cuda:0)."""
+    from ds4quant.runtime.placement import check_owner_name
+
+    kind, _, num = check_owner_name(name).partition(":")
     if kind == "cpu":
         from ds4quant.runtime.owners.cpu import CpuOwner
 
@@ -59,7 +62,11 @@ def make_owner(name: str, swiglu_limit: float = 10.0):
     if kind == "worker":
         from ds4quant.runtime.owners.worker import WorkerOwner
 
-        return WorkerOwner(identity=name, swiglu_limit=swiglu_limit)
+        inner = name.partition("/")[2]
+        if not inner:
+            return WorkerOwner(identity=name, swiglu_limit=swiglu_limit)
+        spec, kwargs = _hosted(inner)
+        return WorkerOwner(identity=name, owner=spec, inner_identity=name, swiglu_limit=swiglu_limit, **kwargs)
     if kind == "torch-cpu":
         from ds4quant.runtime.owners.torch_owner import TorchOwner
 
@@ -69,7 +76,21 @@ def make_owner(name: str, swiglu_limit: float = 10.0):
         from ds4quant.runtime.owners.cuda_owner import CudaOwner
 
         return CudaOwner(f"cuda:{num or 0}", identity=name if num else f"{kind}:0", swiglu_limit=swiglu_limit)
-    raise BadInputError(f"unknown owner name {name!r} (cpu[:N], torch-cpu:N, cuda:N, hip:N, worker:N, none)")
+    raise BadInputError(f"unknown owner name {name!r} (cpu[:N], torch-cpu:N, cuda:N, hip:N, worker:N, "
+                        "worker:N/OWNER, none)")
+
+
+def _hosted(inner: str) -> tuple[str, dict]:
+    """(worker owner spec, constructor kwargs) for the owner a worker:N/OWNER name hosts."""
+    kind, _, num = inner.partition(":")
+    if kind == "cpu":
+        return "cpu", {}
+    if kind == "torch-cpu":
+        return "torch", {"device": "cpu"}
+    if kind in ("cuda", "hip"):
+        return "cuda", {"device": f"cuda:{num or 0}"}
+    raise BadInputError(f"owner {inner!r} cannot be hosted by a worker process (cpu, cpu:N, torch-cpu:N, "
+                        "cuda:N, hip:N)")
 
 
 # --------------------------------------------------------------------------

@@ -76,8 +76,13 @@ MAX_RANKS = 4096
 MAX_OWNERS = 64
 MAX_FILE_BYTES = 64 << 20
 
-# PLAN.md owner names: cpu, cpu:N, cuda:N, hip:N, torch-cpu:N, worker:N.
-_OWNER_RE = re.compile(r"(?:cpu|(?:cpu|cuda|hip|torch-cpu|worker):(?:0|[1-9][0-9]{0,3}))")
+# PLAN.md owner names: cpu, cpu:N, cuda:N, hip:N, torch-cpu:N, worker:N; and
+# worker:N/OWNER, a worker process hosting that (non-worker) owner, e.g.
+# worker:1/cuda:0: the second vendor's runtime in a child process.
+_NUM = r"(?:0|[1-9][0-9]{0,3})"
+_INNER = rf"(?:cpu|(?:cpu|cuda|hip|torch-cpu):{_NUM})"
+_OWNER_RE = re.compile(rf"(?:{_INNER}|worker:{_NUM}(?:/{_INNER})?)")
+OWNER_NAMES = "cpu, cpu:N, cuda:N, hip:N, torch-cpu:N, worker:N or worker:N/OWNER"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -88,8 +93,7 @@ def _is_int(v: Any) -> bool:
 def check_owner_name(name: Any, where: Optional[str] = None) -> str:
     """``name`` if it is an owner name of the runtime contract, else BadInputError."""
     if not isinstance(name, str) or not _OWNER_RE.fullmatch(name):
-        raise BadInputError(f"unknown owner name {name!r}; expected cpu, cpu:N, cuda:N, hip:N, torch-cpu:N "
-                            "or worker:N", where=where)
+        raise BadInputError(f"unknown owner name {name!r}; expected {OWNER_NAMES}", where=where)
     return name
 
 
@@ -305,7 +309,7 @@ def _from_content(obj: Any, where: str, stored_hash: Optional[str] = None) -> Pl
         raise fail(f"owners must be a list of 1..{MAX_OWNERS} owner names")
     for o in owners:
         if not isinstance(o, str) or not _OWNER_RE.fullmatch(o):
-            raise fail(f"unknown owner name {o!r} (expected cpu, cpu:N, cuda:N, hip:N, torch-cpu:N or worker:N)")
+            raise fail(f"unknown owner name {o!r} (expected {OWNER_NAMES})")
     if len(set(owners)) != len(owners):
         raise fail(f"owner names repeat: {owners}")
     layers = obj["layers"]

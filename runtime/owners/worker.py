@@ -361,7 +361,7 @@ class WorkerOwner:
 
     def __init__(self, identity: str = "worker:0", owner: str = "cpu", python: str | None = None,
                  timeout_s: float = 60.0, start_timeout_s: float | None = None, env: dict | None = None,
-                 **owner_kwargs):
+                 inner_identity: str | None = None, **owner_kwargs):
         start_timeout_s = max(timeout_s, 60.0) if start_timeout_s is None else start_timeout_s
         if not (timeout_s > 0 and start_timeout_s > 0):
             raise BadInputError(f"timeouts must be positive, got {timeout_s!r} and {start_timeout_s!r}", where=identity)
@@ -372,9 +372,11 @@ class WorkerOwner:
         conn = _Connection(identity, self.python, float(timeout_s), env)
         self._conn = conn
         self._finalizer = weakref.finalize(self, conn.shutdown)
-        inner = f"{owner}:0" if owner in OWNER_CLASSES else owner.rpartition(":")[2]
+        if inner_identity is None:
+            inner = f"{owner}:0" if owner in OWNER_CLASSES else owner.rpartition(":")[2]
+            inner_identity = f"{identity}/{inner}"
         try:
-            info = conn.call("init", {"owner": owner, "identity": f"{identity}/{inner}", "kwargs": owner_kwargs},
+            info = conn.call("init", {"owner": owner, "identity": inner_identity, "kwargs": owner_kwargs},
                              timeout_s=float(start_timeout_s))
         except BaseException:
             conn.shutdown(graceful=False)

@@ -216,6 +216,41 @@ def test_worker_owner_gives_the_same_bytes(strix, hidden, reference):
             assert _sha(rt.moe(L, x, tok)) == _sha(reference[L][0])
 
 
+@pytest.mark.skipif(importlib.util.find_spec("ds4quant.runtime.owners.worker") is None,
+                    reason="worker owner (runtime/owners/worker.py) not in this build")
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_hosted_worker_owner_names_give_the_single_process_bytes(strix, hidden, reference, mode):
+    """worker:N/OWNER in a placement: a child process hosting that owner (the second
+    vendor's path on a mixed host), bytes equal to the same owners in one process."""
+    x, tok = hidden
+    hosted = ["worker:0/torch-cpu:0"] + (["worker:1/cpu"] if HAVE_CPU else [])
+    local = ["torch-cpu:0"] + (["cpu:0"] if HAVE_CPU else [])
+    with runtime.load(strix, placement=_split(hosted), mode=mode) as rt:
+        assert [rt.owners[h].inner_identity for h in hosted] == hosted
+        got = {L: rt.moe(L, x, tok) for L in (HASH_LAYER, TOPK_LAYER)}
+    with runtime.load(strix, placement=_split(local), mode=mode) as rt:
+        for L in (HASH_LAYER, TOPK_LAYER):
+            assert _sha(got[L]) == _sha(rt.moe(L, x, tok)), f"layer {L}"
+            if mode == "exact":
+                assert _sha(got[L]) == _sha(reference[L][0])
+
+
+@pytest.mark.parametrize("name", ["worker:0/worker:1", "worker:0/gpu:0", "worker:0/", "cpu:0/cuda:0",
+                                  "worker:00/cpu", "worker:1/cuda"])
+def test_hosted_owner_names_that_are_refused(strix, name):
+    with pytest.raises(BadInputError, match="unknown owner name"):
+        runtime.load(strix, placement={L: {name: tuple(range(E))} for L in range(4)})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or HIP device")
+def test_worker_hosting_the_device_owner_by_name(strix, hidden, reference):
+    x, tok = hidden
+    with runtime.load(strix, placement=_split(["worker:1/cuda:0", "torch-cpu:0"]), mode="exact") as rt:
+        for L in (HASH_LAYER, TOPK_LAYER):
+            assert _sha(rt.moe(L, x, tok)) == _sha(reference[L][0])
+
+
 def test_load_refuses_and_cleans_up(strix):
     with pytest.raises(BadInputError, match="placed nowhere"):
         runtime.load(strix, placement={L: {"torch-cpu:0": tuple(range(E - 1))} for L in range(4)})

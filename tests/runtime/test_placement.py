@@ -441,6 +441,29 @@ def test_cli_plans_writes_and_checks(tiny_artifact, tmp_path):
     assert read_placement(out).ranks.n_ranks == 2
 
 
+def test_cli_places_on_a_worker_hosted_device_owner(tiny_artifact, tmp_path):
+    """worker:N/OWNER names a child process hosting OWNER (a second vendor's runtime):
+    place writes it, the file reads back, and runtime.load runs it."""
+    from ds4quant import runtime
+    from ds4quant.artifact.view import open_artifact
+
+    with open_artifact(tiny_artifact) as v:
+        budget = int(v.expert_nbytes().sum()) // 3
+    out = tmp_path / "p.json"
+    res = CliRunner().invoke(cli, ["place", str(tiny_artifact), "--routing", str(SAMPLE_ROUTING), "--owner",
+                                   f"worker:1/torch-cpu:0={budget}", "--owner", "torch-cpu:1", "--cold",
+                                   "torch-cpu:1", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    p = read_placement(out)
+    assert p.owners == ("worker:1/torch-cpu:0", "torch-cpu:1")
+    with runtime.load(tiny_artifact, placement=out) as rt:
+        assert rt.owners["worker:1/torch-cpu:0"].inner_identity == "worker:1/torch-cpu:0"
+        assert rt.owners["worker:1/torch-cpu:0"].experts(0)
+    res = CliRunner().invoke(cli, ["place", str(tiny_artifact), "--routing", str(SAMPLE_ROUTING), "--owner",
+                                   "worker:1/worker:2=1G", "--out", str(tmp_path / "q.json")])
+    assert res.exit_code == 2 and "unknown owner name" in res.output and not (tmp_path / "q.json").exists()
+
+
 def test_cli_missing_artifact_is_exit_2(tmp_path):
     # without the artifact view the command refuses cleanly (exit 2 or a missing-module error only if absent)
     res = CliRunner().invoke(cli, ["place", str(tmp_path / "missing"), "--routing", str(SAMPLE_ROUTING),
