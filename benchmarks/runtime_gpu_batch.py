@@ -35,7 +35,7 @@ import runtime_gpu as base  # noqa: E402
 from runtime_gpu_step import _graph, _host_median  # noqa: E402
 
 # (rows per program, words per step, warps, stages, prefetch), same for gate/up and down
-TILES = [(16, 32, 2, 1, True), (16, 32, 4, 1, True), (32, 32, 4, 1, True)]
+TILES = [(16, 32, 2, 1, True), (8, 32, 2, 1, True), (32, 8, 1, 1, True)]
 
 
 def main(argv=None) -> int:

@@ -41,8 +41,9 @@ import runtime_gpu as base  # noqa: E402
 
 # (rows per program, 16-weight words per step, warps, pipeline stages, prefetch) of the decode-step
 # kernels; session 3's best (16, 32, 2, 1) first
-TILES = [(16, 32, 2, 1, False), (16, 32, 2, 1, True), (16, 32, 4, 1, True), (32, 32, 4, 1, True),
-         (8, 32, 1, 1, True), (8, 64, 2, 1, True), (16, 64, 4, 1, True), (32, 32, 8, 1, True), (16, 16, 1, 1, True)]
+TILES = [(16, 32, 2, 1, False), (16, 32, 2, 1, True), (8, 32, 2, 1, True), (8, 64, 4, 1, True),
+         (4, 64, 2, 1, True), (16, 64, 8, 1, True), (32, 8, 1, 1, True), (16, 16, 1, 1, True), (8, 32, 1, 1, True),
+         (4, 32, 1, 1, True)]
 N_ROT = 16  # expert sets the rotated replays cycle through (16 x 53.5 MB >> the 50 MB L2)
 N_PIPE = 8  # decode steps in the pipelined graph
 

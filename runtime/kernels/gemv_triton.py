@@ -42,14 +42,19 @@ import numpy as np
 import triton
 import triton.language as tl
 
+MAGIC = 0x4B000000  # float bits of 2^23 (exponent field 150)
+
 
 @triton.jit
-def _lv(src, q: tl.constexpr, CBITS: tl.constexpr, OFF: tl.constexpr):
-    """level (code - OFF) of the code at bit q of every word of src, float32, exact (q + CBITS <= 23)."""
+def _lv(src, q: tl.constexpr, magic, CBITS: tl.constexpr, OFF: tl.constexpr):
+    """level (code - OFF) of the code at bit q of every word of src, float32, exact (q + CBITS <= 23).
+
+    ``magic`` is the kernel argument 0x4B000000 (float bits of 2^23): an exponent derived from
+    a run-time value stays in a register, so ptxas fuses the mask and the OR into one LOP3 (one
+    immediate a LOP3; with both constants immediate it emitted two, seen in the SASS)."""
     m: tl.constexpr = ((1 << CBITS) - 1) << q
-    ex: tl.constexpr = (150 - q) << 23
     k: tl.constexpr = (1 << (23 - q)) + OFF
-    return ((src & m) | ex).to(tl.float32, bitcast=True) - k
+    return ((src & m) | (magic - (q << 23))).to(tl.float32, bitcast=True) - k
 
 
 @triton.jit
@@ -72,23 +77,23 @@ def _load_tile(a_ptr, a2_ptr, s_ptr, g_ptr, g2_ptr, gs_ptr, off, CBITS: tl.const
 
 
 @triton.jit
-def _code(wa, wah, wb, wbh, c: tl.constexpr, CBITS: tl.constexpr, OFF: tl.constexpr):
+def _code(wa, wah, wb, wbh, c: tl.constexpr, magic, CBITS: tl.constexpr, OFF: tl.constexpr):
     """level of the c-th code of every group (wah, wbh: the words >> 16, for codes above bit 22)."""
     if CBITS == 2:
         if 2 * c + 2 <= 23:
-            v = _lv(wa, 2 * c, 2, OFF)
+            v = _lv(wa, 2 * c, magic, 2, OFF)
         else:
-            v = _lv(wah, 2 * c - 16, 2, OFF)
+            v = _lv(wah, 2 * c - 16, magic, 2, OFF)
     elif c < 8:
         if 4 * c + 4 <= 23:
-            v = _lv(wa, 4 * c, 4, OFF)
+            v = _lv(wa, 4 * c, magic, 4, OFF)
         else:
-            v = _lv(wah, 4 * c - 16, 4, OFF)
+            v = _lv(wah, 4 * c - 16, magic, 4, OFF)
     else:
         if 4 * (c - 8) + 4 <= 23:
-            v = _lv(wb, 4 * (c - 8), 4, OFF)
+            v = _lv(wb, 4 * (c - 8), magic, 4, OFF)
         else:
-            v = _lv(wbh, 4 * (c - 8) - 16, 4, OFF)
+            v = _lv(wbh, 4 * (c - 8) - 16, magic, 4, OFF)
     return v
 
 
@@ -96,7 +101,7 @@ def _code(wa, wah, wb, wbh, c: tl.constexpr, CBITS: tl.constexpr, OFF: tl.conste
 def _gemv_kernel(xt_ptr, stride_x, ids_ptr, loc_ptr, groups_ptr, out_ptr, stride_o,
                  a_ptr, a2_ptr, s_ptr, slut_ptr,
                  g_ptr, g2_ptr, gs_ptr, gslut_ptr,
-                 N, KW, OKW, limit,
+                 N, limit, magic, KW: tl.constexpr, OKW: tl.constexpr,
                  CBITS: tl.constexpr, OFF: tl.constexpr, DUAL: tl.constexpr, OUT_T: tl.constexpr,
                  GROUPED: tl.constexpr, TB: tl.constexpr, PRE: tl.constexpr,
                  BN: tl.constexpr, BW: tl.constexpr):
@@ -153,13 +158,14 @@ def _gemv_kernel(xt_ptr, stride_x, ids_ptr, loc_ptr, groups_ptr, out_ptr, stride
         q1 = tl.zeros((BN, BW), dtype=tl.float32)
         q2 = tl.zeros((BN, BW), dtype=tl.float32)
         q3 = tl.zeros((BN, BW), dtype=tl.float32)
+        xj = j0 + jj
         for c in tl.static_range(16):
-            xo = c * KW + j0 + jj
-            v = _code(wa, wah, wb, wbh, c, CBITS, OFF)
+            xo = xj + c * KW  # KW constexpr: the c-th row of x is an immediate offset of the load
+            v = _code(wa, wah, wb, wbh, c, magic, CBITS, OFF)
             xc0 = tl.load(x0 + xo)[None, :]
             p0 += v * xc0
             if DUAL:
-                u = _code(ga, gah, gb, gbh, c, CBITS, OFF)
+                u = _code(ga, gah, gb, gbh, c, magic, CBITS, OFF)
                 q0 += u * xc0
             if TB >= 2:
                 xc1 = tl.load(x1 + xo)[None, :]
@@ -272,7 +278,7 @@ def gemv(lp, xt, ids, loc, out, *, lp2=None, limit: float = 0.0, out_t: bool = F
         xt, xt.stride(0), ids, loc, groups if grouped else ids, out, out.stride(0),
         lp.a, lp.a2 if lp.a2 is not None else lp.a, lp.s, lp.slut,
         o.a, o.a2 if o.a2 is not None else o.a, o.s, o.slut,
-        N, KW, N // 16, float(limit),
+        N, float(limit), MAGIC, KW=KW, OKW=N // 16,
         CBITS=lp.cbits, OFF=int(lp.off), DUAL=lp2 is not None, OUT_T=out_t, GROUPED=grouped, TB=tb,
         PRE=bool(pre), BN=bn, BW=bw, num_warps=num_warps, num_stages=num_stages,
     )
