@@ -39,11 +39,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_gpu as base  # noqa: E402
 
-# (rows per program, 16-weight words per step, warps, pipeline stages, prefetch) of the decode-step
-# kernels; session 3's best (16, 32, 2, 1) first
-TILES = [(16, 32, 2, 1, False), (16, 32, 2, 1, True), (8, 32, 2, 1, True), (8, 64, 4, 1, True),
-         (4, 64, 2, 1, True), (16, 64, 8, 1, True), (32, 8, 1, 1, True), (16, 16, 1, 1, True), (8, 32, 1, 1, True),
-         (4, 32, 1, 1, True)]
+# (rows per program, 16-weight words per step, warps, pipeline stages, prefetch, computed scales) of the
+# decode-step kernels; run 1 of session 4 led with (8, 32, 2) for gate/up, (16, 32, 2, no prefetch) for down
+TILES = [(8, 32, 2, 1, True, False), (8, 32, 2, 1, True, True), (16, 32, 2, 1, False, True),
+         (16, 32, 2, 1, True, True), (8, 32, 4, 1, True, True), (16, 64, 8, 1, True, True),
+         (8, 64, 4, 1, True, True), (16, 32, 4, 1, False, True), (8, 16, 2, 1, True, True), (4, 64, 2, 1, True, True)]
 N_ROT = 16  # expert sets the rotated replays cycle through (16 x 53.5 MB >> the 50 MB L2)
 N_PIPE = 8  # decode steps in the pipelined graph
 
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
         kg = dict(bn=tg[0], bw=tg[1], num_warps=tg[2], num_stages=tg[3])
         kd = dict(bn=td[0], bw=td[1], num_warps=td[2], num_stages=td[3])
         if mod is gk:
-            kg["pre"], kd["pre"] = tg[4], td[4]
+            kg["pre"], kd["pre"], kg["sdec"], kd["sdec"] = tg[4], td[4], tg[5], td[5]
         mod.gemv(lg, xin, ib, loc, h_, lp2=lu, limit=owner.swiglu_limit, out_t=True, **kg)
         mod.gemv(ld, h_, ib, loc, y_, **kd)
         return y_
@@ -268,11 +268,12 @@ def main(argv=None) -> int:
                 bench(gp.replay, reps=reps) / len(bufs))
         # the parts (rotated)
         g1 = _graph(torch, lambda: gk.gemv(lg, xT, ids_buf, loc, hT, lp2=lu, limit=owner.swiglu_limit, out_t=True,
-                                           bn=tg[0], bw=tg[1], num_warps=tg[2], num_stages=tg[3], pre=tg[4]))
+                                           bn=tg[0], bw=tg[1], num_warps=tg[2], num_stages=tg[3], pre=tg[4],
+                                           sdec=tg[5]))
         row("part: gate+up launch alone (graph, rotated)", _rotated(torch, g1.replay, ids_buf, sets, reps),
             bytes=int(topk * (stacks["gate"].nbytes + stacks["up"].nbytes) // n_exp))
         g2 = _graph(torch, lambda: gk.gemv(ld, hT, ids_buf, loc, yy, bn=td[0], bw=td[1], num_warps=td[2],
-                                           num_stages=td[3], pre=td[4]))
+                                           num_stages=td[3], pre=td[4], sdec=td[5]))
         row("part: down launch alone (graph, rotated)", _rotated(torch, g2.replay, ids_buf, sets, reps),
             bytes=int(topk * (ld.a.nbytes + ld.a2.nbytes + ld.s.nbytes) // n_exp))
         tiny = torch.zeros(1, device=dev)

@@ -103,7 +103,7 @@ def _gemv_kernel(xt_ptr, stride_x, ids_ptr, loc_ptr, groups_ptr, out_ptr, stride
                  g_ptr, g2_ptr, gs_ptr, gslut_ptr,
                  N, limit, magic, KW: tl.constexpr, OKW: tl.constexpr,
                  CBITS: tl.constexpr, OFF: tl.constexpr, DUAL: tl.constexpr, OUT_T: tl.constexpr,
-                 GROUPED: tl.constexpr, TB: tl.constexpr, PRE: tl.constexpr,
+                 GROUPED: tl.constexpr, TB: tl.constexpr, PRE: tl.constexpr, SDEC: tl.constexpr,
                  BN: tl.constexpr, BW: tl.constexpr):
     gid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -180,7 +180,7 @@ def _gemv_kernel(xt_ptr, stride_x, ids_ptr, loc_ptr, groups_ptr, out_ptr, stride
                 if DUAL:
                     q2 += u * xc2
                     q3 += u * xc3
-        sc = tl.load(slut_ptr + sb.to(tl.int32))
+        sc = _scale(slut_ptr, sb, SDEC)
         acc0 += sc * p0
         if TB >= 2:
             acc1 += sc * p1
@@ -188,7 +188,7 @@ def _gemv_kernel(xt_ptr, stride_x, ids_ptr, loc_ptr, groups_ptr, out_ptr, stride
             acc2 += sc * p2
             acc3 += sc * p3
         if DUAL:
-            sc2 = tl.load(gslut_ptr + sg.to(tl.int32))
+            sc2 = _scale(gslut_ptr, sg, SDEC)
             ag0 += sc2 * q0
             if TB >= 2:
                 ag1 += sc2 * q1
@@ -205,6 +205,50 @@ def _gemv_kernel(xt_ptr, stride_x, ids_ptr, loc_ptr, groups_ptr, out_ptr, stride
     if TB >= 4:
         _store(out_ptr, stride_o, dst, s0, 2, cnt, acc2, ag2, limit, DUAL)
         _store(out_ptr, stride_o, dst, s0, 3, cnt, acc3, ag3, limit, DUAL)
+
+
+@triton.jit
+def _scale(slut_ptr, sb, SDEC: tl.constexpr):
+    """float32 value of every scale byte: the LUT (SDEC 0, a gather), or the same values
+    computed (SDEC 1: signed E4M3 with exponent bias 8, 0x7F / 0xFF -> 0, rocmfp2's table;
+    SDEC 2: unsigned, bytes >= 127 -> 0, rocmfp3's). The gather gets a layout of its own
+    in Triton, converted through shared memory every step (BAR.SYNC in the loop); the
+    arithmetic keeps the tile's layout. ``scale_decode`` checks the tables at launch."""
+    if SDEC == 0:
+        sc = tl.load(slut_ptr + sb.to(tl.int32))
+    else:
+        b = sb.to(tl.int32) & 0xFF
+        f = (((b & 0x7F) << 20) + (119 << 23)).to(tl.float32, bitcast=True)  # 2^(e-8) (1 + m/8)
+        f = tl.where((b & 0x78) == 0, f * 2.0 - 0.0078125, f)  # e == 0: m 2^-10, exact
+        if SDEC == 1:
+            f = tl.where((b & 0x7F) == 0x7F, 0.0, f)
+            f = tl.where(b >= 128, -f, f)
+        else:
+            f = tl.where(b >= 127, 0.0, f)
+        sc = f
+    return sc
+
+
+def scale_values(sdec: int) -> np.ndarray:
+    """float32 (256,): the values ``_scale`` computes for SDEC 1 / 2 (numpy, same arithmetic)."""
+    b = np.arange(256, dtype=np.int64)
+    f = (((b & 0x7F) << 20) + (119 << 23)).astype(np.uint32).view(np.float32)
+    f = np.where((b & 0x78) == 0, f * np.float32(2.0) - np.float32(0.0078125), f).astype(np.float32)
+    if sdec == 1:
+        f = np.where((b & 0x7F) == 0x7F, np.float32(0.0), f)
+        f = np.where(b >= 128, -f, f)
+    else:
+        f = np.where(b >= 127, np.float32(0.0), f)
+    return f.astype(np.float32)
+
+
+def scale_decode(slut) -> int:
+    """The SDEC whose arithmetic gives exactly the LUT's bits (float32 (256,) numpy), else 0."""
+    want = np.ascontiguousarray(slut, dtype=np.float32).view(np.uint32)
+    for sdec in (1, 2):
+        if np.array_equal(scale_values(sdec).view(np.uint32), want):
+            return sdec
+    return 0
 
 
 @triton.jit
@@ -245,13 +289,26 @@ def groups_for(ids: np.ndarray, loc: np.ndarray, tb: int):
         return order, np.zeros((0, 3), np.int32)
     starts = np.flatnonzero(np.r_[True, sids[1:] != sids[:-1]])
     counts = np.diff(np.r_[starts, n])
-    rows = [(int(loc[sids[s]]), int(s) + o, min(tb, int(c) - o)) for s, c in zip(starts, counts)
-            for o in range(0, int(c), tb)]
-    return order, np.array(rows, dtype=np.int32).reshape(-1, 3)
+    per = -(-counts // tb)  # groups of each expert
+    first = np.repeat(starts, per) + tb * (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per))
+    cnt = np.minimum(tb, np.repeat(starts + counts, per) - first)
+    return order, np.stack([np.asarray(loc)[sids[first]], first, cnt], axis=1).astype(np.int32)
+
+
+_SDEC: dict = {}  # id of a scale LUT tensor -> (the tensor, its SDEC)
+
+
+def _sdec_of(slut) -> int:
+    got = _SDEC.get(id(slut))
+    if got is None or got[0] is not slut:
+        got = (slut, scale_decode(slut.detach().cpu().numpy()))
+        _SDEC[id(slut)] = got
+    return got[1]
 
 
 def gemv(lp, xt, ids, loc, out, *, lp2=None, limit: float = 0.0, out_t: bool = False, groups=None,
-         tb: int = 1, bn: int = 16, bw: int = 32, num_warps: int = 2, num_stages: int = 1, pre: bool = True):
+         tb: int = 1, bn: int = 16, bw: int = 32, num_warps: int = 2, num_stages: int = 1, pre: bool = True,
+         sdec: bool = True):
     """out[s] = W_e @ x[s] for every slot s (or SwiGLU(gate, up) with ``lp2``).
 
     Decode step (``groups`` None): e = loc[ids[s]], one program row block per
@@ -270,6 +327,9 @@ def gemv(lp, xt, ids, loc, out, *, lp2=None, limit: float = 0.0, out_t: bool = F
         raise ValueError(f"tokens per program must be 1, 2 or 4 (and 1 for the decode step), got {tb}")
     bw = _bw(KW, bw)
     bn = _bn(N, bn)
+    sd = _sdec_of(lp.slut) if sdec else 0
+    if sd and lp2 is not None and _sdec_of(lp2.slut) != sd:
+        sd = 0
     grouped = groups is not None
     grid = (groups.shape[0] if grouped else n, N // bn)
     if grid[0] == 0:
@@ -280,6 +340,6 @@ def gemv(lp, xt, ids, loc, out, *, lp2=None, limit: float = 0.0, out_t: bool = F
         o.a, o.a2 if o.a2 is not None else o.a, o.s, o.slut,
         N, float(limit), MAGIC, KW=KW, OKW=N // 16,
         CBITS=lp.cbits, OFF=int(lp.off), DUAL=lp2 is not None, OUT_T=out_t, GROUPED=grouped, TB=tb,
-        PRE=bool(pre), BN=bn, BW=bw, num_warps=num_warps, num_stages=num_stages,
+        PRE=bool(pre), SDEC=sd, BN=bn, BW=bw, num_warps=num_warps, num_stages=num_stages,
     )
     return out

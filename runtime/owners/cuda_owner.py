@@ -90,11 +90,11 @@ class CudaOwner(TorchOwner):
         self.graphs = bool(graphs)
         self.gemv_max_slots = int(gemv_max_slots)
         # decode-step kernel tiles: stage ("gu" / "down") -> (rows per program, words per step,
-        # warps, pipeline stages, prefetch)
+        # warps, pipeline stages, prefetch, scales computed rather than gathered)
         # (measured on the lent H200: benchmarks/results/runtime_gpu_step_h200_s4.json)
-        self.gemv_tile: dict[str, tuple] = {"gu": (16, 32, 2, 1, True), "down": (16, 32, 2, 1, True)}
+        self.gemv_tile: dict[str, tuple] = {"gu": (8, 32, 2, 1, True, True), "down": (16, 32, 2, 1, False, True)}
         # the grouped form's tiles (same fields) and tokens per program
-        self.group_tile: dict[str, tuple] = {"gu": (16, 32, 2, 1, True), "down": (16, 32, 2, 1, True)}
+        self.group_tile: dict[str, tuple] = {"gu": (8, 32, 2, 1, True, True), "down": (8, 32, 2, 1, True, True)}
         self.group_tb = 2
         self.group_max_mean = 8.0
         self._gemv: dict[int, object] = {}  # layer -> (gate, up, down planes, loc) or None
@@ -291,11 +291,11 @@ class CudaOwner(TorchOwner):
         inter = lg.a.shape[1]
         hT = torch.empty((n, 16, inter // 16), dtype=torch.float32, device=xT.device)
         y = torch.empty((n, ld.a.shape[1]), dtype=torch.float32, device=xT.device)
-        bn, bw, nw, ns, pre = self.gemv_tile["gu"]
+        bn, bw, nw, ns, pre, sd = self.gemv_tile["gu"]
         gk.gemv(lg, xT, ids, loc, hT, lp2=lu, limit=self.swiglu_limit, out_t=True, bn=bn, bw=bw, num_warps=nw,
-                num_stages=ns, pre=pre)
-        bn, bw, nw, ns, pre = self.gemv_tile["down"]
-        gk.gemv(ld, hT, ids, loc, y, bn=bn, bw=bw, num_warps=nw, num_stages=ns, pre=pre)
+                num_stages=ns, pre=pre, sdec=sd)
+        bn, bw, nw, ns, pre, sd = self.gemv_tile["down"]
+        gk.gemv(ld, hT, ids, loc, y, bn=bn, bw=bw, num_warps=nw, num_stages=ns, pre=pre, sdec=sd)
         return y
 
     def grouped_plan(self, layer: int, ids: np.ndarray):
@@ -324,11 +324,11 @@ class CudaOwner(TorchOwner):
         hT = torch.empty((n, 16, lg.a.shape[1] // 16), dtype=torch.float32, device=xT.device)
         y = torch.empty((n, ld.a.shape[1]), dtype=torch.float32, device=xT.device)
         tb = self.group_tb
-        bn, bw, nw, ns, pre = self.group_tile["gu"]
+        bn, bw, nw, ns, pre, sd = self.group_tile["gu"]
         gk.gemv(lg, xT, loc, loc, hT, lp2=lu, limit=self.swiglu_limit, out_t=True, groups=groups, tb=tb, bn=bn,
-                bw=bw, num_warps=nw, num_stages=ns, pre=pre)
-        bn, bw, nw, ns, pre = self.group_tile["down"]
-        gk.gemv(ld, hT, loc, loc, y, groups=groups, tb=tb, bn=bn, bw=bw, num_warps=nw, num_stages=ns, pre=pre)
+                bw=bw, num_warps=nw, num_stages=ns, pre=pre, sdec=sd)
+        bn, bw, nw, ns, pre, sd = self.group_tile["down"]
+        gk.gemv(ld, hT, loc, loc, y, groups=groups, tb=tb, bn=bn, bw=bw, num_warps=nw, num_stages=ns, pre=pre, sdec=sd)
         return y
 
     def _step_graph(self, layer: int, n: int, H: int):
@@ -425,36 +425,41 @@ class CudaOwner(TorchOwner):
         return pin_y.numpy().copy()
 
     def _grouped_cuda(self, layer: int, x: np.ndarray, gp, ready):
-        """The grouped kernels through the pinned buffers (eager launches: the group count varies)."""
+        """The grouped kernels through the pinned buffers (eager launches: the group count
+        varies); the sort by expert and the group transposition run on the device."""
         import torch
 
         order, groups = gp
         n, H = x.shape
-        pin_x = self._pin("x", n * H, torch.float32).view(n, 16, H // 16)
-        pin_x.numpy()[...] = group_t(x[order])
+        pin_x = self._pin("x", n * H, torch.float32).view(n, H)
+        pin_x.numpy()[...] = x
+        pin_o = self._pin("order", n, torch.int64)
+        pin_o.numpy()[...] = order
         pin_g = self._pin("groups", groups.size, torch.int32).view(-1, 3)
         pin_g.numpy()[...] = groups
         copy, comp = self._stream_pair()
         copy.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(copy):
             dx = pin_x.to(self.device, non_blocking=True)
+            do = pin_o.to(self.device, non_blocking=True)
             dg = pin_g.to(self.device, non_blocking=True)
             staged = torch.cuda.Event()
             staged.record(copy)
         ready.fire()
         with torch.cuda.stream(comp):
             comp.wait_event(staged)
-            dx.record_stream(comp)
-            dg.record_stream(comp)
-            y = self.grouped_device(layer, dx, dg)
+            for t in (dx, do, dg):
+                t.record_stream(comp)
+            xT = dx.index_select(0, do).view(n, H // 16, 16).transpose(1, 2).contiguous()
+            ys = self.grouped_device(layer, xT, dg)
+            y = torch.empty_like(ys)
+            y.index_copy_(0, do, ys)
             pin_y = self._pin("y", n * H, torch.float32).view(n, H)
             pin_y.copy_(y, non_blocking=True)
             done = torch.cuda.Event()
             done.record(comp)
         done.synchronize()
-        out = np.empty((n, H), np.float32)
-        out[order] = pin_y.numpy()
-        return out
+        return pin_y.numpy().copy()
 
     # -- compute ---------------------------------------------------------
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:

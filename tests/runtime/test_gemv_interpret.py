@@ -50,9 +50,9 @@ def interp():
 
 # the interpreter's cost is per program: whole-matrix row blocks keep the tests short; two
 # column steps a matrix keep the prefetch path covered
-BIG_TILES = {"gu": (128, 8, 1, 1, True), "down": (256, 4, 1, 1, True)}
-# several row blocks a matrix, and the path without the prefetch (gate/up)
-MID_TILES = {"gu": (64, 8, 2, 1, False), "down": (64, 4, 2, 1, True)}
+BIG_TILES = {"gu": (128, 8, 1, 1, True, True), "down": (256, 4, 1, 1, True, True)}
+# several row blocks a matrix, the path without the prefetch (gate/up), the scale LUT gather (down)
+MID_TILES = {"gu": (64, 8, 2, 1, False, True), "down": (64, 4, 2, 1, True, False)}
 
 
 def _owner(qtypes, big=True):
@@ -133,6 +133,15 @@ def test_masked_code_with_a_position_exponent_is_the_code_exactly(bits):
         got = v - np.float32((1 << (23 - q)) + 1)  # the kernels' subtract: level = code - off
         want = ((words >> q) & ((1 << bits) - 1)).astype(np.float32) - 1
         assert np.array_equal(got, want), q
+
+
+@pytest.mark.parametrize("qtype", sorted(layout.LINEAR_QTYPES))
+def test_computed_scales_are_the_scale_tables_bits(interp, qtype):
+    gk = interp
+    lut = layout.scale_lut(qtype)
+    sdec = gk.scale_decode(lut)
+    assert sdec != 0 and np.array_equal(gk.scale_values(sdec).view(np.uint32), lut.view(np.uint32))
+    assert gk.scale_decode(lut[::-1].copy()) == 0  # any other table: the gather
 
 
 # --------------------------------------------------------------------------
