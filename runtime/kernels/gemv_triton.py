@@ -33,7 +33,11 @@ decode step's (same order), so its output bits do not depend on the batch.
 
 The next weight tile is loaded before the current one is used (a
 loop-carried prefetch, ``PRE``), so a program keeps two tiles of loads in
-flight. Row counts must be multiples of the row block (no masks).
+flight. Scale bytes are turned into their float32 values by arithmetic where
+that reproduces the format's table bit for bit (``SDEC``, checked against
+the LUT at launch), else by a LUT gather. Row counts must be multiples of the
+row block (no masks). Tiles measured on the lent H200:
+``benchmarks/results/runtime_gpu_notes.md`` (session 4).
 """
 
 from __future__ import annotations
