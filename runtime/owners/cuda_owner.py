@@ -19,6 +19,12 @@ the Triton kernels of ``runtime.kernels``.
   instead: no sort and no host planning, the slot -> local expert lookup on
   the device, both launches captured once per (layer, slots) in a CUDA graph
   and replayed (``graphs=False``: eager launches).
+* larger batches on such a layer whose experts see few tokens each (at most
+  ``group_max_mean`` on average) run gemv_triton's grouped form: slots
+  sorted by expert on the host, one program decodes an expert's weight tile
+  once for up to ``group_tb`` of its tokens (a grouped matrix-vector
+  product); a token's arithmetic is the decode step's, so its bits do not
+  depend on the batch. Busier experts (prefill) take the tl.dot kernels.
 * inputs and outputs go through pinned host buffers; the input copy runs on
   a copy stream, the compute stream waits for it on a CUDA event, the caller
   waits on the output's event (never a device-wide synchronize).
@@ -84,9 +90,14 @@ class CudaOwner(TorchOwner):
         self.graphs = bool(graphs)
         self.gemv_max_slots = int(gemv_max_slots)
         # decode-step kernel tiles: stage ("gu" / "down") -> (rows per program, words per step,
-        # warps, pipeline stages)
-        # (measured on the lent H200: benchmarks/results/runtime_gpu_step_h200.json)
-        self.gemv_tile: dict[str, tuple[int, int, int, int]] = {"gu": (16, 32, 2, 1), "down": (16, 32, 2, 1)}
+        # warps, pipeline stages, prefetch, scales computed rather than gathered)
+        # (measured on the lent H200: benchmarks/results/runtime_gpu_step_h200_s4.json)
+        self.gemv_tile: dict[str, tuple] = {"gu": (8, 64, 4, 1, True, True), "down": (16, 64, 8, 1, True, True)}
+        # the grouped form's tiles (same fields) and tokens per program (batch 64 on the H200:
+        # tb 2 at (8, 32, 2) with computed scales, 1.68 ms; tb 4 lost at 64 and led at 2048 tokens)
+        self.group_tile: dict[str, tuple] = {"gu": (8, 32, 2, 1, True, True), "down": (8, 32, 2, 1, True, True)}
+        self.group_tb = 2
+        self.group_max_mean = 8.0
         self._gemv: dict[int, object] = {}  # layer -> (gate, up, down planes, loc) or None
         self._graph_cache: dict[tuple[int, int], tuple] = {}
         self._pinned: dict[str, object] = {}
@@ -281,11 +292,44 @@ class CudaOwner(TorchOwner):
         inter = lg.a.shape[1]
         hT = torch.empty((n, 16, inter // 16), dtype=torch.float32, device=xT.device)
         y = torch.empty((n, ld.a.shape[1]), dtype=torch.float32, device=xT.device)
-        bn, bw, nw, ns = self.gemv_tile["gu"]
+        bn, bw, nw, ns, pre, sd = self.gemv_tile["gu"]
         gk.gemv(lg, xT, ids, loc, hT, lp2=lu, limit=self.swiglu_limit, out_t=True, bn=bn, bw=bw, num_warps=nw,
-                num_stages=ns)
-        bn, bw, nw, ns = self.gemv_tile["down"]
-        gk.gemv(ld, hT, ids, loc, y, bn=bn, bw=bw, num_warps=nw, num_stages=ns)
+                num_stages=ns, pre=pre, sdec=sd)
+        bn, bw, nw, ns, pre, sd = self.gemv_tile["down"]
+        gk.gemv(ld, hT, ids, loc, y, bn=bn, bw=bw, num_warps=nw, num_stages=ns, pre=pre, sdec=sd)
+        return y
+
+    def grouped_plan(self, layer: int, ids: np.ndarray):
+        """(order, groups) for the grouped kernels, or None when the layer has no
+        word layout or its experts see too many tokens each (the tl.dot path)."""
+        from ds4quant.runtime.kernels import gemv_triton as gk
+
+        gem = self.gemv_set(layer)
+        if gem is None or ids.shape[0] == 0:
+            return None
+        loc = gem[4]
+        if ids.min() < 0 or ids.max() >= loc.shape[0] or (loc[ids] < 0).any():
+            return None
+        if ids.shape[0] / np.unique(ids).shape[0] > self.group_max_mean:
+            return None
+        return gk.groups_for(ids, loc, self.group_tb)
+
+    def grouped_device(self, layer: int, xT, groups):
+        """The grouped kernels on device tensors: xT float32 (n, 16, H / 16) sorted by
+        expert and group-transposed, groups int32 (g, 3) device -> float32 (n, H) sorted."""
+        import torch
+        from ds4quant.runtime.kernels import gemv_triton as gk
+
+        lg, lu, ld, loc, _ = self._gemv[layer]
+        n = xT.shape[0]
+        hT = torch.empty((n, 16, lg.a.shape[1] // 16), dtype=torch.float32, device=xT.device)
+        y = torch.empty((n, ld.a.shape[1]), dtype=torch.float32, device=xT.device)
+        tb = self.group_tb
+        bn, bw, nw, ns, pre, sd = self.group_tile["gu"]
+        gk.gemv(lg, xT, loc, loc, hT, lp2=lu, limit=self.swiglu_limit, out_t=True, groups=groups, tb=tb, bn=bn,
+                bw=bw, num_warps=nw, num_stages=ns, pre=pre, sdec=sd)
+        bn, bw, nw, ns, pre, sd = self.group_tile["down"]
+        gk.gemv(ld, hT, loc, loc, y, groups=groups, tb=tb, bn=bn, bw=bw, num_warps=nw, num_stages=ns, pre=pre, sdec=sd)
         return y
 
     def _step_graph(self, layer: int, n: int, H: int):
@@ -333,6 +377,9 @@ class CudaOwner(TorchOwner):
 
         n, H = x.shape
         gem = self.gemv_set(layer) if 0 < n <= self.gemv_max_slots else None
+        gp = self.grouped_plan(layer, ids) if gem is None else None
+        if gp is not None:
+            return self._grouped_cuda(layer, x, gp, ready)
         if gem is not None:
             loc = gem[4]
             if ids.min() < 0 or ids.max() >= loc.shape[0] or (loc[ids] < 0).any():
@@ -378,6 +425,43 @@ class CudaOwner(TorchOwner):
         done.synchronize()  # this owner's work only
         return pin_y.numpy().copy()
 
+    def _grouped_cuda(self, layer: int, x: np.ndarray, gp, ready):
+        """The grouped kernels through the pinned buffers (eager launches: the group count
+        varies); the sort by expert and the group transposition run on the device."""
+        import torch
+
+        order, groups = gp
+        n, H = x.shape
+        pin_x = self._pin("x", n * H, torch.float32).view(n, H)
+        pin_x.numpy()[...] = x
+        pin_o = self._pin("order", n, torch.int64)
+        pin_o.numpy()[...] = order
+        pin_g = self._pin("groups", groups.size, torch.int32).view(-1, 3)
+        pin_g.numpy()[...] = groups
+        copy, comp = self._stream_pair()
+        copy.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(copy):
+            dx = pin_x.to(self.device, non_blocking=True)
+            do = pin_o.to(self.device, non_blocking=True)
+            dg = pin_g.to(self.device, non_blocking=True)
+            staged = torch.cuda.Event()
+            staged.record(copy)
+        ready.fire()
+        with torch.cuda.stream(comp):
+            comp.wait_event(staged)
+            for t in (dx, do, dg):
+                t.record_stream(comp)
+            xT = dx.index_select(0, do).view(n, H // 16, 16).transpose(1, 2).contiguous()
+            ys = self.grouped_device(layer, xT, dg)
+            y = torch.empty_like(ys)
+            y.index_copy_(0, do, ys)
+            pin_y = self._pin("y", n * H, torch.float32).view(n, H)
+            pin_y.copy_(y, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(comp)
+        done.synchronize()
+        return pin_y.numpy().copy()
+
     # -- compute ---------------------------------------------------------
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
         from ds4quant.runtime.overlap import Readiness
@@ -413,9 +497,16 @@ class CudaOwner(TorchOwner):
             raise ShapeError(f"run_slots: x {tuple(xt.shape)} and {ids.shape[0]} expert ids disagree")
         with self._lock:
             gem = self.gemv_set(layer) if 0 < ids.shape[0] <= self.gemv_max_slots else None
+            gp = self.grouped_plan(layer, ids) if gem is None else None
             if gem is not None and ids.min() >= 0 and ids.max() < gem[4].shape[0] and (gem[4][ids] >= 0).all():
                 # the CPU device (interpreter tests): the decode-step kernels, eager
                 y = self.gemv_device(layer, torch.from_numpy(group_t(xt.numpy())), torch.from_numpy(ids))
+            elif gp is not None:  # the grouped kernels, eager
+                order, groups = gp
+                ys = self.grouped_device(layer, torch.from_numpy(group_t(xt.numpy()[order])),
+                                         torch.from_numpy(groups))
+                y = torch.empty_like(ys)
+                y[torch.from_numpy(order)] = ys
             else:
                 y = self.fast_device(layer, xt, ids)
         if y is None:
