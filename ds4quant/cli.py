@@ -15,6 +15,7 @@ import sys
 import click
 
 from ds4quant import __version__
+from ds4quant.cli_support import eta_text, parse_fit_effort, progress_printer, sensitivity_file, size_cell, verify_progress
 from ds4quant.errors import Ds4quantError
 
 
@@ -91,45 +92,6 @@ def formats_cmd(as_json: bool) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
 
 
-def _eta(ev) -> str:
-    return "ETA  warm-up" if ev.warming_up else f"ETA {ev.eta:6.0f}s" if ev.eta is not None else "ETA      ?"
-
-
-def _progress_printer(enabled: bool):
-    """One line per ProgressEvent on stderr, with ETA (moving window) and source MB/s (TTY only)."""
-    if not enabled:
-        return None
-
-    def show(ev) -> None:
-        d = ev.detail
-        if ev.stage == "measure":
-            click.echo(f"[measure {ev.done:>5}/{ev.total}] {ev.item} expert {d['expert']:<4} "
-                       f"{ev.elapsed:7.1f}s  {_eta(ev)}", err=True)
-            return
-        sq = d.get("sqnr_db")
-        sqs = f"{sq:6.2f} dB" if isinstance(sq, float) and sq != float("inf") else "   exact "
-        tag = " (resumed)" if d.get("reused") else ""
-        click.echo(
-            f"[{ev.done:>4}/{ev.total}] {ev.item:<36} {d['qtype']:<13} {sqs} "
-            f"{d['seconds']:6.2f}s  {_eta(ev)}{tag}",
-            err=True,
-        )
-
-    return show
-
-
-def _fit_effort(text: str) -> dict:
-    from ds4quant.errors import BadInputError
-
-    try:
-        it, rs, rows = (int(v) for v in text.split(","))
-    except ValueError:
-        raise BadInputError(f"expected ITER,RESTARTS,ROWS, got {text!r}", where="--fit-effort") from None
-    if it < 0 or rs < 0 or rows < 1:
-        raise BadInputError(f"iterations and restarts must be >= 0 and rows >= 1, got {text!r}", where="--fit-effort")
-    return {"fit_iterations": it, "fit_restarts": rs, "fit_max_rows": rows}
-
-
 @cli.command("convert")
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("outdir", type=click.Path(path_type=str))
@@ -154,7 +116,8 @@ def _fit_effort(text: str) -> dict:
 @click.option("--routing", type=click.Path(path_type=str), default=None,
               help="adaptive: routing profile (Lucebox hotness CSV or ds4quant JSON) to weight experts.")
 @click.option("--sensitivity", type=click.Path(path_type=str), default=None,
-              help="adaptive: sensitivity.json from `ds4quant calibrate`: allocate by predicted KL, not raw weighted error.")
+              help="adaptive: sensitivity.json from `ds4quant calibrate`: allocate by predicted KL, not raw weighted "
+                   "error (default: the one beside --imatrix, if that calibrate run wrote it; 'none' ignores it).")
 @click.option("--fitter", type=click.Choice(["optimized", "reference"]), default="optimized", show_default=True,
               help="adaptive: MIX codebook fitter.")
 @click.option("--fit-effort", default="6,1,512", show_default=True, metavar="ITER,RESTARTS,ROWS",
@@ -189,14 +152,15 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
 
     adaptive = None
     if recipe == "adaptive" or target_bpw is not None or max_bytes is not None:
+        sensitivity = sensitivity_file(sensitivity, imatrix, not as_json)
         adaptive = AdaptiveOptions(
             target_bpw=target_bpw, max_bytes=parse_size(max_bytes, "--max-bytes"),
             candidates=tuple(c.strip() for c in candidates.split(",") if c.strip()) if candidates else DEFAULT_CANDIDATES,
             granularity=granularity, fitter=fitter, routing=routing, cache_dir=cache_dir, lucebox=not no_lucebox,
             sensitivity=sensitivity, jobs=jobs, device=measure_device,
-            **_fit_effort(fit_effort),
+            **parse_fit_effort(fit_effort),
         )
-    progress = _progress_printer(not as_json and sys.stderr.isatty())
+    progress = progress_printer(not as_json and sys.stderr.isatty())
     rep = convert(source, outdir, recipe, threads=threads, imatrix=imatrix, tensor_types=tensor_types,
                   dense_qtype=dense_qtype, name=name, split_max_size=split_max_size, adaptive=adaptive,
                   loose_sidecars=loose_sidecars, resume=resume, force=force,
@@ -275,24 +239,6 @@ def inspect_cmd(artifact, variant_107, as_json):
         click.echo(f"note: {n}")
 
 
-def _fmt_db(v) -> str:
-    if v is None:
-        return "-"
-    return "exact" if v == float("inf") else f"{v:.2f}"
-
-
-def _verify_progress(enabled: bool):
-    if not enabled:
-        return None
-
-    def show(ev: dict) -> None:
-        sq = ev.get("sqnr_db")
-        click.echo(f"[{ev['index']:>4}/{ev['total']}] {ev['name']:<40} {ev['qtype']:<14} {_fmt_db(sq):>7} dB "
-                   f"{ev['seconds']:6.2f}s", err=True)
-
-    return show
-
-
 @cli.command("verify")
 @click.argument("artifact", type=click.Path(path_type=str))
 @click.option("--source", default=None, type=click.Path(path_type=str),
@@ -347,7 +293,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
         from ds4quant.report import check_report_dir
 
         check_report_dir(report_dir, artifact)
-    progress = _verify_progress(source is not None and not as_json and sys.stderr.isatty())
+    progress = verify_progress(source is not None and not as_json and sys.stderr.isatty())
     rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
                  text=text_file, protocol=protocol)
@@ -474,7 +420,7 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, sensitiv
             tokens = ev.detail["tokens"]
             rate = tokens / ev.elapsed if ev.elapsed > 0 else 0.0
             click.echo(f"\rcalibrate: {ev.done}/{ev.total} sequences, {tokens} tokens, {rate:.0f} tok/s, "
-                       f"{_eta(ev)} ", err=True, nl=ev.done == ev.total)
+                       f"{eta_text(ev)} ", err=True, nl=ev.done == ev.total)
 
     extra = {} if sensitivity_seqs is None else {"sensitivity_seqs": sensitivity_seqs}
     rep = calibrate(source, tokens_file, out_dir, threads=threads, progress=progress, **extra)
@@ -489,10 +435,6 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, sensitiv
         click.echo(f"experts never reached ({rep.unreached_count}, imatrix count 0): {detail}")
     else:
         click.echo("every expert was reached")
-
-
-def _size_cell(n) -> str:
-    return "-" if n is None else f"{n:,}"
 
 
 @cli.command("run")
@@ -589,13 +531,13 @@ def place_cmd(artifact, routing, owners, min_hot, speed_ratio, cold, ranks, stra
         _emit_json({**j, "out": out})
         return
     if j["kind"] == "ranks":
-        rows = [(str(r["rank"]), str(r["experts"]), _size_cell(r["bytes"]), f"{100 * r['slot_share']:.2f}%")
+        rows = [(str(r["rank"]), str(r["experts"]), size_cell(r["bytes"]), f"{100 * r['slot_share']:.2f}%")
                 for r in j["ranks"]]
         header = ("rank", "experts", "bytes", "slots")
     else:
-        rows = [(o["name"], _size_cell(o["budget"]), _size_cell(o["bytes"]), str(o["experts"])) for o in j["owners"]]
+        rows = [(o["name"], size_cell(o["budget"]), size_cell(o["bytes"]), str(o["experts"])) for o in j["owners"]]
         if j["none"]["experts"]:
-            rows.append(("none", "-", _size_cell(j["none"]["bytes"]), str(j["none"]["experts"])))
+            rows.append(("none", "-", size_cell(j["none"]["bytes"]), str(j["none"]["experts"])))
         header = ("owner", "budget", "bytes", "experts")
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     click.echo("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())

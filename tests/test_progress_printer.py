@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ds4quant.cli import _progress_printer
+from ds4quant.cli_support import progress_printer
 from ds4quant.progress import Meter
 
 
 def test_printer_shows_warm_up_then_a_windowed_eta(capsys):
-    assert _progress_printer(False) is None
-    show = _progress_printer(True)
+    assert progress_printer(False) is None
+    show = progress_printer(True)
     t = iter([0.0, 5.0, 6.0, 7.0])
     m = Meter("encode", total=3, unit="tensor", total_work=3, clock=lambda: next(t))
     for name in ("a", "b", "c"):

@@ -169,3 +169,27 @@ def test_convert_refuses_a_sensitivity_file_of_another_source(tmp_path):
     assert len(r.output.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("*.gguf"))
 
+
+
+def test_convert_uses_the_calibrate_runs_own_sensitivity_beside_the_imatrix(tiny_calib, tmp_path):
+    """`calibrate --out C` then `convert --imatrix C/imatrix.gguf`: the adaptive recipe allocates
+    by C/sensitivity.json unless told `--sensitivity none`; the same bytes as naming it."""
+    from click.testing import CliRunner
+
+    from ds4quant.cli import cli
+
+    _, calib = tiny_calib
+    base = ["--recipe", "adaptive", "--target-bpw", "2.8", "--imatrix", str(calib / "imatrix.gguf"),
+            "--candidates", "rocmfp2,rocmfp3,rocmfp4", "--fit-effort", "1,0,64", "--threads", "1",
+            "--cache-dir", str(tmp_path / "cache"), "--json"]
+    runs = {}
+    for name, extra in (("auto", []), ("named", ["--sensitivity", str(calib / "sensitivity.json")]),
+                        ("none", ["--sensitivity", "none"])):
+        r = CliRunner().invoke(cli, ["convert", str(SAMPLE), str(tmp_path / name), *base, *extra])
+        assert r.exit_code == 0, r.output
+        j = json.loads(r.output)
+        runs[name] = (j["adaptive"], next((tmp_path / name).glob("*.gguf")).read_bytes())
+    assert runs["auto"][0]["objective"].startswith("predicted KL")
+    assert runs["auto"][0]["options"]["sensitivity"] == str(calib / "sensitivity.json")
+    assert runs["none"][0]["objective"] == "weighted error" and runs["none"][0]["options"]["sensitivity"] is None
+    assert runs["auto"][1] == runs["named"][1]

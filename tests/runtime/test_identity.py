@@ -221,7 +221,9 @@ def test_worker_owner_gives_the_same_bytes(strix, hidden, reference):
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_hosted_worker_owner_names_give_the_single_process_bytes(strix, hidden, reference, mode):
     """worker:N/OWNER in a placement: a child process hosting that owner (the second
-    vendor's path on a mixed host), bytes equal to the same owners in one process."""
+    vendor's path on a mixed host): exact mode gives the one-process bytes; fast mode
+    the same numbers to float32 rounding (torch's fast matmul may block its sums by
+    the child's thread count)."""
     x, tok = hidden
     hosted = ["worker:0/torch-cpu:0"] + (["worker:1/cpu"] if HAVE_CPU else [])
     local = ["torch-cpu:0"] + (["cpu:0"] if HAVE_CPU else [])
@@ -230,9 +232,11 @@ def test_hosted_worker_owner_names_give_the_single_process_bytes(strix, hidden, 
         got = {L: rt.moe(L, x, tok) for L in (HASH_LAYER, TOPK_LAYER)}
     with runtime.load(strix, placement=_split(local), mode=mode) as rt:
         for L in (HASH_LAYER, TOPK_LAYER):
-            assert _sha(got[L]) == _sha(rt.moe(L, x, tok)), f"layer {L}"
+            want = rt.moe(L, x, tok)
             if mode == "exact":
-                assert _sha(got[L]) == _sha(reference[L][0])
+                assert _sha(got[L]) == _sha(want) == _sha(reference[L][0]), f"layer {L}"
+            else:
+                torch.testing.assert_close(got[L], want, rtol=1e-5, atol=1e-6, msg=f"layer {L}")
 
 
 @pytest.mark.parametrize("name", ["worker:0/worker:1", "worker:0/gpu:0", "worker:0/", "cpu:0/cuda:0",
