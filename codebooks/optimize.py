@@ -22,6 +22,7 @@ so the books it is given are not the books that minimise its error.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -34,7 +35,8 @@ from ds4quant.codebooks.histogram import (_bf16_repair, _bf16_repair_fast, _bf16
                                           _check_matrix, _importance_list, fit_reference)
 from ds4quant.errors import BadInputError, CodebookError
 from ds4quant.formats._bits import unpack_bits
-from ds4quant.formats._mix_search import _choose
+from ds4quant.formats._mix_search import _choose, _serial
+from ds4quant.formats._mix_search_fit import _eval_books_nb, book_tables_nb, terms_stats_nb
 from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106, _check_status
 from ds4quant.formats.ue4m3 import UE4M3
 
@@ -88,19 +90,44 @@ def _project_nb(books, scales):
 
 
 def _project_fast(levels: np.ndarray) -> np.ndarray:
-    """``_project`` with the loops in numba (same bits; the power of two is
-    still numpy's log2 of the same float, so it cannot differ)."""
+    """``_project`` with the loops in numba (same bits; the sort is numpy's and
+    the power of two still numpy's log2 of the same Python float, so neither
+    can differ)."""
     lv = np.sort(np.asarray(levels, dtype=np.float64), axis=1)
-    scales = np.empty(2)
-    for p in range(2):
-        ml = float(np.max(np.abs(lv[p])))
-        if not (ml > 0 and np.isfinite(ml)):
-            return _project(levels, _bf16_repair_fast)  # the linspace fallback
-        scales[p] = 2.0 ** -np.ceil(np.log2(ml))
-    bits, ok = _project_nb(lv, scales)
+    ml0, ml1 = np.abs(lv).max(axis=1).tolist()  # max is exact: the per-book np.max
+    if not (ml0 > 0 and math.isfinite(ml0) and ml1 > 0 and math.isfinite(ml1)):
+        return _project(levels, _bf16_repair_fast)  # the linspace fallback
+    books, ok = _project_books_nb(lv, 2.0 ** -np.ceil(np.log2(ml0)), 2.0 ** -np.ceil(np.log2(ml1)))
     if not ok:
         return _project(levels, _bf16_repair)  # raises the reference's message
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    return books
+
+
+@numba.njit(cache=True, nogil=True)
+def _project_books_nb(lv, s0, s1):
+    """_project_nb's bits as float32 books (bf16 bits << 16), and ok."""
+    scales = np.empty(2)
+    scales[0] = s0
+    scales[1] = s1
+    bits, ok = _project_nb(lv, scales)
+    out = np.empty(bits.shape, np.uint32)
+    for p in range(2):
+        for j in range(bits.shape[1]):
+            out[p, j] = np.uint32(bits[p, j]) << np.uint32(16)
+    return out.view(np.float32), ok
+
+
+@numba.njit(cache=True, nogil=True)
+def _lloyd_levels_nb(books, num, den):
+    """The least-squares levels num / den where a level was used, the input
+    level where not: float64 (2, L)."""
+    L = books.shape[1]
+    out = np.empty((2, L), np.float64)
+    for p in range(2):
+        for j in range(L):
+            i = p * L + j
+            out[p, j] = num[i] / den[i] if den[i] > 0 else np.float64(books[p, j])
+    return out
 
 
 class _Problem:
@@ -148,40 +175,7 @@ class _Problem:
         return _project(levels.reshape(2, L)), total
 
 
-@numba.njit(cache=True, nogil=True)
-def _terms_stats_nb(h, wq, has_w, books, out_b, out_e, codes, mode, fixed, terms, num, den, stats):
-    """Per element of h float32 (G, 16): terms = (x - y)^2 * w in float64
-    (y the decoded float32 value, w the raw importance, none without), and
-    with ``stats`` the Lloyd sums num[b*L + j] += (w*S)*x, den += (w*S)*S in
-    element order (np.bincount's order, so the sums are the legacy ones)."""
-    G = h.shape[0]
-    L = books.shape[1]
-    hpr = wq.shape[0]
-    for g in range(G):
-        be = out_e[g]
-        bk = out_b[g]
-        s = UE4M3[be]
-        s64 = np.float64(s)
-        for i in range(16):
-            c = codes[g, i]
-            if mode == 1:
-                y = np.float32(s * books[bk, c])
-            else:
-                y = np.float32(fixed[c] * s)
-            x64 = np.float64(h[g, i])
-            d = x64 - np.float64(y)
-            t = d * d
-            if has_w:
-                w64 = np.float64(wq[g % hpr, i])
-                terms[g, i] = t * w64
-            else:
-                w64 = 1.0
-                terms[g, i] = t
-            if stats:
-                idx = bk * L + c
-                ws = w64 * s64
-                num[idx] += ws * x64
-                den[idx] += ws * s64
+_terms_stats_nb = terms_stats_nb  # moved beside the one-pass evaluation
 
 
 class _FastProblem:
@@ -196,6 +190,7 @@ class _FastProblem:
         self.bits = 2 if self.qt.codebook_levels == 4 else 3
         self.fixed = _FIXED_106 if self.bits == 2 else _FIXED_105
         self._memo: dict = {}
+        self._terms: list = [None] * len(self.mats)  # float64 scratch of the one-pass evaluation
         # on a torch device the search runs there (the matrices stay resident
         # across the Lloyd steps); the float64 sums below stay on the host
         self.device = device
@@ -211,20 +206,39 @@ class _FastProblem:
         num = np.zeros(2 * L)
         den = np.zeros(2 * L)
         total = 0.0
+        split = ml = None
         for i, (x, q) in enumerate(zip(self.mats, self.imps)):
-            if self._dev is not None:
-                from ds4quant.formats._mix_search_torch import choose_torch
-
-                ob, oe, codes, st = choose_torch(*self._dev[i], books, mode, self.bits)
-            else:
-                ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
-            _check_status(self.qt, st, x.shape[1] // 16)
             h = x.reshape(-1, 16)
             has_w = q is not None
             wq = q.reshape(-1, 16) if has_w else np.zeros((1, 16), np.float32)
-            terms = np.empty(h.shape, np.float64)
             n1 = np.zeros(2 * L)
             d1 = np.zeros(2 * L)
+            if self._dev is None and mode == 1 and _serial(h.shape[0]):
+                # one pass: search, error terms, np.sum's order, Lloyd sums
+                if split is None:
+                    split, ml = book_tables_nb(books)
+                if self._terms[i] is None:  # reused by every evaluation of this matrix
+                    G = h.shape[0]
+                    self._terms[i] = (np.empty(h.shape, np.float64), np.empty(G, np.int64), np.empty(G, np.int64),
+                                      np.empty((G, 16), np.uint8), np.empty(G, np.int8))
+                t, bad, st = _eval_books_nb(h, wq, has_w, books, split, ml, stats, n1, d1, *self._terms[i], self.fixed)
+                if bad >= 0:
+                    status = np.zeros(h.shape[0], np.int8)
+                    status[bad] = st
+                    _check_status(self.qt, status, x.shape[1] // 16)
+                total += float(t)
+                num += n1
+                den += d1
+                continue
+            if self._dev is not None:
+                from ds4quant.formats._mix_search_batch import choose_batched
+
+                # shared with the other workers' searches: one set of launches for all
+                ob, oe, codes, st = choose_batched(*self._dev[i], books, mode, self.bits)
+            else:
+                ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
+            _check_status(self.qt, st, x.shape[1] // 16)
+            terms = np.empty(h.shape, np.float64)
             _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
             # the legacy figure: np.sum over the (rows, cols) float64 array
             total += float(np.sum(terms.reshape(x.shape)))
@@ -240,13 +254,9 @@ class _FastProblem:
         return self._memo[key]
 
     def lloyd_step(self, books: np.ndarray) -> tuple[np.ndarray, float]:
-        L = self.qt.codebook_levels
         total, num, den = self._run(books, 1, True)
         self._memo.setdefault((1, np.ascontiguousarray(books, dtype=np.float32).tobytes()), total)
-        levels = books.astype(np.float64).reshape(-1).copy()
-        used = den > 0
-        levels[used] = num[used] / den[used]
-        return _project_fast(levels.reshape(2, L)), total
+        return _project_fast(_lloyd_levels_nb(np.ascontiguousarray(books, np.float32), num, den)), total
 
 
 def fit_optimized(
@@ -320,7 +330,7 @@ def fit_optimized(
             new, err = fit.lloyd_step(books)
             if err < best_err:
                 best_books, best_err = books, err
-            if np.array_equal(new.view(np.uint32), books.view(np.uint32)):
+            if new.tobytes() == books.tobytes():  # the same bits (the books are finite)
                 break
             books = new
         err = fit.error(books, 1)

@@ -122,6 +122,18 @@ def test_fast_fitter_equals_legacy_bit_for_bit(qtype, shape, n, max_rows):
             (b.error, b.reference_error, b.fixed_error, b.refined_error)
 
 
+def test_pairwise_sum_is_np_sum_bit_for_bit():
+    """The one-pass fitter evaluation's float64 total: numpy's pairwise order."""
+    from ds4quant.formats._mix_search_fit import pairwise_sum_nb
+
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 7, 8, 9, 127, 128, 129, 1000, 4096, 32768 + 5, 1 << 20):
+        a = rng.standard_t(3, n) ** 2 * 1e-6
+        assert 0.0 + pairwise_sum_nb(a, 0, n) == float(np.sum(a)), n
+        if n >= 16 and n % 16 == 0:
+            assert 0.0 + pairwise_sum_nb(a, 0, n) == float(np.sum(a.reshape(-1, 16)))
+
+
 def test_numba_lloyd_projection_and_repair_equal_numpy():
     rng = np.random.default_rng(5)
     for t in range(300):
