@@ -358,14 +358,17 @@ def benchmark(args) -> dict:
                                                                       device=d)
         result["warmup_seconds"] = time.perf_counter() - t0
 
-        result["cost"] = measure_cost(run, work, facts, threads, devices=args.device, efforts=args.fit_effort,
-                                      anchor=not args.skip_anchor, one_core=not args.skip_one_core,
-                                      partial=out_dir / "cost-partial.json")
+        if not args.ds4_only:
+            result["cost"] = measure_cost(run, work, facts, threads, devices=args.device, efforts=args.fit_effort,
+                                          anchor=not args.skip_anchor, one_core=not args.skip_one_core,
+                                          partial=out_dir / "cost-partial.json")
         if args.ds4_shape:
             from _adaptive_ds4shape import ds4_expert_cost
 
             result["ds4_shape"] = ds4_expert_cost(threads, devices=args.device, candidates=cands,
-                                                  experts=args.ds4_shape, one_core=not args.skip_one_core)
+                                                  experts=args.ds4_shape, one_core=not args.skip_one_core,
+                                                  partial=out_dir / "ds4shape-partial.json",
+                                                  device_first=args.device_first)
         if args.cost_only:
             (out_dir / "adaptive-bench.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
             return result
@@ -546,6 +549,8 @@ def main(argv=None) -> int:
                     help="also time the measure stage at this --fit-effort (a trade-off row); repeatable")
     ap.add_argument("--skip-anchor", action="store_true", help="skip the pre-change (legacy kernels) anchor")
     ap.add_argument("--skip-one-core", action="store_true", help="skip the 1-core rows (and so the anchor ratio)")
+    ap.add_argument("--ds4-only", action="store_true", help="only the --ds4-shape rows (no sample conversions)")
+    ap.add_argument("--device-first", action="store_true", help="--ds4-shape: time the --device rows first")
     ap.add_argument("--ds4-shape", type=int, default=0, metavar="N",
                     help="also time measure_matrix on N synthetic experts at DeepSeek-V4 Flash shapes")
     ap.add_argument("--cold-threads-check", action="store_true",
