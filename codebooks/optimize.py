@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numba
@@ -53,6 +53,10 @@ class OptimizedFit:
     reference_error: Optional[float]
     fixed_error: float
     refined_error: float
+    # the encoder's choices for (books, mode) on every row of the single
+    # matrix, per half (book int64 (G,), byte int64 (G,), codes uint8 (G, 16)),
+    # when the fast fitter evaluated them there: what encoding it again gives
+    encoding: Optional[tuple] = field(default=None, compare=False, repr=False)
 
 
 def _project(levels: np.ndarray, repair=_bf16_repair) -> np.ndarray:
@@ -191,6 +195,10 @@ class _FastProblem:
         self.fixed = _FIXED_106 if self.bits == 2 else _FIXED_105
         self._memo: dict = {}
         self._terms: list = [None] * len(self.mats)  # float64 scratch of the one-pass evaluation
+        # (mode, books bytes) -> the choices on the single matrix (set keep: the all-rows problem)
+        self.keep = False
+        self.kept: dict = {}
+        self._kept_min = float("inf")
         # on a torch device the search runs there (the matrices stay resident
         # across the Lloyd steps); the float64 sums below stay on the host
         self.device = device
@@ -226,6 +234,10 @@ class _FastProblem:
                     status = np.zeros(h.shape[0], np.int8)
                     status[bad] = st
                     _check_status(self.qt, status, x.shape[1] // 16)
+                if self.keep and len(self.mats) == 1 and t < self._kept_min:
+                    # the fitter keeps the first least error: only such books can be chosen
+                    self._kept_min = t
+                    self.kept[(1, books.tobytes())] = tuple(a.copy() for a in self._terms[i][1:4])
                 total += float(t)
                 num += n1
                 den += d1
@@ -241,7 +253,12 @@ class _FastProblem:
             terms = np.empty(h.shape, np.float64)
             _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
             # the legacy figure: np.sum over the (rows, cols) float64 array
-            total += float(np.sum(terms.reshape(x.shape)))
+            t = float(np.sum(terms.reshape(x.shape)))
+            if self.keep and len(self.mats) == 1 and (mode == 0 or t < self._kept_min):
+                if mode == 1:
+                    self._kept_min = t
+                self.kept[(mode, books.tobytes() if mode == 1 else b"")] = (ob.copy(), oe.copy(), codes.copy())
+            total += t
             num += n1
             den += d1
         return total, num, den
@@ -306,6 +323,8 @@ def fit_optimized(
             raise CodebookError(f"fit_optimized: matrix {i} has non-finite values")
     L = qt.codebook_levels
     full = P(qt.name, mats, imps)
+    if impl == "fast":
+        full.keep = True  # the final encode of the chosen books reuses these choices
     if max_rows is not None and any(m.shape[0] > max_rows for m in mats):
         pick = lambda m: m[np.linspace(0, m.shape[0] - 1, max_rows).round().astype(int)]  # noqa: E731
         fit = P(qt.name, [pick(m) if m.shape[0] > max_rows else m for m in mats], imps)
@@ -344,4 +363,6 @@ def fit_optimized(
     if ref_books is not None:
         choices.insert(0, (ref_err, 1, ref_books))
     err, mode, books = min(choices, key=lambda c: c[0])  # first wins ties: reference, refined, fixed
-    return OptimizedFit(books=books, mode=mode, error=err, reference_error=ref_err, fixed_error=fixed_err, refined_error=refined_err)
+    enc = full.kept.get((mode, books.tobytes() if mode == 1 else b"")) if impl == "fast" else None
+    return OptimizedFit(books=books, mode=mode, error=err, reference_error=ref_err, fixed_error=fixed_err,
+                        refined_error=refined_err, encoding=enc)

@@ -154,3 +154,19 @@ def _eval_books_nb(h, wq, has_w, books, split, ml, stats, num, den, terms, out_b
             return 0.0, g, np.int64(status[g])
     terms_stats_nb(h, wq, has_w, books, out_b, out_e, codes, 1, fixed, terms, num, den, stats)
     return 0.0 + pairwise_sum_nb(terms.reshape(-1), 0, G * 16), -1, np.int64(0)
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_choice_nb(out_b, out_e, codes, books, mode, fixed, out):
+    """The decode of the blocks the choices pack to (``rocmfp_mix._decode_nb``'s
+    products: S(e) * level[book][code] in mode 1, fixed[code] * S(e) in mode
+    0), from the choices themselves: out float32 (G, 16)."""
+    for g in range(out_e.shape[0]):
+        s = UE4M3[out_e[g]]
+        b = out_b[g]
+        for i in range(16):
+            c = codes[g, i]
+            if mode == 1:
+                out[g, i] = np.float32(s * books[b, c])
+            else:
+                out[g, i] = np.float32(fixed[c] * s)
