@@ -84,15 +84,30 @@ matrices x 6 candidates; a shared 2-core machine, so shares, not seconds):
     mode-0 search (a window of bytes, not 126)               4 %
     numpy sums, reference fitter, error_sums, glue          35 %
 
+    session 4 (8.5 CPU s under load 2.5; the same plans and bytes)
+    mode-1 search + the fitter's float64 terms, Lloyd sums and np.sum's
+      pairwise order in one numba call, 8,064 calls         47 %
+    non-MIX candidate encodes (scale search), 832 calls     16 %
+    mode-0 search, 384 calls                                 5 %
+    error sums (metrics.error_sums)                          6 %
+    book projection, histogram Lloyd (occupied bins only),
+      fit glue, convert's fsyncs and JSON                   26 %
+    (the final MIX encode of the chosen books is gone: the fitter's
+    own choices are decoded)
+
 At DS4 Flash shapes (--ds4-shape 1: gate/up 2048 x 4096, down 4096 x 2048,
 the Lloyd steps on 512 sampled rows, the final evaluations on all rows):
 mode-1 search 36 %, non-MIX encodes 27 %, the fitter's sums 11 %, mode-0
 search 11 %, decodes 3 %, error sums 2 %: the full-row evaluations and the
-non-MIX candidates weigh more than on the sample.
+non-MIX candidates weigh more than on the sample. Session 4 (1 core, 20 s for
+one expert under load 3): mode-1 search with its sums 36 %, non-MIX encodes
+32 %, mode-0 search 12 % and its sums 6 %, the final encode 4 %.
 
 Measured with --cost-only on the 2-core machine (load 8-13): 1 core 5.5x
 fewer CPU s/GB than the anchor (16,580 -> 3,013), 7.5x wall; 2 cores
-(--jobs 2) 14.4x wall; plans, errors and GGUF bytes identical.
+(--jobs 2) 14.4x wall; plans, errors and GGUF bytes identical. Session 4
+(load 2.0-2.7, benchmarks/results/adaptive_cost_ds4tiny_2core_run2.json):
+1 core 6.5x fewer CPU s/GB (16,055 -> 2,463), 6.8x wall.
 """
 
 from __future__ import annotations
