@@ -202,15 +202,10 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
     ref = None
     if qt.is_mix:
         b, mode, ref_err, enc = _fit_books(x, qtype, imp, opts, seed, device)
-        if enc is not None:
-            # the fitter ran the encoder's search for these books on every row:
-            # decode its choices (the values the packed blocks decode to)
-            from ds4quant.formats._mix_search_fit import decode_choice_nb
-            from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
+        if enc is not None:  # the fitter searched every row with these books: decode its choices
+            from ds4quant.formats._mix_search_fit import decode_choices
 
-            y = np.empty(x.shape, np.float32)
-            decode_choice_nb(*enc, np.ascontiguousarray(b, np.float32), mode,
-                             _FIXED_106 if qt.codebook_levels == 4 else _FIXED_105, y.reshape(-1, 16))
+            y = decode_choices(qt, enc, x.shape, b, mode)
             nbytes = x.shape[0] * qt.row_bytes(x.shape[1])
         else:
             if device is not None and not _LEGACY:

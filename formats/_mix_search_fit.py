@@ -170,3 +170,14 @@ def decode_choice_nb(out_b, out_e, codes, books, mode, fixed, out):
                 out[g, i] = np.float32(s * books[b, c])
             else:
                 out[g, i] = np.float32(fixed[c] * s)
+
+
+def decode_choices(qt, enc, shape, books: np.ndarray, mode: int) -> np.ndarray:
+    """float32 ``shape`` values the blocks of the choices ``enc`` (book, byte,
+    codes per half) decode to, for MIX qtype ``qt``: its decode, bit for bit."""
+    from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
+
+    y = np.empty(shape, np.float32)
+    decode_choice_nb(*enc, np.ascontiguousarray(books, np.float32), int(mode),
+                     _FIXED_106 if qt.codebook_levels == 4 else _FIXED_105, y.reshape(-1, 16))
+    return y
