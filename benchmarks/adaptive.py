@@ -107,7 +107,9 @@ Measured with --cost-only on the 2-core machine (load 8-13): 1 core 5.5x
 fewer CPU s/GB than the anchor (16,580 -> 3,013), 7.5x wall; 2 cores
 (--jobs 2) 14.4x wall; plans, errors and GGUF bytes identical. Session 4
 (load 2.0-2.7, benchmarks/results/adaptive_cost_ds4tiny_2core_run2.json):
-1 core 6.5x fewer CPU s/GB (16,055 -> 2,463), 6.8x wall.
+1 core 6.5x fewer CPU s/GB (16,055 -> 2,463), 6.8x wall; at load 3.1-4.1
+(..._run3.json): 1 core 6.5x CPU, 8.6x wall, 2 cores 14.3x, --fit-effort
+3,0,512 on 2 cores 22.2x (the same plans, 0.2 dB less).
 """
 
 from __future__ import annotations
