@@ -543,8 +543,21 @@ def _pack_chosen_nb(codes, out_b, out_e, mode, bits, out):
                 out[r, o + qs_bytes + hh] = np.uint8(be | (out_b[g + hh] << 7)) if mode == 1 else np.uint8(be)
 
 
-_choose_serial_nb = numba.njit(cache=True, nogil=True)(_choose_nb.py_func)
-_choose_fixed_serial_nb = numba.njit(cache=True, nogil=True)(_choose_fixed_nb.py_func)
+def _serial_twin(fn, name: str):
+    """``fn``'s Python function compiled without parallel=True, under its own
+    name: numba's cache is keyed by the function's name and line, not its
+    flags, so a twin of the same name would share (and overwrite) the
+    parallel kernel's cache entry."""
+    import types
+
+    f = fn.py_func
+    twin = types.FunctionType(f.__code__, f.__globals__, name, f.__defaults__, f.__closure__)
+    twin.__qualname__ = name
+    return numba.njit(cache=True, nogil=True)(twin)
+
+
+_choose_serial_nb = _serial_twin(_choose_nb, "_choose_serial_nb")
+_choose_fixed_serial_nb = _serial_twin(_choose_fixed_nb, "_choose_fixed_serial_nb")
 _SERIAL_HALVES = 4 * _TILE * _TILES_PER_TASK
 
 
