@@ -44,7 +44,8 @@ def importance(key: str, cols: int) -> np.ndarray:
     return np.exp(_rng(key).standard_normal(cols)).astype(np.float32)
 
 
-def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True) -> dict:
+def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True,
+                    partial=None, device_first: bool = False) -> dict:
     from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions, _fits, measure_matrix
     from ds4quant.adaptive_jobs import ordered_map, resolve_device
     from ds4quant.formats import numba_threads
@@ -59,7 +60,9 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
     weights = sum(x.size for _, x, _ in mats)
     gb = weights * (0.5 + 1 / 32) / 1e9  # FP4 codes + one E8M0 byte per 32
     paths = ([("1 core", 1, "cpu")] if one_core else []) + ([(f"{threads} cores", threads, "cpu")] if threads > 1 else [])
-    paths += [(f"{d} + {threads} cores", threads, d) for d in devices]
+    dev_paths = [(f"{d} + {threads} cores", threads, d) for d in devices]
+    # device_first: a run with little time left measures the device before the CPU rows
+    paths = dev_paths + paths if device_first else paths + dev_paths
     out = {"experts": experts, "shape_gate_up": list(GATE_UP), "shape_down": list(DOWN), "fp4_gb": gb,
            "candidates": list(cands), "paths": {}}
     results = {}
@@ -87,6 +90,12 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
             sec, cpu = time.perf_counter() - t0, time.process_time() - c0
         results[label] = got
         out["paths"][label] = {"jobs": jobs, "device": device, "s": sec, "cpu_s": cpu, "s_per_gb": sec / gb,
-                               "cpu_s_per_gb": cpu / gb, "load_average": load}
+                               "cpu_s_per_gb": cpu / gb, "load_average": load,
+                               # the figures and books of every matrix: equal digests, equal results
+                               "digest": hashlib.sha256(repr(got).encode()).hexdigest()}
+        if partial is not None:  # what a run cut short still reports
+            import json
+
+            partial.write_text(json.dumps(out, indent=2) + "\n")
     out["identical"] = len({repr(v) for v in results.values()}) == 1
     return out

@@ -84,15 +84,32 @@ matrices x 6 candidates; a shared 2-core machine, so shares, not seconds):
     mode-0 search (a window of bytes, not 126)               4 %
     numpy sums, reference fitter, error_sums, glue          35 %
 
+    session 4 (8.5 CPU s under load 2.5; the same plans and bytes)
+    mode-1 search + the fitter's float64 terms, Lloyd sums and np.sum's
+      pairwise order in one numba call, 8,064 calls         47 %
+    non-MIX candidate encodes (scale search), 832 calls     16 %
+    mode-0 search, 384 calls                                 5 %
+    error sums (metrics.error_sums)                          6 %
+    book projection, histogram Lloyd (occupied bins only),
+      fit glue, convert's fsyncs and JSON                   26 %
+    (the final MIX encode of the chosen books is gone: the fitter's
+    own choices are decoded)
+
 At DS4 Flash shapes (--ds4-shape 1: gate/up 2048 x 4096, down 4096 x 2048,
 the Lloyd steps on 512 sampled rows, the final evaluations on all rows):
 mode-1 search 36 %, non-MIX encodes 27 %, the fitter's sums 11 %, mode-0
 search 11 %, decodes 3 %, error sums 2 %: the full-row evaluations and the
-non-MIX candidates weigh more than on the sample.
+non-MIX candidates weigh more than on the sample. Session 4 (1 core, 20 s for
+one expert under load 3): mode-1 search with its sums 36 %, non-MIX encodes
+32 %, mode-0 search 12 % and its sums 6 %, the final encode 4 %.
 
 Measured with --cost-only on the 2-core machine (load 8-13): 1 core 5.5x
 fewer CPU s/GB than the anchor (16,580 -> 3,013), 7.5x wall; 2 cores
-(--jobs 2) 14.4x wall; plans, errors and GGUF bytes identical.
+(--jobs 2) 14.4x wall; plans, errors and GGUF bytes identical. Session 4
+(load 2.0-2.7, benchmarks/results/adaptive_cost_ds4tiny_2core_run2.json):
+1 core 6.5x fewer CPU s/GB (16,055 -> 2,463), 6.8x wall; at load 3.1-4.1
+(..._run3.json): 1 core 6.5x CPU, 8.6x wall, 2 cores 14.3x, --fit-effort
+3,0,512 on 2 cores 22.2x (the same plans, 0.2 dB less).
 """
 
 from __future__ import annotations
@@ -358,14 +375,17 @@ def benchmark(args) -> dict:
                                                                       device=d)
         result["warmup_seconds"] = time.perf_counter() - t0
 
-        result["cost"] = measure_cost(run, work, facts, threads, devices=args.device, efforts=args.fit_effort,
-                                      anchor=not args.skip_anchor, one_core=not args.skip_one_core,
-                                      partial=out_dir / "cost-partial.json")
+        if not args.ds4_only:
+            result["cost"] = measure_cost(run, work, facts, threads, devices=args.device, efforts=args.fit_effort,
+                                          anchor=not args.skip_anchor, one_core=not args.skip_one_core,
+                                          partial=out_dir / "cost-partial.json")
         if args.ds4_shape:
             from _adaptive_ds4shape import ds4_expert_cost
 
             result["ds4_shape"] = ds4_expert_cost(threads, devices=args.device, candidates=cands,
-                                                  experts=args.ds4_shape, one_core=not args.skip_one_core)
+                                                  experts=args.ds4_shape, one_core=not args.skip_one_core,
+                                                  partial=out_dir / "ds4shape-partial.json",
+                                                  device_first=args.device_first)
         if args.cost_only:
             (out_dir / "adaptive-bench.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
             return result
@@ -546,6 +566,8 @@ def main(argv=None) -> int:
                     help="also time the measure stage at this --fit-effort (a trade-off row); repeatable")
     ap.add_argument("--skip-anchor", action="store_true", help="skip the pre-change (legacy kernels) anchor")
     ap.add_argument("--skip-one-core", action="store_true", help="skip the 1-core rows (and so the anchor ratio)")
+    ap.add_argument("--ds4-only", action="store_true", help="only the --ds4-shape rows (no sample conversions)")
+    ap.add_argument("--device-first", action="store_true", help="--ds4-shape: time the --device rows first")
     ap.add_argument("--ds4-shape", type=int, default=0, metavar="N",
                     help="also time measure_matrix on N synthetic experts at DeepSeek-V4 Flash shapes")
     ap.add_argument("--cold-threads-check", action="store_true",

@@ -279,6 +279,15 @@ def _lloyd_nb(h, levels, coords):
     bounds = np.empty(levels - 1, dtype=np.float32)
     wt = np.empty(levels)
     sx = np.empty(levels)
+    # only the occupied bins: an empty bin adds +0 to a cluster's mass and +-0
+    # to its sum, which changes neither (both start at +0 and never become -0),
+    # and a level is updated only where its mass is > 0 (FP4 sources occupy few bins)
+    nz = np.empty(n, np.int64)
+    m = 0
+    for b in range(n):
+        if h[b] != 0.0:
+            nz[m] = b
+            m += 1
     for _ in range(24):
         for j in range(levels - 1):
             bounds[j] = np.float32(np.float32(0.5) * np.float32(c[j] + c[j + 1]))
@@ -286,7 +295,8 @@ def _lloyd_nb(h, levels, coords):
         sx[:] = 0.0
         seen = np.zeros(levels, dtype=np.bool_)
         cl = 0
-        for b in range(n):
+        for t in range(m):
+            b = nz[t]
             while cl < levels - 1 and bounds[cl] < coords[b]:
                 cl += 1
             wt[cl] += h[b]

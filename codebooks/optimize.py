@@ -22,8 +22,9 @@ so the books it is given are not the books that minimise its error.
 
 from __future__ import annotations
 
+import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numba
@@ -34,7 +35,8 @@ from ds4quant.codebooks.histogram import (_bf16_repair, _bf16_repair_fast, _bf16
                                           _check_matrix, _importance_list, fit_reference)
 from ds4quant.errors import BadInputError, CodebookError
 from ds4quant.formats._bits import unpack_bits
-from ds4quant.formats._mix_search import _choose
+from ds4quant.formats._mix_search import _choose, _serial
+from ds4quant.formats._mix_search_fit import _eval_books_nb, book_tables_nb, terms_stats_nb
 from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106, _check_status
 from ds4quant.formats.ue4m3 import UE4M3
 
@@ -51,6 +53,10 @@ class OptimizedFit:
     reference_error: Optional[float]
     fixed_error: float
     refined_error: float
+    # the encoder's choices for (books, mode) on every row of the single
+    # matrix, per half (book int64 (G,), byte int64 (G,), codes uint8 (G, 16)),
+    # when the fast fitter evaluated them there: what encoding it again gives
+    encoding: Optional[tuple] = field(default=None, compare=False, repr=False)
 
 
 def _project(levels: np.ndarray, repair=_bf16_repair) -> np.ndarray:
@@ -88,19 +94,44 @@ def _project_nb(books, scales):
 
 
 def _project_fast(levels: np.ndarray) -> np.ndarray:
-    """``_project`` with the loops in numba (same bits; the power of two is
-    still numpy's log2 of the same float, so it cannot differ)."""
+    """``_project`` with the loops in numba (same bits; the sort is numpy's and
+    the power of two still numpy's log2 of the same Python float, so neither
+    can differ)."""
     lv = np.sort(np.asarray(levels, dtype=np.float64), axis=1)
-    scales = np.empty(2)
-    for p in range(2):
-        ml = float(np.max(np.abs(lv[p])))
-        if not (ml > 0 and np.isfinite(ml)):
-            return _project(levels, _bf16_repair_fast)  # the linspace fallback
-        scales[p] = 2.0 ** -np.ceil(np.log2(ml))
-    bits, ok = _project_nb(lv, scales)
+    ml0, ml1 = np.abs(lv).max(axis=1).tolist()  # max is exact: the per-book np.max
+    if not (ml0 > 0 and math.isfinite(ml0) and ml1 > 0 and math.isfinite(ml1)):
+        return _project(levels, _bf16_repair_fast)  # the linspace fallback
+    books, ok = _project_books_nb(lv, 2.0 ** -np.ceil(np.log2(ml0)), 2.0 ** -np.ceil(np.log2(ml1)))
     if not ok:
         return _project(levels, _bf16_repair)  # raises the reference's message
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    return books
+
+
+@numba.njit(cache=True, nogil=True)
+def _project_books_nb(lv, s0, s1):
+    """_project_nb's bits as float32 books (bf16 bits << 16), and ok."""
+    scales = np.empty(2)
+    scales[0] = s0
+    scales[1] = s1
+    bits, ok = _project_nb(lv, scales)
+    out = np.empty(bits.shape, np.uint32)
+    for p in range(2):
+        for j in range(bits.shape[1]):
+            out[p, j] = np.uint32(bits[p, j]) << np.uint32(16)
+    return out.view(np.float32), ok
+
+
+@numba.njit(cache=True, nogil=True)
+def _lloyd_levels_nb(books, num, den):
+    """The least-squares levels num / den where a level was used, the input
+    level where not: float64 (2, L)."""
+    L = books.shape[1]
+    out = np.empty((2, L), np.float64)
+    for p in range(2):
+        for j in range(L):
+            i = p * L + j
+            out[p, j] = num[i] / den[i] if den[i] > 0 else np.float64(books[p, j])
+    return out
 
 
 class _Problem:
@@ -148,40 +179,7 @@ class _Problem:
         return _project(levels.reshape(2, L)), total
 
 
-@numba.njit(cache=True, nogil=True)
-def _terms_stats_nb(h, wq, has_w, books, out_b, out_e, codes, mode, fixed, terms, num, den, stats):
-    """Per element of h float32 (G, 16): terms = (x - y)^2 * w in float64
-    (y the decoded float32 value, w the raw importance, none without), and
-    with ``stats`` the Lloyd sums num[b*L + j] += (w*S)*x, den += (w*S)*S in
-    element order (np.bincount's order, so the sums are the legacy ones)."""
-    G = h.shape[0]
-    L = books.shape[1]
-    hpr = wq.shape[0]
-    for g in range(G):
-        be = out_e[g]
-        bk = out_b[g]
-        s = UE4M3[be]
-        s64 = np.float64(s)
-        for i in range(16):
-            c = codes[g, i]
-            if mode == 1:
-                y = np.float32(s * books[bk, c])
-            else:
-                y = np.float32(fixed[c] * s)
-            x64 = np.float64(h[g, i])
-            d = x64 - np.float64(y)
-            t = d * d
-            if has_w:
-                w64 = np.float64(wq[g % hpr, i])
-                terms[g, i] = t * w64
-            else:
-                w64 = 1.0
-                terms[g, i] = t
-            if stats:
-                idx = bk * L + c
-                ws = w64 * s64
-                num[idx] += ws * x64
-                den[idx] += ws * s64
+_terms_stats_nb = terms_stats_nb  # moved beside the one-pass evaluation
 
 
 class _FastProblem:
@@ -196,6 +194,11 @@ class _FastProblem:
         self.bits = 2 if self.qt.codebook_levels == 4 else 3
         self.fixed = _FIXED_106 if self.bits == 2 else _FIXED_105
         self._memo: dict = {}
+        self._terms: list = [None] * len(self.mats)  # float64 scratch of the one-pass evaluation
+        # (mode, books bytes) -> the choices on the single matrix (set keep: the all-rows problem)
+        self.keep = False
+        self.kept: dict = {}
+        self._kept_min = float("inf")
         # on a torch device the search runs there (the matrices stay resident
         # across the Lloyd steps); the float64 sums below stay on the host
         self.device = device
@@ -211,23 +214,51 @@ class _FastProblem:
         num = np.zeros(2 * L)
         den = np.zeros(2 * L)
         total = 0.0
+        split = ml = None
         for i, (x, q) in enumerate(zip(self.mats, self.imps)):
-            if self._dev is not None:
-                from ds4quant.formats._mix_search_torch import choose_torch
-
-                ob, oe, codes, st = choose_torch(*self._dev[i], books, mode, self.bits)
-            else:
-                ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
-            _check_status(self.qt, st, x.shape[1] // 16)
             h = x.reshape(-1, 16)
             has_w = q is not None
             wq = q.reshape(-1, 16) if has_w else np.zeros((1, 16), np.float32)
-            terms = np.empty(h.shape, np.float64)
             n1 = np.zeros(2 * L)
             d1 = np.zeros(2 * L)
+            if self._dev is None and mode == 1 and _serial(h.shape[0]):
+                # one pass: search, error terms, np.sum's order, Lloyd sums
+                if split is None:
+                    split, ml = book_tables_nb(books)
+                if self._terms[i] is None:  # reused by every evaluation of this matrix
+                    G = h.shape[0]
+                    self._terms[i] = (np.empty(h.shape, np.float64), np.empty(G, np.int64), np.empty(G, np.int64),
+                                      np.empty((G, 16), np.uint8), np.empty(G, np.int8))
+                t, bad, st = _eval_books_nb(h, wq, has_w, books, split, ml, stats, n1, d1, *self._terms[i], self.fixed)
+                if bad >= 0:
+                    status = np.zeros(h.shape[0], np.int8)
+                    status[bad] = st
+                    _check_status(self.qt, status, x.shape[1] // 16)
+                if self.keep and len(self.mats) == 1 and t < self._kept_min:
+                    # the fitter keeps the first least error: only such books can be chosen
+                    self._kept_min = t
+                    self.kept[(1, books.tobytes())] = tuple(a.copy() for a in self._terms[i][1:4])
+                total += float(t)
+                num += n1
+                den += d1
+                continue
+            if self._dev is not None:
+                from ds4quant.formats._mix_search_batch import choose_batched
+
+                # shared with the other workers' searches: one set of launches for all
+                ob, oe, codes, st = choose_batched(*self._dev[i], books, mode, self.bits)
+            else:
+                ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
+            _check_status(self.qt, st, x.shape[1] // 16)
+            terms = np.empty(h.shape, np.float64)
             _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
             # the legacy figure: np.sum over the (rows, cols) float64 array
-            total += float(np.sum(terms.reshape(x.shape)))
+            t = float(np.sum(terms.reshape(x.shape)))
+            if self.keep and len(self.mats) == 1 and (mode == 0 or t < self._kept_min):
+                if mode == 1:
+                    self._kept_min = t
+                self.kept[(mode, books.tobytes() if mode == 1 else b"")] = (ob.copy(), oe.copy(), codes.copy())
+            total += t
             num += n1
             den += d1
         return total, num, den
@@ -240,13 +271,9 @@ class _FastProblem:
         return self._memo[key]
 
     def lloyd_step(self, books: np.ndarray) -> tuple[np.ndarray, float]:
-        L = self.qt.codebook_levels
         total, num, den = self._run(books, 1, True)
         self._memo.setdefault((1, np.ascontiguousarray(books, dtype=np.float32).tobytes()), total)
-        levels = books.astype(np.float64).reshape(-1).copy()
-        used = den > 0
-        levels[used] = num[used] / den[used]
-        return _project_fast(levels.reshape(2, L)), total
+        return _project_fast(_lloyd_levels_nb(np.ascontiguousarray(books, np.float32), num, den)), total
 
 
 def fit_optimized(
@@ -296,6 +323,8 @@ def fit_optimized(
             raise CodebookError(f"fit_optimized: matrix {i} has non-finite values")
     L = qt.codebook_levels
     full = P(qt.name, mats, imps)
+    if impl == "fast":
+        full.keep = True  # the final encode of the chosen books reuses these choices
     if max_rows is not None and any(m.shape[0] > max_rows for m in mats):
         pick = lambda m: m[np.linspace(0, m.shape[0] - 1, max_rows).round().astype(int)]  # noqa: E731
         fit = P(qt.name, [pick(m) if m.shape[0] > max_rows else m for m in mats], imps)
@@ -320,7 +349,7 @@ def fit_optimized(
             new, err = fit.lloyd_step(books)
             if err < best_err:
                 best_books, best_err = books, err
-            if np.array_equal(new.view(np.uint32), books.view(np.uint32)):
+            if new.tobytes() == books.tobytes():  # the same bits (the books are finite)
                 break
             books = new
         err = fit.error(books, 1)
@@ -334,4 +363,6 @@ def fit_optimized(
     if ref_books is not None:
         choices.insert(0, (ref_err, 1, ref_books))
     err, mode, books = min(choices, key=lambda c: c[0])  # first wins ties: reference, refined, fixed
-    return OptimizedFit(books=books, mode=mode, error=err, reference_error=ref_err, fixed_error=fixed_err, refined_error=refined_err)
+    enc = full.kept.get((mode, books.tobytes() if mode == 1 else b"")) if impl == "fast" else None
+    return OptimizedFit(books=books, mode=mode, error=err, reference_error=ref_err, fixed_error=fixed_err,
+                        refined_error=refined_err, encoding=enc)

@@ -177,17 +177,18 @@ def legacy_kernels():
 
 
 def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: AdaptiveOptions, seed: str, device=None):
-    """(books, mode, ref_books_error or None) for one expert matrix."""
+    """(books, mode, ref_books_error or None, the encoder's choices for them
+    on x or None) for one expert matrix."""
     from ds4quant.codebooks import fit_optimized, fit_reference
 
     L = get_qtype(qtype).codebook_levels
     if opts.fitter == "reference":
         books, _ = fit_reference([x], L, imp)
-        return books, 1, None
+        return books, 1, None, None
     fit = fit_optimized([x], qtype, imp, seed=seed, iterations=opts.fit_iterations,
                         restarts=opts.fit_restarts, max_rows=opts.fit_max_rows,
                         impl="legacy" if _LEGACY else "fast", device=None if _LEGACY else device)
-    return fit.books, fit.mode, fit.reference_error
+    return fit.books, fit.mode, fit.reference_error, fit.encoding
 
 
 def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, qtype: str,
@@ -200,14 +201,21 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
     books = None
     ref = None
     if qt.is_mix:
-        b, mode, ref_err = _fit_books(x, qtype, imp, opts, seed, device)
-        if device is not None and not _LEGACY:
-            from ds4quant.formats._mix_search_torch import encode_torch
+        b, mode, ref_err, enc = _fit_books(x, qtype, imp, opts, seed, device)
+        if enc is not None:  # the fitter searched every row with these books: decode its choices
+            from ds4quant.formats._mix_search_fit import decode_choices
 
-            data = encode_torch(qt.name, x, imp, b, mode, device)
+            y = decode_choices(qt, enc, x.shape, b, mode)
+            nbytes = x.shape[0] * qt.row_bytes(x.shape[1])
         else:
-            data = encode(qt, x, imp, b, mode=mode)
-        y = decode(qt, data, x.shape[1], b, modes=mode)
+            if device is not None and not _LEGACY:
+                from ds4quant.formats._mix_search_torch import encode_torch
+
+                data = encode_torch(qt.name, x, imp, b, mode, device)
+            else:
+                data = encode(qt, x, imp, b, mode=mode)
+            y = decode(qt, data, x.shape[1], b, modes=mode)
+            nbytes = int(data.nbytes)
         books = (b, mode)
         # fit_optimized weighs its reference error by the raw importance (ones
         # without); it compares with wsse only where err_w is that same weight
@@ -217,8 +225,9 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
     else:
         data = encode(qt, x, imp)
         y = decode(qt, data, x.shape[1])
+        nbytes = int(data.nbytes)
     s = error_sums(x, y, err_w)
-    return Measure(int(data.nbytes), s.sse, s.ssx, s.wsse, s.wssx, ref), books
+    return Measure(nbytes, s.sse, s.ssx, s.wsse, s.wssx, ref), books
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,12 @@ parallelism is across experts, not inside a matrix.
 ``--device cuda`` moves the MIX encoder's search (every candidate scale and
 book of every half, the work of the codebook fitter's Lloyd steps, its error
 evaluations and the final MIX encode) to the GPU through torch
-(``formats._mix_search_torch``, bit-identical to the numba kernels). What
+(``formats._mix_search_torch``, bit-identical to the numba kernels); the
+workers' searches share launches (``formats._mix_search_batch``: the queued
+searches of all workers run as one). What
 stays on the CPU, because its float64 sums are sequential or numpy's pairwise
 order and a GPU reduction would round differently: the fitter's error totals
-and Lloyd level sums (``codebooks.optimize._terms_stats_nb``), the error sums
+and Lloyd level sums (``formats._mix_search_fit.terms_stats_nb``), the error sums
 of every candidate (``metrics.error_sums``), the reference fitter's histogram
 Lloyd and the book projection; and, not ported yet, the non-MIX candidates'
 scale search (rocmfp2/3/4/4_fast encoders) and the decodes.

@@ -139,44 +139,59 @@ def _nearest_lanes_nb(tt, cen, slow):
 
 
 @numba.njit(cache=True, nogil=True)
-def _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin):
+def _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin, zacc, wphase):
     """Transpose halves t0..t0+n of h (G, 16) into xt/wt (16, _TILE); per
     lane its max |x|, whether its weights are usable and its values finite
-    (§9.4 steps 1-3). Lanes >= n are zero halves with weight 1."""
+    (§9.4 steps 1-3). Lanes >= n are zero halves with weight 1.
+
+    The lane statistics run over the transposed tile, so they vectorise; the
+    weights depend only on the tile's phase t0 % hpr (tiles start at
+    multiples of _TILE), so they are copied only when it changes
+    (``wphase[0]`` remembers the loaded phase, -1 for none)."""
     hpr = wq.shape[0]
+    T = _TILE
     zero_f = np.float32(0.0)
-    for k in range(_TILE):
+    for k in range(n):
+        g = t0 + k
+        for i in range(16):
+            xt[i, k] = h[g, i]
+    for k in range(n, T):
+        for i in range(16):
+            xt[i, k] = zero_f
+    for k in range(T):
+        mx[k] = zero_f
+        zacc[k] = zero_f
+    for i in range(16):
+        for k in range(T):
+            v = xt[i, k]
+            a = abs(v)
+            mx[k] = a if a > mx[k] else mx[k]  # NaN never wins, as the scalar walk
+            zacc[k] += np.float32(v * zero_f)  # NaN once any value is Inf or NaN
+    for k in range(T):
+        fin[k] = zacc[k] == zero_f
+    phase = t0 % hpr if has_w else 0
+    if n == T and wphase[0] == phase:
+        return
+    wphase[0] = phase if n == T else -1
+    for k in range(T):
         if k >= n:
             for i in range(16):
-                xt[i, k] = zero_f
                 wt[i, k] = np.float32(1.0)
-            mx[k] = zero_f
             wok[k] = True
-            fin[k] = True
             continue
-        g = t0 + k
-        r = (g % hpr) if has_w else 0
-        m = zero_f
-        f = True
+        if not has_w:
+            for i in range(16):
+                wt[i, k] = np.float32(1.0)
+            wok[k] = True
+            continue
+        r = (t0 + k) % hpr
         ok = True
         for i in range(16):
-            v = h[g, i]
-            if not np.isfinite(v):
-                f = False
-            a = abs(v)
-            if a > m:
-                m = a
-            xt[i, k] = v
-            if has_w:
-                q = wq[r, i]
-                if not (np.isfinite(q) and q >= zero_f):
-                    ok = False
-                wt[i, k] = q
-            else:
-                wt[i, k] = np.float32(1.0)
-        mx[k] = m
+            q = wq[r, i]
+            if not (np.isfinite(q) and q >= zero_f):
+                ok = False
+            wt[i, k] = q
         wok[k] = ok
-        fin[k] = f
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -219,6 +234,108 @@ def _cand_err8_nb(xt, wt, s, inv, err, lv, sp):
             err[k] = np.float32(err[k] + np.float32(np.float32(wt[i, k] * d) * d))
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _codes4_nb(v, sp, k):
+    """NL(v) for one lane as an int32 count of the splits below v (4 levels)."""
+    c = np.int32(0)
+    c += np.int32(1) if v > sp[0, k] else np.int32(0)
+    c += np.int32(1) if v > sp[1, k] else np.int32(0)
+    c += np.int32(1) if v > sp[2, k] else np.int32(0)
+    return c
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _codes8_nb(v, sp, k):
+    """_codes4_nb for 8 levels."""
+    c = np.int32(0)
+    c += np.int32(1) if v > sp[0, k] else np.int32(0)
+    c += np.int32(1) if v > sp[1, k] else np.int32(0)
+    c += np.int32(1) if v > sp[2, k] else np.int32(0)
+    c += np.int32(1) if v > sp[3, k] else np.int32(0)
+    c += np.int32(1) if v > sp[4, k] else np.int32(0)
+    c += np.int32(1) if v > sp[5, k] else np.int32(0)
+    c += np.int32(1) if v > sp[6, k] else np.int32(0)
+    return c
+
+
+@numba.njit(cache=True, nogil=True)
+def _scratch_nb(L):
+    """One tile's scratch, allocated once per call or prange task: float32
+    (16, T) x and w, (L-1, T) per-lane splits; per-lane float32 and int32
+    vectors. Lane state is int32 beside float32 so the lane loops vectorise
+    at one width."""
+    T = _TILE
+    return (np.empty((16, T), np.float32), np.empty((16, T), np.float32), np.empty(T, np.float32),
+            np.empty(T, np.bool_), np.empty(T, np.bool_), np.empty((2, T), np.int32), np.empty(T, np.float32),
+            np.empty(T, np.bool_), np.empty(T, np.float32), np.empty(T, np.float32), np.empty(T, np.float32),
+            np.empty(T, np.float32), np.empty(T, np.float32), np.empty(T, np.int32), np.empty(T, np.int32),
+            np.empty(T, np.int32), np.empty((max(L - 1, 1), T), np.float32), np.empty((16, T), np.int32),
+            np.empty(T, np.float32), np.full(1, -1, np.int64))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _books_tile_nb(xt, wt, mx, wok, books, split, ml, sc):
+    """Mode 1 (§9.4) for one loaded tile: per lane the (book, byte) of
+    _encode_nb into bk/be (0, 0 for zero lanes), its error into best (inf
+    where none is finite), and the codes NL(x / S) in that book into ct
+    (16, T). Candidates come in (book, byte) order, so the kernel's tie rule
+    (lower book, then lower byte) never adopts a later one: a strict < is it."""
+    cen, tt, slow, s, inv, err, pen = sc[5], sc[6], sc[7], sc[8], sc[9], sc[10], sc[11]
+    best, bk, be, ev, spk, ct = sc[12], sc[13], sc[14], sc[15], sc[16], sc[17]
+    T = _TILE
+    L = books.shape[1]
+    inf = np.float32(np.inf)
+    zero_f = np.float32(0.0)
+    for k in range(T):
+        best[k] = inf
+        bk[k] = 0
+        be[k] = 1
+    for b in range(2):
+        if ml[b] > zero_f:
+            for k in range(T):
+                tt[k] = np.float32(mx[k] / ml[b])
+            _nearest_lanes_nb(tt, cen[b], slow)
+    for b in range(2):
+        if not (ml[b] > zero_f):
+            continue
+        for delta in range(-2, 3):
+            for k in range(T):
+                e = cen[b, k] + np.int32(delta)
+                ec = min(max(e, np.int32(1)), np.int32(126))
+                s[k] = UE4M3[ec]
+                inv[k] = UE4M3_INV[ec]
+                err[k] = zero_f
+                ev[k] = e
+                # an invalid byte or unusable weights: the error becomes inf (or
+                # NaN), which a strict < never adopts
+                pen[k] = zero_f if ((e == ec) & wok[k]) else inf
+            if L == 4:
+                _cand_err4_nb(xt, wt, s, inv, err, books[b], split[b])
+            else:
+                _cand_err8_nb(xt, wt, s, inv, err, books[b], split[b])
+            bb = np.int32(b)
+            for k in range(T):
+                er = err[k] + pen[k]
+                take = er < best[k]
+                best[k] = er if take else best[k]
+                bk[k] = bb if take else bk[k]
+                be[k] = ev[k] if take else be[k]
+    for k in range(T):
+        if mx[k] == zero_f:
+            bk[k] = 0
+            be[k] = 0
+        inv[k] = UE4M3_INV[be[k]]  # S(0)'s entry is 0: zero lanes give v = +-0, NL(0)
+        for j in range(L - 1):
+            spk[j, k] = split[bk[k], j]
+    for i in range(16):
+        if L == 4:
+            for k in range(T):
+                ct[i, k] = _codes4_nb(np.float32(xt[i, k] * inv[k]), spk, k)
+        else:
+            for k in range(T):
+                ct[i, k] = _codes8_nb(np.float32(xt[i, k] * inv[k]), spk, k)
+
+
 @numba.njit(cache=True, parallel=True, nogil=True)
 def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
     """Mode 1 (§9.4): per half of h float32 (G, 16) the (book, byte) of
@@ -231,77 +348,17 @@ def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
     inf = np.float32(np.inf)
     zero_f = np.float32(0.0)
     for task in numba.prange((G + per - 1) // per):
-        xt = np.empty((16, T), np.float32)
-        wt = np.empty((16, T), np.float32)
-        mx = np.empty(T, np.float32)
-        wok = np.empty(T, np.bool_)
-        fin = np.empty(T, np.bool_)
-        cen = np.empty((2, T), np.int64)
-        tt = np.empty(T, np.float32)
-        slow = np.empty(T, np.bool_)
-        s = np.empty(T, np.float32)
-        inv = np.empty(T, np.float32)
-        err = np.empty(T, np.float32)
-        v = np.empty(T, np.float32)
-        best = np.empty(T, np.float32)
-        bk = np.empty(T, np.int64)
-        be = np.empty(T, np.int64)
+        sc = _scratch_nb(L)
+        xt, wt, mx, wok, fin = sc[0], sc[1], sc[2], sc[3], sc[4]
+        best, bk, be, ct = sc[12], sc[13], sc[14], sc[17]
         for t0 in range(task * per, min(G, (task + 1) * per), T):
             n = min(T, G - t0)
-            _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin)
-            for k in range(T):
-                best[k] = inf
-                bk[k] = 0
-                be[k] = 1
-            for b in range(2):
-                if ml[b] > zero_f:
-                    for k in range(T):
-                        tt[k] = np.float32(mx[k] / ml[b])
-                    _nearest_lanes_nb(tt, cen[b], slow)
-                else:
-                    for k in range(T):
-                        cen[b, k] = 0
-            for b in range(2):
-                if not (ml[b] > zero_f):
-                    continue
-                for delta in range(-2, 3):
-                    for k in range(T):
-                        ec = min(max(cen[b, k] + delta, 1), 126)
-                        s[k] = UE4M3[ec]
-                        inv[k] = UE4M3_INV[ec]
-                        err[k] = zero_f
-                    if L == 4:
-                        _cand_err4_nb(xt, wt, s, inv, err, books[b], split[b])
-                    else:
-                        _cand_err8_nb(xt, wt, s, inv, err, books[b], split[b])
-                    # candidates come in (book, byte) order, so the kernel's tie rule (lower
-                    # book, then lower byte) never adopts a later one: a strict < is the rule
-                    for k in range(T):
-                        e = cen[b, k] + delta
-                        er = err[k] if wok[k] else inf
-                        take = e >= 1 and e <= 126 and er < best[k]
-                        best[k] = er if take else best[k]
-                        bk[k] = b if take else bk[k]
-                        be[k] = e if take else be[k]
-            for k in range(T):
-                if mx[k] == zero_f:
-                    bk[k] = 0
-                    be[k] = 0
-                inv[k] = UE4M3_INV[be[k]]
-            for i in range(16):
-                for k in range(T):
-                    v[k] = np.float32(xt[i, k] * inv[k]) if be[k] > 0 else zero_f
-                    err[k] = zero_f  # the code, as a float count
-                for j in range(L - 1):
-                    s0 = split[0, j]
-                    s1 = split[1, j]
-                    for k in range(T):
-                        sp = s1 if bk[k] == 1 else s0
-                        err[k] = err[k] + np.float32(1.0) if v[k] > sp else err[k]
-                for k in range(n):
-                    codes[t0 + k, i] = np.uint8(err[k])
+            _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin, sc[18], sc[19])
+            _books_tile_nb(xt, wt, mx, wok, books, split, ml, sc)
             for k in range(n):
                 g = t0 + k
+                for i in range(16):
+                    codes[g, i] = np.uint8(ct[i, k])
                 if not fin[k]:
                     status[g] = 1
                 elif mx[k] != zero_f and best[k] == inf:
@@ -392,9 +449,11 @@ def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
         be = np.empty(T, np.int64)
         best2 = np.empty(T, np.float32)
         be2 = np.empty(T, np.int64)
+        zacc = np.empty(T, np.float32)
+        wphase = np.full(1, -1, np.int64)
         for t0 in range(task * per, min(G, (task + 1) * per), T):
             n = min(T, G - t0)
-            _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin)
+            _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin, zacc, wphase)
             for k in range(T):
                 best[k] = inf
                 be[k] = 1
@@ -484,9 +543,28 @@ def _pack_chosen_nb(codes, out_b, out_e, mode, bits, out):
                 out[r, o + qs_bytes + hh] = np.uint8(be | (out_b[g + hh] << 7)) if mode == 1 else np.uint8(be)
 
 
-_choose_serial_nb = numba.njit(cache=True, nogil=True)(_choose_nb.py_func)
-_choose_fixed_serial_nb = numba.njit(cache=True, nogil=True)(_choose_fixed_nb.py_func)
+def _serial_twin(fn, name: str):
+    """``fn``'s Python function compiled without parallel=True, under its own
+    name: numba's cache is keyed by the function's name and line, not its
+    flags, so a twin of the same name would share (and overwrite) the
+    parallel kernel's cache entry."""
+    import types
+
+    f = fn.py_func
+    twin = types.FunctionType(f.__code__, f.__globals__, name, f.__defaults__, f.__closure__)
+    twin.__qualname__ = name
+    return numba.njit(cache=True, nogil=True)(twin)
+
+
+_choose_serial_nb = _serial_twin(_choose_nb, "_choose_serial_nb")
+_choose_fixed_serial_nb = _serial_twin(_choose_fixed_nb, "_choose_fixed_serial_nb")
 _SERIAL_HALVES = 4 * _TILE * _TILES_PER_TASK
+
+
+def _serial(G: int) -> bool:
+    """A few tasks, or one thread: the serial twin (same code, prange as range)
+    skips the thread-pool launch, which costs more than it saves on small matrices."""
+    return G <= _SERIAL_HALVES or numba.get_num_threads() == 1
 
 
 def _choose(x: np.ndarray, importance, books: np.ndarray, mode: int, bits: int):
@@ -500,9 +578,7 @@ def _choose(x: np.ndarray, importance, books: np.ndarray, mode: int, bits: int):
     codes = np.empty((G, _HALF), dtype=np.uint8)
     has_w = importance is not None
     wq = importance.reshape(-1, _HALF) if has_w else np.zeros((1, _HALF), dtype=np.float32)
-    # a few tasks: the serial twin (same code, prange as range) skips the
-    # thread-pool launch, which costs more than it saves on small matrices
-    serial = G <= _SERIAL_HALVES or numba.get_num_threads() == 1
+    serial = _serial(G)
     if mode == 1:
         fn = _choose_serial_nb if serial else _choose_nb
         fn(h, wq, has_w, books, np.ascontiguousarray(_splits(books)), _max_level(books), out_b, out_e, codes, status)

@@ -193,21 +193,36 @@ _WINDOW = 40  # bytes per lane: 12 below N(max/Vmax), up to the all-zero byte (a
 
 
 def _choose_fixed(X, W, bits):
-    """Mode 0 on the device: the byte of least error over 1..126, ties to the
-    smaller. Per half only a window of bytes is evaluated, with the answer of
-    all 126, as ``_mix_search._choose_fixed_nb`` argues: above the byte from
-    which every element quantises to 0 the error is constant (met inside the
+    """Mode 0 on the device for X (R, H, 16), W (1, H, 16) or None: (book 0,
+    byte, codes, status) shaped (R, H) (codes (R, H, 16))."""
+    import torch
+
+    R, H, _ = X.shape
+    Xl = X.reshape(-1, _HALF)
+    Wl = None if W is None else W.expand(R, H, _HALF).reshape(-1, _HALF)
+    be, codes, st = _fixed_flat(Xl, Wl, bits)
+    be = be.reshape(R, H)
+    return torch.zeros_like(be), be, codes.reshape(R, H, _HALF), st.reshape(R, H)
+
+
+def _fixed_flat(Xl, Wl, bits):
+    """Mode 0 on halves Xl (N, 16) with weights Wl (N, 16) or None: the byte
+    of least error over 1..126, ties to the smaller; (byte, codes, status).
+    Per half only a window of bytes is evaluated, with the answer of all 126,
+    as ``_mix_search._choose_fixed_nb`` argues: above the byte from which
+    every element quantises to 0 the error is constant (met inside the
     window); below it the clipping bound, less 1e-5, exceeds the half's best.
     Halves where either fails are scanned over all 126 bytes."""
     import torch
 
-    dev = X.device
+    dev = Xl.device
     S, INV = _tables(dev)
-    R, H, _ = X.shape
-    mx, fin, wok = _half_facts(X, W)
-    Xl = X.reshape(-1, _HALF)
-    Wl = None if W is None else W.expand(R, H, _HALF).reshape(-1, _HALF)
-    mxl, finl, wokl = mx.reshape(-1), fin.reshape(-1), wok.expand(R, H).reshape(-1)
+    mxl = Xl.abs().amax(dim=-1)
+    finl = torch.isfinite(Xl).all(dim=-1)
+    if Wl is None:
+        wokl = torch.ones(mxl.shape, dtype=torch.bool, device=dev)
+    else:
+        wokl = (torch.isfinite(Wl) & (Wl >= 0)).all(dim=-1)
     vmax = torch.full((), 2.0 if bits == 2 else 4.0, dtype=torch.float32, device=dev)
     ok = (mxl > 0) & finl & wokl
     c = _nearest(mxl / vmax, S)
@@ -235,10 +250,9 @@ def _choose_fixed(X, W, bits):
     inf = torch.tensor(float("inf"), dtype=torch.float32, device=dev)
     best = torch.where(wokl, best, inf)  # unusable weights: nothing is ever adopted
     be = torch.where(wokl, be, torch.ones_like(be))
-    be = torch.where(mxl == 0, torch.zeros_like(be), be).reshape(R, H)
-    best = best.reshape(R, H)
+    be = torch.where(mxl == 0, torch.zeros_like(be), be)
     zf = torch.zeros((), dtype=torch.float32, device=dev)
-    v = torch.where(be.unsqueeze(-1) > 0, X * INV[be].unsqueeze(-1), zf)
+    v = torch.where(be.unsqueeze(-1) > 0, Xl * INV[be].unsqueeze(-1), zf)
     if bits == 2:
         codes = ((v > -0.5).to(torch.uint8) + (v > 0.5) + (v > 1.5)).to(torch.uint8)
         codes = torch.where(torch.isnan(v), torch.full((), 3, dtype=torch.uint8, device=dev), codes)
@@ -246,7 +260,10 @@ def _choose_fixed(X, W, bits):
         a = v.abs()
         idx3 = ((a > 0.5).to(torch.uint8) + (a > 1.5) + (a > 3.0)).to(torch.uint8)
         codes = torch.where((v < 0) & (idx3 != 0), idx3 | 4, idx3)
-    return torch.zeros_like(be), be, codes.to(torch.uint8), _status(fin, mx, best)
+    st = torch.zeros(mxl.shape, dtype=torch.int8, device=dev)
+    st[(mxl != 0) & (best == float("inf"))] = 2
+    st[~finl] = 1
+    return be, codes.to(torch.uint8), st
 
 
 def to_device(x: np.ndarray, importance, dev):
@@ -293,7 +310,9 @@ def encode_torch(qtype: str, x: np.ndarray, importance, books: np.ndarray, mode:
         raise BadInputError(f"{qt.name} device encoder: one (2, L) book pair and mode 0 or 1")
     bits = 2 if qt.codebook_levels == 4 else 3
     rows, cols = x.shape
-    ob, oe, codes, st = choose_torch(*to_device(x, importance, device), books, mode, bits)
+    from ds4quant.formats._mix_search_batch import choose_batched
+
+    ob, oe, codes, st = choose_batched(*to_device(x, importance, device), books, mode, bits)
     _check_status(qt, st, cols // _HALF)
     out = np.zeros((rows, qt.row_bytes(cols)), dtype=np.uint8)
     _pack_chosen_nb(codes, ob, oe, mode, bits, out)

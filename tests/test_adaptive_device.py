@@ -82,6 +82,42 @@ def test_torch_search_equals_numba(dev, bits, mode, rows, cols, kind):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("mode", [1, 0])
+def test_batched_search_equals_numba_whatever_it_is_batched_with(dev, bits, mode):
+    """Requests of several shapes, books, weights (and none) and refusals in
+    one batch, and again from 6 threads through the queue: each one's slice
+    is the numba search of it alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ds4quant.formats._mix_search_batch import _Request, _run_group, choose_batched
+
+    rng = np.random.default_rng(40 + bits + mode)
+    L = 4 if bits == 2 else 8
+    cases = []
+    for rows, cols, kind in ((17, 256, "t3"), (5, 128, "zeros"), (9, 384, "wide"), (4, 128, "bad"), (33, 128, "t3")):
+        x = _data(rng, rows, cols, kind)
+        q = np.exp(rng.standard_normal(cols)).astype(F)
+        q[rng.random(cols) < 0.1] = 0
+        books = _books(x, L, q)
+        for imp in (q, None):
+            cases.append((x, imp, books))
+    books0 = cases[0][2].copy()
+    books0[1] = 0  # a book whose max level is 0 has no candidates
+    cases.append((cases[0][0], cases[0][1], books0))
+    want = [_mix_search._choose(x, imp, b, mode, bits) for x, imp, b in cases]
+    reqs = [_Request(*to_device(x, imp, torch.device(dev)), b, mode, bits) for x, imp, b in cases]
+    _run_group(reqs)
+    for r, w in zip(reqs, want):
+        assert _same_choice(w, r.result)
+    with ThreadPoolExecutor(6) as ex:
+        got = list(ex.map(lambda c: choose_batched(*to_device(c[0], c[1], torch.device(dev)), c[2], mode, bits),
+                          cases * 3))
+    for g, w in zip(got, want * 3):
+        assert _same_choice(w, g)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("qtype", ["rocmfp2_mix", "rocmfp3_mix"])
 def test_fitter_and_measure_matrix_through_torch_equal_the_host(dev, qtype):
     rng = np.random.default_rng(3)

@@ -122,6 +122,51 @@ def test_fast_fitter_equals_legacy_bit_for_bit(qtype, shape, n, max_rows):
             (b.error, b.reference_error, b.fixed_error, b.refined_error)
 
 
+@pytest.mark.parametrize("qtype", MIX)
+@pytest.mark.parametrize("rows,max_rows", [(96, 512), (300, 64)])
+def test_measure_reuses_the_fitters_choices_with_the_encoders_figures(qtype, rows, max_rows):
+    """measure_matrix decodes the fitter's own choices for the chosen books
+    instead of encoding again: the same Measure and books as the pre-change
+    path (encode + decode); and for mode 0 and 1 the decode of the choices
+    is the decode of the blocks they pack to."""
+    from ds4quant.adaptive import measure_matrix
+    from ds4quant.formats._mix_search_fit import decode_choice_nb
+
+    rng = np.random.default_rng(rows)
+    q = np.exp(1.5 * rng.standard_normal(128)).astype(F)
+    opts = AdaptiveOptions(target_bpw=2.7, fit_iterations=3, fit_restarts=1, fit_max_rows=max_rows)
+    for kind in ("t3", "zeros"):
+        x = _data(rng, rows, 128, kind)
+        for imp in (q, None):
+            w = q.astype(np.float64) if imp is not None else np.ones(128)
+            m1, b1 = measure_matrix(x, imp, w, qtype, opts, seed="m/1")
+            with legacy_kernels():
+                m0, b0 = measure_matrix(x, imp, w, qtype, opts, seed="m/1")
+            assert m0 == m1 and np.array_equal(b0[0].view(np.uint32), b1[0].view(np.uint32)) and b0[1] == b1[1]
+            # and for either mode, the choices decode to what their packed blocks decode to
+            bits = 2 if qtype == "rocmfp2_mix" else 3
+            for mode in (0, 1):
+                ob, oe, codes, st = _mix_search._choose(x, imp, b1[0], mode, bits)
+                y = np.empty(x.shape, F)
+                decode_choice_nb(ob, oe, codes, b1[0], mode, rocmfp_mix._FIXED_106 if bits == 2 else
+                                 rocmfp_mix._FIXED_105, y.reshape(-1, 16))
+                data = formats.encode(qtype, x, imp, b1[0], mode=mode)
+                want = formats.decode(qtype, data, 128, b1[0], modes=mode)
+                assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
+def test_pairwise_sum_is_np_sum_bit_for_bit():
+    """The one-pass fitter evaluation's float64 total: numpy's pairwise order."""
+    from ds4quant.formats._mix_search_fit import pairwise_sum_nb
+
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 7, 8, 9, 127, 128, 129, 1000, 4096, 32768 + 5, 1 << 20):
+        a = rng.standard_t(3, n) ** 2 * 1e-6
+        assert 0.0 + pairwise_sum_nb(a, 0, n) == float(np.sum(a)), n
+        if n >= 16 and n % 16 == 0:
+            assert 0.0 + pairwise_sum_nb(a, 0, n) == float(np.sum(a.reshape(-1, 16)))
+
+
 def test_numba_lloyd_projection_and_repair_equal_numpy():
     rng = np.random.default_rng(5)
     for t in range(300):
