@@ -21,7 +21,8 @@ count or the other rows of a batch:
    2^16 of them, < 2^62: integer sums in any order are exact), carries
    propagated, the limb number rounded once to float32 (round to nearest
    even, subnormals included). Both give the same bits; the split only
-   decides the cost.
+   decides the cost. (The float64 route is on by default on the CPU device
+   only: ``F64_DEVICES``.)
 3. ``swiglu_exact``: float64, one op at a time (separate tensor ops are never
    fused into an FMA outside torch.compile), the fixed exp of the plan.
 """
@@ -39,6 +40,12 @@ MAX_COLS = 1 << 16
 # elements of one (slots x rows x cols) product chunk: bounds temporary memory
 CHUNK = 1 << 21
 F64_SPAN = 53  # float64 significand bits: the span an exact float64 sum may cover
+# Devices whose exact mode takes the float64 route by default. The route is exact
+# in any summation order, so cuBLAS/rocBLAS would give the same bits, but it has
+# not been run on a GPU yet: CUDA/HIP keep the limbs (their bytes were shown on
+# the lent H200) until a GPU run of tests/runtime/test_identity.py passes with
+# f64=True.
+F64_DEVICES = ("cpu",)
 
 LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
 LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")
@@ -141,10 +148,12 @@ def _split_weights(w):
     return m, e.to(torch.int64) - 24
 
 
-def exact_linear(w, x, spans=None):
+def exact_linear(w, x, spans=None, f64=None):
     """Step 2 of exact mode: y[n, j] = RNE_fp32(sum_i W[j, i] * a[n, i]) with a the
     block-quantized x. w float32 (rows, cols), x float32 (n, cols) -> float32 (n, rows);
-    ``spans``: ``weight_spans(w)``, when the caller keeps it per resident tensor."""
+    ``spans``: ``weight_spans(w)``, when the caller keeps it per resident tensor;
+    ``f64``: take the float64 route where it is exact (default: on the devices of
+    ``F64_DEVICES``), else every pair through the limbs."""
     import torch
 
     rows, cols = w.shape
@@ -158,6 +167,8 @@ def exact_linear(w, x, spans=None):
     if spans is None:
         spans = weight_spans(w)  # refuses a non-finite weight
     q, s = quantize_blocks(x)
+    if not (w.device.type in F64_DEVICES if f64 is None else f64):
+        return _limb_linear(*_split_weights(w), q, s)
     fits = f64_pairs(w, q, s, spans)
     a = q.to(torch.float64) * _pow2_f64(s.repeat_interleave(BLOCK, dim=1))  # exact: |q| < 2^7
     # + 0.0 turns an exact zero's possible -0.0 into +0.0, as the definition wants
@@ -279,10 +290,10 @@ def swiglu_exact(g, u, limit: float):
     return (silu * uc).to(torch.float32)
 
 
-def expert_exact(wg, wu, wd, x, limit: float, spans=(None, None, None)):
+def expert_exact(wg, wu, wd, x, limit: float, spans=(None, None, None), f64=None):
     """One expert on rows x (float32 (n, H)) in exact mode -> float32 (n, H).
     ``spans``: the three weights' ``weight_spans`` when the caller keeps them."""
-    g = exact_linear(wg, x, spans[0])
-    u = exact_linear(wu, x, spans[1])
+    g = exact_linear(wg, x, spans[0], f64)
+    u = exact_linear(wu, x, spans[1], f64)
     h = swiglu_exact(g, u, limit)
-    return exact_linear(wd, h, spans[2])
+    return exact_linear(wd, h, spans[2], f64)

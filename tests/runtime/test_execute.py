@@ -267,6 +267,22 @@ def test_exact_linear_limb_path_alone_matches_float64_path():
     wm, we = torch_exact._split_weights(w)
     limbs = torch_exact._limb_linear(wm, we, q, s)
     assert torch.equal(limbs.view(torch.int32), torch_exact.exact_linear(w, x).view(torch.int32))
+    assert torch.equal(limbs.view(torch.int32), torch_exact.exact_linear(w, x, f64=False).view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or HIP device")
+@pytest.mark.parametrize("f64", [False, True])
+def test_exact_linear_on_the_device_gives_the_cpu_bits(f64):
+    """The float64 route through cuBLAS/rocBLAS and the limbs on the device: the CPU's bits
+    (F64_DEVICES turns the float64 route on for GPUs once this passes on one)."""
+    rng = np.random.default_rng(22)
+    w = _decoded_like(rng, 256, 512)
+    w[3, 7] = np.float32(2.0 ** 60)  # one row through the limbs on either route
+    w, x = torch.from_numpy(w), torch.from_numpy(rng.standard_normal((9, 512)).astype(np.float32))
+    want = torch_exact.exact_linear(w, x)
+    got = torch_exact.exact_linear(w.cuda(), x.cuda(), f64=f64).cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_exact_linear_refuses_non_finite_input():
