@@ -79,6 +79,7 @@ PLACEMENT = (
     ("ds4quant/place.py", "pipeline"),
     ("ds4quant/progress.py", "pipeline"),
     ("ds4quant/cli.py", "cli"),
+    ("ds4quant/cli_support.py", "cli"),
     ("ds4quant/__main__.py", "cli"),
 )
 
