@@ -98,6 +98,30 @@ def _random_stack(torch, qtype, n, rows, cols, gen, dev):
     return data.reshape(n, rows, nb * qt.block_bytes).cpu().numpy()
 
 
+def strix_layer(torch, dev, device: str, n_exp: int, H: int, I: int):
+    """The benchmarks' layer: rocmfp2-strix stacks of ``n_exp`` experts (random
+    valid bytes, seeded, made on the device) resident on a CudaOwner.
+    Returns (stacks by projection, owner)."""
+    from ds4quant.runtime.owners.base import ExpertStack
+    from ds4quant.runtime.owners.cuda_owner import CudaOwner
+
+    gen = torch.Generator(device=dev).manual_seed(7)  # random bytes made on the device: faster
+    stacks = {p: ExpertStack(f"blk.0.ffn_{p}_exps.weight", 0, p, q, r, c, tuple(range(n_exp)),
+                             _random_stack(torch, q, n_exp, r, c, gen, dev))
+              for p, q, r, c in (("gate", "rocmfp2", I, H), ("up", "rocmfp2", I, H), ("down", "rocmfp3", H, I))}
+    owner = CudaOwner(device, identity="cuda:0" if dev.type == "cuda" else "torch-cpu:5")
+    for st in stacks.values():
+        owner.add_stack(st)
+    return stacks, owner
+
+
+def copy_bytes_per_s(torch, dev, bench) -> float:
+    """The device copy anchor: bytes read + written per second by a 1 GiB copy."""
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(big)
+    return 2 * big.numel() / bench(lambda: dst.copy_(big), reps=20)  # both freed on return
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -111,8 +135,6 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 50, --quick 3)")
     a = ap.parse_args(argv)
 
-    from ds4quant.runtime.owners.base import ExpertStack
-    from ds4quant.runtime.owners.cuda_owner import CudaOwner
     from ds4quant.runtime.owners.torch_owner import TorchOwner
 
     dev = torch.device(a.device)
@@ -122,23 +144,13 @@ def main(argv=None) -> int:
     res = {"versions": _versions(torch), "shape": dict(n_expert=n_exp, topk=topk, hidden=H, expert=I),
            "recipe": "rocmfp2-strix (random valid bytes)", "rows": []}
 
-    gen = torch.Generator(device=dev).manual_seed(7)  # random bytes made on the device: faster
     t0 = time.perf_counter()
-    stacks = {p: ExpertStack(f"blk.0.ffn_{p}_exps.weight", 0, p, q, r, c, tuple(range(n_exp)),
-                             _random_stack(torch, q, n_exp, r, c, gen, dev))
-              for p, q, r, c in (("gate", "rocmfp2", I, H), ("up", "rocmfp2", I, H), ("down", "rocmfp3", H, I))}
-    owner = CudaOwner(a.device, identity="cuda:0" if dev.type == "cuda" else "torch-cpu:5")
-    for st in stacks.values():
-        owner.add_stack(st)
+    stacks, owner = strix_layer(torch, dev, a.device, n_exp, H, I)
     res["load_s"] = time.perf_counter() - t0
     per_expert = sum(st.nbytes for st in stacks.values()) // n_exp
 
     if dev.type == "cuda":
-        big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(big)
-        t = bench(lambda: dst.copy_(big), reps=20)
-        res["copy_TBps"] = 2 * big.numel() / t / 1e12
-        del big, dst
+        res["copy_TBps"] = copy_bytes_per_s(torch, dev, bench) / 1e12
     copy_bps = res.get("copy_TBps", 0) * 1e12
 
     rng = np.random.default_rng(3)

@@ -52,8 +52,7 @@ def main(argv=None) -> int:
 
     from ds4quant import formats
     from ds4quant.runtime.kernels import gemv_triton as gk
-    from ds4quant.runtime.owners.base import ExpertStack
-    from ds4quant.runtime.owners.cuda_owner import CudaOwner, group_t
+    from ds4quant.runtime.owners.cuda_owner import group_t
 
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
@@ -62,21 +61,12 @@ def main(argv=None) -> int:
     bench = base._timer(torch, dev, warm=3)
     res = {"versions": base._versions(torch), "shape": dict(n_expert=n_exp, topk=topk, hidden=H, expert=I),
            "recipe": "rocmfp2-strix (random valid bytes)", "rows": []}
-    gen = torch.Generator(device=dev).manual_seed(7)
-    spec = (("gate", "rocmfp2", I, H), ("up", "rocmfp2", I, H), ("down", "rocmfp3", H, I))
-    stacks = {p: ExpertStack(f"blk.0.ffn_{p}_exps.weight", 0, p, q, r, c, tuple(range(n_exp)),
-                             base._random_stack(torch, q, n_exp, r, c, gen, dev)) for p, q, r, c in spec}
-    owner = CudaOwner(a.device, identity="cuda:0" if cuda else "torch-cpu:5")
-    for st in stacks.values():
-        owner.add_stack(st)
+    stacks, owner = base.strix_layer(torch, dev, a.device, n_exp, H, I)
     per_expert = sum(st.nbytes for st in stacks.values()) // n_exp
     copy_bps = 0.0
     if cuda:
-        big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(big)
-        copy_bps = 2 * big.numel() / bench(lambda: dst.copy_(big), reps=20)
+        copy_bps = base.copy_bytes_per_s(torch, dev, bench)
         res["copy_TBps"] = copy_bps / 1e12
-        del big, dst
     # every expert decoded to bf16 once (the anchor's weights)
     wgu_all = wd_all = None
     if cuda:

@@ -125,7 +125,6 @@ def main(argv=None) -> int:
     from ds4quant.runtime.execute import run_layer
     from ds4quant.runtime.overlap import overlap_stats
     from ds4quant.runtime.owners.base import ExpertStack
-    from ds4quant.runtime.owners.cuda_owner import CudaOwner
     from ds4quant.runtime.owners.torch_owner import TorchOwner
 
     dev = torch.device(a.device)
@@ -140,21 +139,12 @@ def main(argv=None) -> int:
         res["rows"].append(dict(batch=B, path=name, us=t * 1e6, **kw))
         print(f"batch {B:3d}  {name:52s} {t * 1e6:10.1f} us", flush=True)
 
-    gen = torch.Generator(device=dev).manual_seed(7)
     t0 = time.perf_counter()
-    spec = (("gate", "rocmfp2", I, H), ("up", "rocmfp2", I, H), ("down", "rocmfp3", H, I))
-    stacks = {p: ExpertStack(f"blk.0.ffn_{p}_exps.weight", 0, p, q, r, c, tuple(range(n_exp)),
-                             base._random_stack(torch, q, n_exp, r, c, gen, dev)) for p, q, r, c in spec}
-    owner = CudaOwner(a.device, identity="cuda:0" if cuda else "torch-cpu:5")
-    for st in stacks.values():
-        owner.add_stack(st)
+    stacks, owner = base.strix_layer(torch, dev, a.device, n_exp, H, I)
     res["load_s"] = round(time.perf_counter() - t0, 2)
     per_expert = sum(st.nbytes for st in stacks.values()) // n_exp
     if cuda:
-        big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(big)
-        res["copy_TBps"] = 2 * big.numel() / bench(lambda: dst.copy_(big), reps=20) / 1e12
-        del big, dst
+        res["copy_TBps"] = base.copy_bytes_per_s(torch, dev, bench) / 1e12
 
     rng = np.random.default_rng(3)
     ids = rng.choice(n_exp, topk, replace=False).astype(np.int64)
