@@ -119,3 +119,29 @@ def write_identity_artifact(artifact, out):
         w.add_tensor(name, "bf16", t.shape, formats.encode("bf16", vals).tobytes())
     w.write()
     return out
+
+
+def moe_ref64(stacks, x, ids, limit: float = 10.0) -> np.ndarray:
+    """Each slot's expert in float64 from the independently decoded weights:
+    down @ (silu(min(gate x, L)) * clip(up x, -L, L))."""
+    W = {}
+
+    def w(p, e):
+        if (p, e) not in W:
+            st = stacks[p]
+            W[p, e] = decoded(st, list(st.expert_ids).index(e)).astype(np.float64)
+        return W[p, e]
+
+    out = np.empty((len(ids), x.shape[1]))
+    for r, e in enumerate(int(e) for e in ids):
+        xi = x[r].astype(np.float64)
+        gc = np.minimum(w("gate", e) @ xi, limit)
+        out[r] = w("down", e) @ (gc / (1 + np.exp(-gc)) * np.clip(w("up", e) @ xi, -limit, limit))
+    return out
+
+
+def assert_rows_close(y, ref, ids, tol: float, what: str = "") -> None:
+    """Every slot's largest error relative to its own largest reference value is below tol."""
+    for r in range(len(ids)):
+        err = np.abs(y[r] - ref[r]).max() / max(np.abs(ref[r]).max(), 1e-30)
+        assert err < tol, f"{what} slot {r} (expert {ids[r]}): {err}"

@@ -68,17 +68,6 @@ def _owner(qtypes, big=True):
     return o, mine
 
 
-def _ref64(stacks, x, ids, limit=10.0):
-    out = np.empty((len(ids), x.shape[1]))
-    for r, e in enumerate(ids):
-        i = EXPERTS.index(int(e))
-        W = {p: S.decoded(st, i).astype(np.float64) for p, st in stacks.items()}
-        xi = x[r].astype(np.float64)
-        gc = np.minimum(W["gate"] @ xi, limit)
-        out[r] = W["down"] @ (gc / (1 + np.exp(-gc)) * np.clip(W["up"] @ xi, -limit, limit))
-    return out
-
-
 @pytest.mark.parametrize("qtypes", [("rocmfp2",) * 3, ("rocmfp3",) * 3, ("rocmfp2", "rocmfp2", "rocmfp3")],
                          ids=["rocmfp2", "rocmfp3", "strix"])
 @pytest.mark.parametrize("ids", [[13, 1, 9], [4, 4, 1, 13, 4]], ids=["distinct", "repeated"])
@@ -88,11 +77,9 @@ def test_decode_step_kernels_match_float64(interp, qtypes, ids):
     ids = np.array(ids)
     x = S.tokens(len(ids), seed=len(ids))
     y = o.run_slots(LAYER, x, ids, "fast")
-    ref = _ref64(stacks, x, ids)
+    ref = S.moe_ref64(stacks, x, ids)
     assert y.dtype == np.float32 and y.shape == x.shape and np.all(np.isfinite(y))
-    for r in range(len(ids)):
-        err = np.abs(y[r] - ref[r]).max() / max(np.abs(ref[r]).max(), 1e-30)
-        assert err < 2e-5, f"{qtypes} slot {r} (expert {ids[r]}): {err}"
+    S.assert_rows_close(y, ref, ids, 2e-5, f"{qtypes}")
     # a slot's output depends on its own row only: the reversed batch gives the same rows
     y2 = o.run_slots(LAYER, x[::-1].copy(), ids[::-1].copy(), "fast")
     assert np.array_equal(y2[::-1], y)
@@ -164,10 +151,8 @@ def test_grouped_kernels_match_float64_and_the_decode_step_bits(interp, qtypes, 
     assert np.array_equal(ids[order], np.sort(ids)) and groups[:, 2].max() <= tb
     assert groups[:, 2].sum() == len(ids) and len(groups) == sum(-(-c // tb) for c in (2, 5, 1, 1))
     y = o.run_slots(LAYER, x, ids, "fast")
-    ref = _ref64(stacks, x, ids)
-    for r in range(len(ids)):
-        err = np.abs(y[r] - ref[r]).max() / max(np.abs(ref[r]).max(), 1e-30)
-        assert err < 2e-5, f"{qtypes} tb {tb} slot {r} (expert {ids[r]}): {err}"
+    ref = S.moe_ref64(stacks, x, ids)
+    S.assert_rows_close(y, ref, ids, 2e-5, f"{qtypes} tb {tb}")
     # a token's arithmetic is the decode step's: the same bits, whatever the grouping
     o.gemv_max_slots = 16
     some = [0, 1, 3, 5]

@@ -82,19 +82,6 @@ def _owner(qtype, experts=EXPERTS):
     return o, stacks
 
 
-def _ref64(stacks, x, ids, limit=10.0):
-    W = {p: [S.decoded(st, i).astype(np.float64) for i in range(st.n_experts)] for p, st in stacks.items()}
-    loc = {e: i for i, e in enumerate(stacks["gate"].expert_ids)}
-    out = np.empty((len(ids), x.shape[1]))
-    for r, e in enumerate(ids):
-        xi = x[r].astype(np.float64)
-        g, u = W["gate"][loc[e]] @ xi, W["up"][loc[e]] @ xi
-        gc = np.minimum(g, limit)
-        h = gc / (1 + np.exp(-gc)) * np.clip(u, -limit, limit)
-        out[r] = W["down"][loc[e]] @ h
-    return out
-
-
 BATCHES = {
     "one slot per expert": np.array([20, 3, 8]),
     "grouped": np.array([7, 3, 7, 20, 7, 3, 8]),
@@ -111,11 +98,9 @@ def test_kernel_fast_output_matches_float64(interp, qtype, batch):
     assert plan is not None and plan.bt == (1 if batch.startswith("one") else 16)
     assert len(plan.stages) == 1 and plan.stages[0][-1]  # one fused gate+up launch, one down
     y = o.run_slots(LAYER, x, ids, "fast")
-    ref = _ref64(stacks, x, ids)
+    ref = S.moe_ref64(stacks, x, ids)
     assert y.dtype == np.float32 and y.shape == x.shape and np.all(np.isfinite(y))
-    for r in range(len(ids)):
-        err = np.abs(y[r] - ref[r]).max() / max(np.abs(ref[r]).max(), 1e-30)
-        assert err < 2e-5, f"{qtype} slot {r} (expert {ids[r]}): {err}"
+    S.assert_rows_close(y, ref, ids, 2e-5, f"{qtype}")
 
 
 def test_kernel_mix_needs_registered_books(interp):
@@ -131,7 +116,7 @@ def test_kernel_mix_needs_registered_books(interp):
         o.run_slots(LAYER, x, np.array([3, 8]), "fast")
     for t, ent in entries.items():
         o.register_books(t, EXPERTS, ent)
-    ref = _ref64(stacks, x, [3, 8])
+    ref = S.moe_ref64(stacks, x, [3, 8])
     y = o.run_slots(LAYER, x, np.array([3, 8]), "fast")
     assert np.abs(y - ref).max() / np.abs(ref).max() < 2e-5
 
@@ -141,7 +126,7 @@ def test_fallback_qtype_runs_decode_then_matmul(interp):
     ids = np.array([3, 20])
     assert o.plan(LAYER, ids) is None
     x = S.tokens(2, seed=2)
-    ref = _ref64(stacks, x, ids)
+    ref = S.moe_ref64(stacks, x, ids)
     y = o.run_slots(LAYER, x, ids, "fast")
     assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
 
