@@ -57,30 +57,44 @@ def _versions(torch):
     return v
 
 
+def host_median(fn, reps, warm=3, before=None):
+    """median seconds of fn() by the host clock; ``before(i)`` runs untimed before each call."""
+    step = before or (lambda i: None)
+    for i in range(warm):
+        step(i)
+        fn()
+    ts = []
+    for i in range(reps):
+        step(i)
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
 def _timer(torch, dev, warm: int = 5):
-    """median seconds of fn() over reps (device events on CUDA)."""
+    """median seconds of fn() over reps (device events on CUDA); ``before(i)`` runs
+    untimed before each call (e.g. a new expert set copied into a graph's buffer)."""
     warm_default = warm
 
-    def bench(fn, reps=50, warm=None):
+    def bench(fn, reps=50, warm=None, before=None):
         warm = warm_default if warm is None else min(warm, warm_default)
-        for _ in range(warm):
+        if dev.type != "cuda":
+            return host_median(fn, reps, warm, before)
+        step = before or (lambda i: None)
+        for i in range(warm):
+            step(i)
             fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) / 1e3)
-            return float(np.median(ts))
+        torch.cuda.synchronize()
         ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
+        for i in range(reps):
+            step(i)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
             fn()
-            ts.append(time.perf_counter() - t)
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
         return float(np.median(ts))
 
     return bench

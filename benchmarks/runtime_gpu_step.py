@@ -58,35 +58,6 @@ def _load_before(path):
     return mod
 
 
-def _rotated(torch, fn, ids_buf, sets, reps, warm=5):
-    """median seconds of one replay, a new expert set copied into ids_buf before each (untimed)."""
-    for i in range(warm):
-        ids_buf.copy_(sets[i % len(sets)])
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for i in range(reps):
-        ids_buf.copy_(sets[i % len(sets)])
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return float(np.median(ts))
-
-
-def _host_median(fn, reps, warm=3):
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 def _graph(torch, fn):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -169,6 +140,10 @@ def main(argv=None) -> int:
     sets = [torch.from_numpy(np.sort(perm[np.arange(i * topk, (i + 1) * topk) % n_exp])).to(dev)
             for i in range(N_ROT)]
     ids_buf = ids_d.clone()
+
+    def rotate(i):  # a new expert set before each timed replay (untimed)
+        ids_buf.copy_(sets[i % len(sets)])
+
     hT = torch.empty((topk, 16, I // 16), dtype=torch.float32, device=dev)
     yy = torch.empty((topk, H), dtype=torch.float32, device=dev)
 
@@ -203,7 +178,7 @@ def main(argv=None) -> int:
             g = _graph(torch, lambda: step(before, t1, t1))
             row("before: decode-step graph, same experts every replay", bench(g.replay, reps=reps))
             row("before: decode-step graph, rotated experts (headline)",
-                _rotated(torch, g.replay, ids_buf, sets, reps))
+                bench(g.replay, reps=reps, before=rotate))
             ids_buf.copy_(ids_d)
     plan = owner.plan(0, ids)
     xs = x.index_select(0, plan.order).contiguous()
@@ -239,7 +214,7 @@ def main(argv=None) -> int:
         tg, td = owner.gemv_tile["gu"], owner.gemv_tile["down"]
         g = _graph(torch, lambda: step(gk, tg, td))
         row("after: decode-step graph, same experts every replay", bench(g.replay, reps=reps))
-        row("after: decode-step graph, rotated experts (headline)", _rotated(torch, g.replay, ids_buf, sets, reps))
+        row("after: decode-step graph, rotated experts (headline)", bench(g.replay, reps=reps, before=rotate))
         ids_buf.copy_(ids_d)
         res["after_best_vs_f64_rel"] = rel(step(gk, tg, td).clone())
         # pipelined: one graph of N_PIPE decode steps over N_PIPE disjoint expert sets
@@ -260,24 +235,24 @@ def main(argv=None) -> int:
         g1 = _graph(torch, lambda: gk.gemv(lg, xT, ids_buf, loc, hT, lp2=lu, limit=owner.swiglu_limit, out_t=True,
                                            bn=tg[0], bw=tg[1], num_warps=tg[2], num_stages=tg[3], pre=tg[4],
                                            sdec=tg[5]))
-        row("part: gate+up launch alone (graph, rotated)", _rotated(torch, g1.replay, ids_buf, sets, reps),
+        row("part: gate+up launch alone (graph, rotated)", bench(g1.replay, reps=reps, before=rotate),
             bytes=int(topk * (stacks["gate"].nbytes + stacks["up"].nbytes) // n_exp))
         g2 = _graph(torch, lambda: gk.gemv(ld, hT, ids_buf, loc, yy, bn=td[0], bw=td[1], num_warps=td[2],
                                            num_stages=td[3], pre=td[4], sdec=td[5]))
-        row("part: down launch alone (graph, rotated)", _rotated(torch, g2.replay, ids_buf, sets, reps),
+        row("part: down launch alone (graph, rotated)", bench(g2.replay, reps=reps, before=rotate),
             bytes=int(topk * (ld.a.nbytes + ld.a2.nbytes + ld.s.nbytes) // n_exp))
         tiny = torch.zeros(1, device=dev)
         g4 = _graph(torch, lambda: tiny.add_(1))
         row("part: graph of one tiny kernel", bench(g4.replay, reps=reps))
         ids_buf.copy_(ids_d)
-    row("after: run_slots (pinned staging + graph)", _host_median(lambda: owner.run_slots(0, xn, ids, "fast"), reps))
+    row("after: run_slots (pinned staging + graph)", base.host_median(lambda: owner.run_slots(0, xn, ids, "fast"), reps))
     idx = torch.from_numpy(ids.reshape(1, topk))
     wts = torch.full((1, topk), 1.0 / topk)
     xh = x[:1].cpu()
     table = ["cuda:0"] * n_exp
     owners = {"cuda:0": owner}
     row("after: run_layer (CUDA only, combine on the host)",
-        _host_median(lambda: run_layer(0, xh, idx, wts, owners, table, "fast"), reps))
+        base.host_median(lambda: run_layer(0, xh, idx, wts, owners, table, "fast"), reps))
 
     # ---- anchor: bf16 grouped_mm at batch 1 over the same experts (302 MB of bf16: no L2 reuse)
     if cuda:
