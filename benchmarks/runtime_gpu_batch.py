@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_gpu as base  # noqa: E402
-from runtime_gpu_step import _graph, _host_median  # noqa: E402
+from runtime_gpu_step import _graph  # noqa: E402
 
 # (rows per program, words per step, warps, stages, prefetch, computed scales), same for gate/up and
 # down (run 1: tb 2 at (8, 32, 2) led at batch 64, tb 4 at (32, 8, 1) at 2048 tokens)
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
                 if best is None or t < best[0]:
                     best = (t, tb, tile)
         res[f"batch_{B}"]["best"] = dict(us=best[0] * 1e6, tb=best[1], tile=list(best[2]))
-        row("host plan: groups_for (numpy)", _host_median(lambda: gk.groups_for(ids, loc_h, best[1]), reps))
+        row("host plan: groups_for (numpy)", base.host_median(lambda: gk.groups_for(ids, loc_h, best[1]), reps))
         # anchor: bf16 grouped_mm over the same experts
         if cuda:
             sel = torch.from_numpy(uniq).to(dev)
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         owner.group_tb, owner.group_tile = best[1], {"gu": best[2], "down": best[2]}
         if cuda:
             row("CudaOwner.run_slots (host plan + copies + kernels)",
-                _host_median(lambda: owner.run_slots(0, xn, ids, "fast"), max(3, reps // 4)),
+                base.host_median(lambda: owner.run_slots(0, xn, ids, "fast"), max(3, reps // 4)),
                 path_taken="grouped" if owner.grouped_plan(0, ids) is not None else "tl.dot")
     if a.out:
         with open(a.out, "w") as f:
