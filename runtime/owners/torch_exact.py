@@ -21,8 +21,8 @@ count or the other rows of a batch:
    2^16 of them, < 2^62: integer sums in any order are exact), carries
    propagated, the limb number rounded once to float32 (round to nearest
    even, subnormals included). Both give the same bits; the split only
-   decides the cost. (The float64 route is on by default on the CPU device
-   only: ``F64_DEVICES``.)
+   decides the cost. (The float64 route is on by default on the devices of
+   ``F64_DEVICES``.)
 3. ``swiglu_exact``: float64, one op at a time (separate tensor ops are never
    fused into an FMA outside torch.compile), the fixed exp of the plan.
 """
@@ -41,11 +41,11 @@ MAX_COLS = 1 << 16
 CHUNK = 1 << 21
 F64_SPAN = 53  # float64 significand bits: the span an exact float64 sum may cover
 # Devices whose exact mode takes the float64 route by default. The route is exact
-# in any summation order, so cuBLAS/rocBLAS would give the same bits, but it has
-# not been run on a GPU yet: CUDA/HIP keep the limbs (their bytes were shown on
-# the lent H200) until a GPU run of tests/runtime/test_identity.py passes with
-# f64=True.
-F64_DEVICES = ("cpu",)
+# in any summation order, so cuBLAS/rocBLAS give the same bits as the CPU's BLAS
+# (shown on the lent H200, session 5: tests/runtime/test_execute.py::
+# test_exact_linear_on_the_device_gives_the_cpu_bits and the CUDA owner's identity
+# tests); HIP devices are torch's "cuda" type too.
+F64_DEVICES = ("cpu", "cuda")
 
 LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
 LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")

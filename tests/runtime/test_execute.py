@@ -275,7 +275,7 @@ def test_exact_linear_limb_path_alone_matches_float64_path():
 @pytest.mark.parametrize("f64", [False, True])
 def test_exact_linear_on_the_device_gives_the_cpu_bits(f64):
     """The float64 route through cuBLAS/rocBLAS and the limbs on the device: the CPU's bits
-    (F64_DEVICES turns the float64 route on for GPUs once this passes on one)."""
+    (the reason F64_DEVICES holds "cuda")."""
     rng = np.random.default_rng(22)
     w = _decoded_like(rng, 256, 512)
     w[3, 7] = np.float32(2.0 ** 60)  # one row through the limbs on either route

@@ -370,8 +370,11 @@ def test_experts_module_in_transformers_matches_eager(tmp_path):
     out = tmp_path / "mx"
     convert(SAMPLE, out, "mxfp4", threads=1)  # lossless: the same weights the eager model has
     torch.set_num_threads(1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(SAMPLE, dtype=torch.float32,
-                                                              experts_implementation="eager")
+    # dequantize=True: with a GPU present transformers would route the FP8 linears through
+    # its optional `kernels` package even for a CPU model; the eager reference wants the weights
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        SAMPLE, dtype=torch.float32, experts_implementation="eager",
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
     model.eval()
     ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
     with torch.no_grad():
