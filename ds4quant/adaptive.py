@@ -195,7 +195,8 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
                    opts: AdaptiveOptions, seed: str, device=None) -> tuple[Measure, Optional[tuple[np.ndarray, int]]]:
     """Encode ``x`` (float32 (rows, cols)) as ``qtype`` the way convert will;
     return its Measure and, for MIX, the (books, mode) it used. ``device``
-    (a torch device or None) runs the MIX search there, the same bytes. The
+    (a torch device or None) runs the MIX search and the scale search of
+    the types ``_scale_search_torch`` covers there, the same bytes. The
     error, weighted per column by ``err_w``, is taken here and only here."""
     qt = get_qtype(qtype)
     books = None
@@ -223,9 +224,14 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
         if ref_err is not None and same_weights:
             ref = ref_err
     else:
-        data = encode(qt, x, imp)
-        y = decode(qt, data, x.shape[1])
-        nbytes = int(data.nbytes)
+        from ds4quant.formats import _scale_search_torch as sst
+
+        if device is not None and not _LEGACY and sst.covers(qt.name):
+            nbytes, y = sst.measure_torch(qt.name, x, imp, device)  # search and decode on the device
+        else:
+            data = encode(qt, x, imp)
+            y = decode(qt, data, x.shape[1])
+            nbytes = int(data.nbytes)
     s = error_sums(x, y, err_w)
     return Measure(nbytes, s.sse, s.ssx, s.wsse, s.wssx, ref), books
 
