@@ -386,7 +386,7 @@ def benchmark(args) -> dict:
                                                   experts=args.ds4_shape, one_core=not args.skip_one_core,
                                                   partial=out_dir / "ds4shape-partial.json",
                                                   device_first=args.device_first,
-                                                  device_anchor=args.device_anchor)
+                                                  device_anchor=args.device_anchor, device_only=args.device_only)
         if args.cost_only:
             (out_dir / "adaptive-bench.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
             return result
@@ -569,6 +569,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-one-core", action="store_true", help="skip the 1-core rows (and so the anchor ratio)")
     ap.add_argument("--ds4-only", action="store_true", help="only the --ds4-shape rows (no sample conversions)")
     ap.add_argument("--device-first", action="store_true", help="--ds4-shape: time the --device rows first")
+    ap.add_argument("--device-only", action="store_true",
+                    help="--ds4-shape: no CPU row (compare the digests with a CPU run of the same N)")
     ap.add_argument("--device-anchor", action="store_true",
                     help="--ds4-shape: also time each --device row with the non-MIX scale search on the host "
                          "(the device path before it moved)")

@@ -33,7 +33,7 @@ import numpy as np
 
 from ds4quant import __version__
 from ds4quant.adaptive_cache import CACHE_VERSION, Cache, load_books, save_books, default_cache_dir
-from ds4quant.adaptive_jobs import check_device, default_jobs, ordered_map, resolve_device
+from ds4quant.adaptive_jobs import check_device, default_jobs, ordered_map, resolve_device, worker_stream
 from ds4quant.allocate import Allocation, Candidate, Item, allocate
 from ds4quant.errors import BadInputError, BudgetError, UnknownQTypeError
 from ds4quant.formats import decode, encode, get_qtype
@@ -346,9 +346,10 @@ def _measure_expert(payload, opts: AdaptiveOptions, device) -> list:
     """[(qtype, Measure, books or None)] for one expert matrix, in ``need`` order."""
     x, imp, err_w, need, seed = payload
     out = []
-    for q in need:
-        meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device)
-        out.append((q, meas, bk))
+    with worker_stream(device):
+        for q in need:
+            meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device)
+            out.append((q, meas, bk))
     return out
 
 

@@ -133,27 +133,35 @@ def _errors(fmt, T, XT, AXT, WT, e, fast2=False):
     return acc
 
 
-def _lexmin(err, e, best, be):
-    """Fold candidates (C, n) in order into (best, byte): lexmin((err, e)), NaN never taken."""
+def _keys(err, e):
+    """lexmin((err, e)) as one integer order: err >= +0 (a sum of terms >= +0;
+    adding +0 turns a -0 into +0), so its float32 bits order like its values,
+    inf included; the byte (< 256) below them. NaN: never taken."""
     import torch
 
-    for c in range(err.shape[0]):
-        take = (err[c] < best) | ((err[c] == best) & (e[c] < be))
-        best = torch.where(take, err[c], best)
-        be = torch.where(take, e[c], be)
-    return best, be
+    bits = (err + 0.0).view(torch.int32).to(torch.int64)
+    return torch.where(torch.isnan(err), torch.iinfo(torch.int64).max, (bits << 8) | e)
 
 
-def _scan(fmt, T, XT, AXT, WT, lo, K, best, be, fast2):
-    """Evaluate the bytes lo .. lo+K-1 (each <= 126) of every group, in batches."""
+def _scan(fmt, T, XT, AXT, WT, lo, K, key, fast2):
+    """Fold the bytes lo .. lo+K-1 (each <= 126) of every group into ``key``
+    (``_keys`` of the best so far), in batches."""
     import torch
 
     n = XT.shape[1]
     per = max(1, _BATCH // max(1, n))
     for c0 in range(0, K, per):
         e = lo.unsqueeze(0) + torch.arange(c0, min(K, c0 + per), device=lo.device).unsqueeze(1)
-        best, be = _lexmin(_errors(fmt, T, XT, AXT, WT, e, fast2), e, best, be)
-    return best, be
+        key = torch.minimum(key, _keys(_errors(fmt, T, XT, AXT, WT, e, fast2), e).amin(dim=0))
+    return key
+
+
+def _init_key(fmt, n, dev):
+    """The format's initial pair (``_scale_tables.INIT_*``) as ``_keys``, per group."""
+    import torch
+
+    bits = int(np.array([INIT_ERR[fmt]], np.float32).view(np.int32)[0])
+    return torch.full((n,), (bits << 8) | int(INIT_E[fmt]), dtype=torch.int64, device=dev)
 
 
 def _weights(fmt, x, fin, q, sigma2):
@@ -190,11 +198,10 @@ def search(fmt: int, group: int, x, q, sigma2, stats: "dict | None" = None):
     K = max(1, min(K, 126))
     e0 = torch.searchsorted(T["S1"], mx / top) + 1  # first byte with S >= max/top
     lo = (e0 - below).clamp(1, 127 - K)
-    best = torch.full((n,), float(INIT_ERR[fmt]), dtype=torch.float32, device=x.device)
-    be = torch.full((n,), int(INIT_E[fmt]), dtype=torch.int64, device=x.device)
     # one host sync: FP2's thresholds hold while every |x * inv| < 2^23 (inv <= 1024)
     fast2 = fmt == FP2 and n > 0 and float(mx.max()) < 2.0**13
-    best, be = _scan(fmt, T, XT, AXT, WT, lo, K, best, be, fast2)
+    key = _scan(fmt, T, XT, AXT, WT, lo, K, _init_key(fmt, n, x.device), fast2)
+    best = (key >> 8).to(torch.int32).view(torch.float32)
 
     # the proofs (module docstring), in float64
     b64 = best.to(torch.float64)
@@ -219,10 +226,9 @@ def search(fmt: int, group: int, x, q, sigma2, stats: "dict | None" = None):
         stats["above_fail"] = stats.get("above_fail", 0) + int(((mx > 0) & ~above_ok).sum())
     if redo.numel():
         sub = lambda a: a[:, redo].contiguous()  # noqa: E731
-        fb = torch.full((redo.numel(),), float(INIT_ERR[fmt]), dtype=torch.float32, device=x.device)
-        fe = torch.full((redo.numel(),), int(INIT_E[fmt]), dtype=torch.int64, device=x.device)
-        fb, fe = _scan(fmt, T, sub(XT), sub(AXT), sub(WT), torch.ones_like(redo), 126, fb, fe, fast2)
-        be[redo] = fe
+        key[redo] = _scan(fmt, T, sub(XT), sub(AXT), sub(WT), torch.ones_like(redo), 126,
+                          _init_key(fmt, redo.numel(), x.device), fast2)
+    be = key & 255
     be = torch.where(mx > 0, be, 0)
     return be.reshape(rows, cols // group), _codes(fmt, T, x, be, group, fast2)
 
@@ -306,4 +312,16 @@ def measure_torch(qtype: str, x: np.ndarray, importance, device) -> tuple[int, n
         return nbytes, np.zeros(tuple(X.shape), np.float32)
     with torch.no_grad():
         e, codes = search(fmt, group, X, Q, s2)
-        return nbytes, decode_chosen(fmt, group, e, codes).cpu().numpy()
+        return nbytes, to_host(decode_chosen(fmt, group, e, codes))
+
+
+def to_host(t) -> np.ndarray:
+    """A device tensor as a numpy array, through pinned memory where the device
+    is a GPU (a pageable copy goes at a fraction of the link's speed)."""
+    import torch
+
+    if t.device.type == "cpu":
+        return t.numpy()
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t)  # synchronous: waits for this thread's stream only
+    return h.numpy()
