@@ -36,6 +36,7 @@ from ds4quant.adaptive_cache import CACHE_VERSION, Cache, load_books, save_books
 from ds4quant.adaptive_jobs import check_device, default_jobs, ordered_map, resolve_device, worker_stream
 from ds4quant.allocate import Allocation, Candidate, Item, allocate
 from ds4quant.errors import BadInputError, BudgetError, UnknownQTypeError
+from ds4quant.formats import _scale_search_torch as sst
 from ds4quant.formats import decode, encode, get_qtype
 from ds4quant.metrics import error_sums
 from ds4quant.names import stack_name
@@ -224,8 +225,6 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
         if ref_err is not None and same_weights:
             ref = ref_err
     else:
-        from ds4quant.formats import _scale_search_torch as sst
-
         if device is not None and not _LEGACY and sst.covers(qt.name):
             nbytes, y = sst.measure_torch(qt.name, x, imp, device)  # search and decode on the device
         else:

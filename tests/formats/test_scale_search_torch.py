@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4quant import formats
@@ -70,7 +70,7 @@ def test_torch_encode_equals_numba(dev, name, data):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("k,below", [(1, 0), (2, 2), (3, 0), (126, 0)])
-@SETTINGS
+@settings(SETTINGS, max_examples=12)
 @given(data=st.data())
 def test_any_window_gives_the_same_bytes(dev, name, k, below, data):
     x = data.draw(matrices(nonfinite=True))
