@@ -62,8 +62,8 @@ class AdaptiveOptions:
     per-tensor KL gains turn the weighted errors into predicted KL before
     allocating (without it every tensor's weighted error counts the same).
     jobs: experts measured at once (None: convert's threads); device: "cpu"
-    or "cuda[:N]" for the MIX search (adaptive_jobs says what moves). Neither
-    changes a figure, a plan or a byte.
+    or "cuda[:N]" for the MIX and scale searches (adaptive_jobs says what
+    moves). Neither changes a figure, a plan or a byte.
     """
 
     target_bpw: Optional[float] = None
