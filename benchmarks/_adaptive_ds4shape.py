@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -44,10 +45,38 @@ def importance(key: str, cols: int) -> np.ndarray:
     return np.exp(_rng(key).standard_normal(cols)).astype(np.float32)
 
 
+@contextmanager
+def host_scale_search():
+    """The device path as it was before the scale search moved to the device
+    (issue 14, session 5): the non-MIX candidates' search on the host."""
+    from ds4quant.formats import _scale_search_torch as sst
+
+    old = sst.QTYPES
+    sst.QTYPES = {}
+    try:
+        yield
+    finally:
+        sst.QTYPES = old
+
+
+def _measure_all(x, imp, cands, opts, dev) -> list:
+    """Every candidate's Measure (and books) of one matrix, as the measure stage takes them."""
+    from ds4quant.adaptive import _fits, measure_matrix
+
+    r = []
+    for q in cands:
+        if not _fits(q, x.shape[1]):
+            continue
+        m, bk = measure_matrix(x, imp, imp.astype(np.float64), q, opts, seed="ds4", device=dev)
+        r.append((q, m, None if bk is None else (bk[0].tobytes(), bk[1])))
+    return r
+
+
 def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True,
-                    partial=None, device_first: bool = False) -> dict:
-    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions, _fits, measure_matrix
-    from ds4quant.adaptive_jobs import ordered_map, resolve_device
+                    partial=None, device_first: bool = False, device_anchor: bool = False,
+                    device_only: bool = False) -> dict:
+    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
+    from ds4quant.adaptive_jobs import ordered_map, resolve_device, worker_stream
     from ds4quant.formats import numba_threads
 
     cands = tuple(candidates or DEFAULT_CANDIDATES)
@@ -59,14 +88,17 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
             mats.append((f"{which}/{e}", fp4_matrix(f"{which}/{e}", shape), imp))
     weights = sum(x.size for _, x, _ in mats)
     gb = weights * (0.5 + 1 / 32) / 1e9  # FP4 codes + one E8M0 byte per 32
-    paths = ([("1 core", 1, "cpu")] if one_core else []) + ([(f"{threads} cores", threads, "cpu")] if threads > 1 else [])
-    dev_paths = [(f"{d} + {threads} cores", threads, d) for d in devices]
+    paths = ([("1 core", 1, "cpu", False)] if one_core else []) + \
+        ([(f"{threads} cores", threads, "cpu", False)] if threads > 1 and not device_only else [])
+    dev_paths = [(f"{d} + {threads} cores", threads, d, False) for d in devices]
+    if device_anchor:  # the pre-change device path, timed in the same run
+        dev_paths += [(f"{d} + {threads} cores, scale search on the host", threads, d, True) for d in devices]
     # device_first: a run with little time left measures the device before the CPU rows
     paths = dev_paths + paths if device_first else paths + dev_paths
     out = {"experts": experts, "shape_gate_up": list(GATE_UP), "shape_down": list(DOWN), "fp4_gb": gb,
            "candidates": list(cands), "paths": {}}
     results = {}
-    for label, jobs, device in paths:
+    for label, jobs, device, host_scale in paths:
         dev = resolve_device(device)
 
         def items():
@@ -75,16 +107,11 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
 
         def work(p, dev=dev):
             x, imp = p
-            r = []
-            for q in cands:
-                if not _fits(q, x.shape[1]):
-                    continue
-                m, bk = measure_matrix(x, imp, imp.astype(np.float64), q, opts, seed="ds4", device=dev)
-                r.append((q, m, None if bk is None else (bk[0].tobytes(), bk[1])))
-            return r
+            with worker_stream(dev):  # as adaptive._measure_expert runs them
+                return _measure_all(x, imp, cands, opts, dev)
 
         load = os.getloadavg()[0]
-        with numba_threads(jobs):
+        with numba_threads(jobs), (host_scale_search() if host_scale else nullcontext()):
             c0, t0 = time.process_time(), time.perf_counter()
             got = list(ordered_map(items(), work, jobs))
             sec, cpu = time.perf_counter() - t0, time.process_time() - c0

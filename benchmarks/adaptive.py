@@ -385,7 +385,8 @@ def benchmark(args) -> dict:
             result["ds4_shape"] = ds4_expert_cost(threads, devices=args.device, candidates=cands,
                                                   experts=args.ds4_shape, one_core=not args.skip_one_core,
                                                   partial=out_dir / "ds4shape-partial.json",
-                                                  device_first=args.device_first)
+                                                  device_first=args.device_first,
+                                                  device_anchor=args.device_anchor, device_only=args.device_only)
         if args.cost_only:
             (out_dir / "adaptive-bench.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
             return result
@@ -568,6 +569,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-one-core", action="store_true", help="skip the 1-core rows (and so the anchor ratio)")
     ap.add_argument("--ds4-only", action="store_true", help="only the --ds4-shape rows (no sample conversions)")
     ap.add_argument("--device-first", action="store_true", help="--ds4-shape: time the --device rows first")
+    ap.add_argument("--device-only", action="store_true",
+                    help="--ds4-shape: no CPU row (compare the digests with a CPU run of the same N)")
+    ap.add_argument("--device-anchor", action="store_true",
+                    help="--ds4-shape: also time each --device row with the non-MIX scale search on the host "
+                         "(the device path before it moved)")
     ap.add_argument("--ds4-shape", type=int, default=0, metavar="N",
                     help="also time measure_matrix on N synthetic experts at DeepSeek-V4 Flash shapes")
     ap.add_argument("--cold-threads-check", action="store_true",

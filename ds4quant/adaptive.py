@@ -33,9 +33,10 @@ import numpy as np
 
 from ds4quant import __version__
 from ds4quant.adaptive_cache import CACHE_VERSION, Cache, load_books, save_books, default_cache_dir
-from ds4quant.adaptive_jobs import check_device, default_jobs, ordered_map, resolve_device
+from ds4quant.adaptive_jobs import check_device, default_jobs, ordered_map, resolve_device, worker_stream
 from ds4quant.allocate import Allocation, Candidate, Item, allocate
 from ds4quant.errors import BadInputError, BudgetError, UnknownQTypeError
+from ds4quant.formats import _scale_search_torch as sst
 from ds4quant.formats import decode, encode, get_qtype
 from ds4quant.metrics import error_sums
 from ds4quant.names import stack_name
@@ -61,8 +62,8 @@ class AdaptiveOptions:
     per-tensor KL gains turn the weighted errors into predicted KL before
     allocating (without it every tensor's weighted error counts the same).
     jobs: experts measured at once (None: convert's threads); device: "cpu"
-    or "cuda[:N]" for the MIX search (adaptive_jobs says what moves). Neither
-    changes a figure, a plan or a byte.
+    or "cuda[:N]" for the MIX and scale searches (adaptive_jobs says what
+    moves). Neither changes a figure, a plan or a byte.
     """
 
     target_bpw: Optional[float] = None
@@ -195,7 +196,8 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
                    opts: AdaptiveOptions, seed: str, device=None) -> tuple[Measure, Optional[tuple[np.ndarray, int]]]:
     """Encode ``x`` (float32 (rows, cols)) as ``qtype`` the way convert will;
     return its Measure and, for MIX, the (books, mode) it used. ``device``
-    (a torch device or None) runs the MIX search there, the same bytes. The
+    (a torch device or None) runs the MIX search and the scale search of
+    the types ``_scale_search_torch`` covers there, the same bytes. The
     error, weighted per column by ``err_w``, is taken here and only here."""
     qt = get_qtype(qtype)
     books = None
@@ -223,9 +225,12 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
         if ref_err is not None and same_weights:
             ref = ref_err
     else:
-        data = encode(qt, x, imp)
-        y = decode(qt, data, x.shape[1])
-        nbytes = int(data.nbytes)
+        if device is not None and not _LEGACY and sst.covers(qt.name):
+            nbytes, y = sst.measure_torch(qt.name, x, imp, device)  # search and decode on the device
+        else:
+            data = encode(qt, x, imp)
+            y = decode(qt, data, x.shape[1])
+            nbytes = int(data.nbytes)
     s = error_sums(x, y, err_w)
     return Measure(nbytes, s.sse, s.ssx, s.wsse, s.wssx, ref), books
 
@@ -340,9 +345,10 @@ def _measure_expert(payload, opts: AdaptiveOptions, device) -> list:
     """[(qtype, Measure, books or None)] for one expert matrix, in ``need`` order."""
     x, imp, err_w, need, seed = payload
     out = []
-    for q in need:
-        meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device)
-        out.append((q, meas, bk))
+    with worker_stream(device):
+        for q in need:
+            meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device)
+            out.append((q, meas, bk))
     return out
 
 

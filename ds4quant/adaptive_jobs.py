@@ -8,24 +8,28 @@ books and bytes never depend on the worker count. A worker runs numba's
 kernels on one thread (numba's thread count is per Python thread), the
 parallelism is across experts, not inside a matrix.
 
-``--device cuda`` moves the MIX encoder's search (every candidate scale and
-book of every half, the work of the codebook fitter's Lloyd steps, its error
-evaluations and the final MIX encode) to the GPU through torch
-(``formats._mix_search_torch``, bit-identical to the numba kernels); the
-workers' searches share launches (``formats._mix_search_batch``: the queued
-searches of all workers run as one). What
-stays on the CPU, because its float64 sums are sequential or numpy's pairwise
-order and a GPU reduction would round differently: the fitter's error totals
-and Lloyd level sums (``formats._mix_search_fit.terms_stats_nb``), the error sums
-of every candidate (``metrics.error_sums``), the reference fitter's histogram
-Lloyd and the book projection; and, not ported yet, the non-MIX candidates'
-scale search (rocmfp2/3/4/4_fast encoders) and the decodes.
+``--device cuda`` moves to the GPU through torch, bit-identical to the numba
+kernels: the MIX encoder's search (every candidate scale and book of every
+half, the work of the codebook fitter's Lloyd steps, its error evaluations
+and the final MIX encode; ``formats._mix_search_torch``; the workers'
+searches share launches, ``formats._mix_search_batch``) and the non-MIX
+candidates' scale search and decode (rocmfp2/3/4/4_fast,
+``formats._scale_search_torch``). Each worker queues its kernels on its own
+CUDA stream (``worker_stream``). What stays on the CPU, because its float64
+sums are sequential or numpy's pairwise order and a GPU reduction would round
+differently: the fitter's error totals and Lloyd level sums
+(``formats._mix_search_fit.terms_stats_nb``), the error sums of every
+candidate (``metrics.error_sums``), the rows' energies of the importance
+weights (a sequential float32 sum), the reference fitter's histogram Lloyd
+and the book projection; and the decode of the MIX candidates' choices.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
+from contextlib import nullcontext
 from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
 from ds4quant.errors import BadInputError
@@ -63,6 +67,29 @@ def resolve_device(device: str):
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise BadInputError(f"--device {d}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+_STREAMS = threading.local()
+
+
+def worker_stream(device):
+    """The calling thread's own CUDA stream on ``device`` as a context (a null
+    context elsewhere): the workers' kernels queue and their copies to the
+    host wait on their own streams, not on every worker's work in the default
+    stream. A search that another worker's thread runs for this one (the MIX
+    batcher) ends in a copy to the host on that thread's stream, which this
+    worker waits for, so nothing it hands over is freed while in use."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return nullcontext()
+    import torch
+
+    key = str(device)
+    streams = getattr(_STREAMS, "by_device", None)
+    if streams is None:
+        streams = _STREAMS.by_device = {}
+    if key not in streams:
+        streams[key] = torch.cuda.Stream(device=device)
+    return torch.cuda.stream(streams[key])
 
 
 def default_jobs() -> int:

@@ -127,7 +127,7 @@ def formats_cmd(as_json: bool) -> None:
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
               help="adaptive: experts measured at once (default: --threads). Never changes bytes.")
 @click.option("--device", "measure_device", default="cpu", show_default=True, metavar="cpu|cuda[:N]|torch-cpu",
-              help="adaptive: run the MIX search of the measure stage on a CUDA device through torch. "
+              help="adaptive: run the measure stage's MIX and scale searches on a CUDA device through torch. "
                    "Never changes bytes.")
 @click.option("--no-lucebox", is_flag=True, help="adaptive: allow layouts only ds4quant's runtime loads.")
 @click.option("--loose-sidecars", is_flag=True, help="Also write NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF.")

@@ -28,10 +28,14 @@ import numpy as np
 
 from ds4quant.formats._mix_search import _HALF, _max_level, _splits
 from ds4quant.formats._mix_search_torch import _fixed_flat, _nearest, _seq_sum16, _tables
+from ds4quant.formats._scale_search_torch import to_host
 
 # halves per batch: bounds device memory (about 10 float32 copies of a
 # (halves, 16) tensor are alive at once: ~5 GiB at this size)
 _BATCH_HALVES = 1 << 23
+# elements of a (5 candidates, halves, 16) evaluation: ~8 float32 temporaries of
+# this size are alive at once (1 GiB); fewer, larger launches than one per candidate
+_CANDIDATE_ELEMENTS = 1 << 25
 
 
 def _flat(X, W):
@@ -63,29 +67,35 @@ def _books_batch(Xl, Wl, rid, books_t, split_t, ml_t, L):
     best = torch.full((N,), float("inf"), dtype=torch.float32, device=dev)
     bk = torch.zeros((N,), dtype=torch.int64, device=dev)
     be = torch.ones((N,), dtype=torch.int64, device=dev)
+    dls = torch.arange(-2, 3, device=dev).unsqueeze(1)  # a book's 5 bytes, the kernel's order
+    step = max(1, _CANDIDATE_ELEMENTS // (5 * _HALF))
     for b in range(2):
         mlb = ml_t[:, b][rid]  # (N,)
-        has = mlb > 0
+        ok = (mlb > 0) & wok
         cen = _nearest(mx / mlb, S)  # 0 where the quotient is not a positive finite number
         lv = books_t[:, b, :][rid]  # (N, L)
         sp = split_t[:, b, :][rid]  # (N, L-1)
-        for dl in range(-2, 3):
-            e = cen + dl
-            valid = (e >= 1) & (e <= 126) & has & wok
+        for h0 in range(0, N, step):  # the 5 candidates of a book at once, (5, halves, 16)
+            h = slice(h0, min(N, h0 + step))
+            x = Xl[h]
+            e = cen[h].unsqueeze(0) + dls
+            valid = (e >= 1) & (e <= 126) & ok[h].unsqueeze(0)
             ec = e.clamp(1, 126)
             s = S[ec].unsqueeze(-1)
-            v = Xl * INV[ec].unsqueeze(-1)
-            y = lv[:, 0:1].expand(v.shape)
+            v = x * INV[ec].unsqueeze(-1)
+            y = lv[h, 0:1].expand(v.shape)
             for j in range(1, L):
-                y = torch.where(v > sp[:, j - 1:j], lv[:, j:j + 1], y)
-            d = Xl - s * y
-            err = _seq_sum16((Wl * d) * d)
+                y = torch.where(v > sp[h, j - 1:j], lv[h, j:j + 1], y)
+            d = x - s * y
+            err = _seq_sum16((Wl[h] * d) * d)
             err = torch.where(valid, err, inf)
             err = torch.where(torch.isnan(err), inf, err)  # NaN never wins (a refused half)
-            take = err < best  # candidates in the kernel's order: the first least stays
-            best = torch.where(take, err, best)
-            bk = torch.where(take, torch.full_like(bk, b), bk)
-            be = torch.where(take, ec, be)
+            ci = err.argmin(dim=0, keepdim=True)  # the first least of the book's 5, as the kernel's strict <
+            cb = err.gather(0, ci).squeeze(0)
+            take = cb < best[h]  # book 0 before book 1: a tie keeps book 0
+            best[h] = torch.where(take, cb, best[h])
+            bk[h] = torch.where(take, b, bk[h])
+            be[h] = torch.where(take, ec.gather(0, ci).squeeze(0), be[h])
     zero = mx == 0
     bk = torch.where(zero, torch.zeros_like(bk), bk)
     be = torch.where(zero, torch.zeros_like(be), be)
@@ -131,8 +141,10 @@ def _run_group(reqs: list) -> None:
         else:
             be, codes, st = _fixed_flat(Xl, Wl, bits)
             bk = torch.zeros_like(be)
-        # one transfer each for the whole batch, then a slice per request
-        bk, be, codes, st = bk.cpu().numpy(), be.cpu().numpy(), codes.cpu().numpy(), st.cpu().numpy()
+        # one transfer each for the whole batch (book 0/1 and byte 0..126 as
+        # bytes: an eighth of the int64 copy), then a slice per request
+        bk, be = to_host(bk.to(torch.uint8)).astype(np.int64), to_host(be.to(torch.uint8)).astype(np.int64)
+        codes, st = to_host(codes), to_host(st)
     o = 0
     for r, n in zip(reqs, sizes):
         r.result = (bk[o:o + n], be[o:o + n], codes[o:o + n], st[o:o + n])

@@ -517,3 +517,11 @@ def decode_rows_nb(fmt, data, group, out):
                 s = sc[row[off + qsb + h]]
                 for i in range(group):
                     out[r, blk * 32 + h * group + i] = lv[codes[h * group + i]] * s
+
+
+@numba.njit(cache=True, parallel=True, nogil=True)
+def row_energies_nb(x, out):
+    """out[r] = row_energy_nb(x[r]) (§2.1, the weights' sigma^2) for every row:
+    what the device search (``_scale_search_torch``) takes from the host."""
+    for r in numba.prange(x.shape[0]):
+        out[r] = row_energy_nb(x[r])
