@@ -187,7 +187,8 @@ def _quant_kernel(x_ptr, stride_x, qt_ptr, s_ptr, bad_ptr, K, KW, KB, NB: tl.con
 
 
 @triton.jit
-def _swiglu_quant_kernel(g_ptr, u_ptr, stride_g, c_ptr, qt_ptr, s_ptr, bad_ptr, K, KW, KB, NB: tl.constexpr):
+def _swiglu_quant_kernel(g_ptr, u_ptr, stride_g, c_ptr, qt_ptr, s_ptr, bad_ptr, h_ptr, K, KW, KB,
+                         NB: tl.constexpr, H_OUT: tl.constexpr):
     slot = tl.program_id(0)
     b = tl.program_id(1) * NB + tl.arange(0, NB)
     f = b[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -210,6 +211,8 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, stride_g, c_ptr, qt_ptr, s_ptr, bad_ptr, 
     silu = gc / (1.0 + ez)
     silu = tl.where(big, gc * 0.0, silu)  # the definition's signed zero when E = +inf
     h = (silu * uc).to(tl.float32)
+    if H_OUT:  # the SwiGLU output itself (tests: its bits against the definition's)
+        tl.store(h_ptr + slot.to(tl.int64) * K + f, h)
     _quant_store(h.to(tl.float64), slot, b, qt_ptr, s_ptr, bad_ptr, K, KW, KB)
 
 
@@ -253,9 +256,10 @@ def quantize(x, bad, qt=None, s=None, nb: int = 16):
     return qt, s
 
 
-def swiglu_quantize(g, u, limit: float, bad, nb: int = 16):
+def swiglu_quantize(g, u, limit: float, bad, nb: int = 16, h=None):
     """Step 3 on float32 gate / up outputs (n, I), then step 1 on its float32 result:
-    (qt, s) as ``quantize`` gives them; a non-finite SwiGLU output counts in ``bad``."""
+    (qt, s) as ``quantize`` gives them; a non-finite SwiGLU output counts in ``bad``.
+    ``h``: a float32 (n, I) tensor that also receives the SwiGLU output."""
     import torch
 
     n, K = g.shape
@@ -264,8 +268,8 @@ def swiglu_quantize(g, u, limit: float, bad, nb: int = 16):
     nb = _nb(K // BLOCK, nb)
     if n:
         _swiglu_quant_kernel[(n, K // BLOCK // nb)](g, u, g.stride(0), swiglu_constants(g.device, limit), qt, s,
-                                                    bad, K, K // 16, K // BLOCK, NB=nb, num_warps=2,
-                                                    enable_fp_fusion=False)
+                                                    bad, qt if h is None else h, K, K // 16, K // BLOCK, NB=nb,
+                                                    H_OUT=h is not None, num_warps=2, enable_fp_fusion=False)
     return qt, s
 
 
