@@ -124,8 +124,8 @@ def _owner(qtypes, tiles=BIG, exact=True):
 
 
 @pytest.mark.parametrize("qtype", sorted(layout.LINEAR_QTYPES))
-@pytest.mark.parametrize("tiles", [BIG, MID], ids=["big", "mid"])
-@pytest.mark.parametrize("sdec", [True, False], ids=["computed-scales", "lut"])
+@pytest.mark.parametrize("tiles,sdec", [(BIG, True), (MID, True), (BIG, False)],
+                         ids=["big", "mid", "scale-lut"])
 def test_exact_products_are_exact_linear(ek, qtype, tiles, sdec):
     o, stacks = _owner((qtype,) * 3)
     lg, lu, ld, loc, _ = o.gemv_set(LAYER)
