@@ -51,6 +51,9 @@ N_ROT = 16  # expert sets the rotated replays cycle through
 # measured the first two rows of each
 TILES_B1 = [(32, 4, 256), (32, 4, 128), (64, 4, 64), (64, 8, 128), (16, 4, 256)]
 TILES_BATCH = [(32, 4, 256), (32, 4, 64), (32, 4, 32), (16, 4, 64), (64, 4, 32)]
+# exact kernels' sweep (--exact-sweep, batch 1): (rows per program, words per step, warps, prefetch)
+EXACT_TILES = {"gu": [(8, 64, 4, True), (8, 32, 2, True), (16, 64, 8, True), (4, 64, 2, True), (8, 64, 4, False)],
+               "down": [(16, 64, 8, True), (8, 32, 2, True), (16, 32, 4, True), (8, 64, 4, True)]}
 
 
 def _versions(torch):
@@ -194,8 +197,10 @@ def _fast_rows(torch, owner, x, ids, sets, bench, reps, row):
     return t_dev, t_same, t_rs
 
 
-def _exact_rows(torch, owner, x, ids, sets, bench, reps, row, definition=True):
-    """Exact mode through the kernels and through the definition: a dict of the figures."""
+def _exact_rows(torch, owner, x, ids, sets, bench, reps, row, definition=True, sweep=False):
+    """Exact mode through the kernels and through the definition: a dict of the figures.
+    ``sweep`` (CUDA): try EXACT_TILES per stage first, keep the fastest; every tile's bytes
+    must equal the default tile's (the sums are exact in any order)."""
     import hashlib
 
     from runtime_gpu_step import _graph
@@ -211,6 +216,26 @@ def _exact_rows(torch, owner, x, ids, sets, bench, reps, row, definition=True):
 
     y, bad = step()
     out["bad_pairs"] = int(bad[0])
+    y0 = y.cpu().numpy().view(np.uint32).copy()
+    if sweep and cuda:
+        same = True
+        for stage in ("gu", "down"):
+            best = None
+            for tile in EXACT_TILES[stage]:
+                owner.exact_tile[stage] = tile
+                try:
+                    yt = step()[0].cpu().numpy().view(np.uint32)
+                    t = bench(_graph(torch, step).replay, reps=reps)
+                except Exception as exc:  # a tile that does not compile is reported, not fatal
+                    out.setdefault("sweep_errors", []).append(f"{stage} {tile}: {repr(exc)[:200]}")
+                    continue
+                same = same and bool(np.array_equal(yt, y0))
+                row(f"exact: sweep {stage} tile {tile}", t, tile=list(tile), stage=stage)
+                if best is None or t < best[0]:
+                    best = (t, tile)
+            owner.exact_tile[stage] = best[1]
+        out["sweep_tiles_identical_bytes"] = same
+        out["best_tile"] = {k: list(v) for k, v in owner.exact_tile.items()}
     if cuda:
         g = _graph(torch, step)
         out["graph_same_s"] = bench(g.replay, reps=reps)
@@ -250,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true",
                     help="skip the decode+matmul (TorchOwner) row and exact mode's definition row")
     ap.add_argument("--sweep", action="store_true", help="a tile sweep of the tl.dot kernels")
+    ap.add_argument("--exact-sweep", action="store_true", help="a tile sweep of the exact kernels (batch 1)")
     ap.add_argument("--batches", default=None, help="default 1,64 (--quick: 1,3)")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 50, --quick 3)")
     a = ap.parse_args(argv)
@@ -307,7 +333,8 @@ def main(argv=None) -> int:
         # the CUDA owner's fast path (what run_slots takes), then exact mode
         f_dev, f_same, f_rs = _fast_rows(torch, owner, x, ids, sets, bench, reps, row)
         if not a.no_exact:
-            ex = _exact_rows(torch, owner, x, ids, sets, bench, reps, row, definition=not a.no_torch)
+            ex = _exact_rows(torch, owner, x, ids, sets, bench, reps, row, definition=not a.no_torch,
+                             sweep=a.exact_sweep and B == 1)
             ex["exact_over_fast"] = {"run_slots": ex["run_slots_s"] / f_rs}
             if f_same and "graph_same_s" in ex:
                 ex["exact_over_fast"]["device_same_experts"] = ex["graph_same_s"] / f_same
