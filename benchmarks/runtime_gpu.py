@@ -251,6 +251,7 @@ def _exact_rows(torch, owner, x, ids, sets, bench, reps, row, definition=True, s
     row("exact: run_slots (end to end)", out["run_slots_s"])
     yk = owner.run_slots(0, xn, ids, "exact")
     out["reruns"] = owner.exact_stats["rerun"] - stats0["rerun"]
+    out["patched_calls"] = owner.exact_stats["patched"] - stats0["patched"]
     out["sha256"] = hashlib.sha256(yk.tobytes()).hexdigest()
     if definition:
         owner.exact_kernels = False

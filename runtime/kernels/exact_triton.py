@@ -21,9 +21,10 @@ exact:
   2^(hi + log2 groups) in magnitude, a float64 number: the float64 sum in the
   kernel's order (any order) is the exact sum, and one cast rounds it to
   float32 as the definition's single rounding does.
-* pairs outside that bound are counted in ``bad`` (an int32 device counter);
-  the caller reruns such a call through the definition (torch_exact routes
-  those pairs through its integer limbs). The bound is this kernel's own,
+* pairs outside that bound are counted in ``bad`` (an int32 device counter)
+  and, with ``flags``, marked per pair; the caller patches those outputs
+  with the definition's integer limbs (``torch_exact._limb_linear``, what
+  torch_exact does for such pairs). The bound is this kernel's own,
   not ``torch_exact.f64_pairs``: both routes of the definition give the same
   bits, so the split decides the cost, never the bytes.
 
@@ -85,7 +86,8 @@ def _fold(acc, hi, lo, p, sc, top_s, low_s, sp2, sblk):
 
 
 @triton.jit
-def _finish(out_ptr, stride_o, slot, rows, acc, hi, lo, bad_ptr, LOG2G: tl.constexpr):
+def _finish(out_ptr, stride_o, slot, rows, acc, hi, lo, bad_ptr, fl_ptr, LOG2G: tl.constexpr,
+            FLAGS: tl.constexpr):
     res = tl.sum(acc, axis=1)
     h = tl.max(hi, axis=1)
     l_ = tl.min(lo, axis=1)
@@ -94,14 +96,16 @@ def _finish(out_ptr, stride_o, slot, rows, acc, hi, lo, bad_ptr, LOG2G: tl.const
     # + 0.0: an exact zero is +0.0, as the definition's float64 route has it
     tl.store(out_ptr + slot.to(tl.int64) * stride_o + rows, (res + 0.0).to(tl.float32))
     tl.atomic_add(bad_ptr, nbad, mask=nbad > 0)
+    if FLAGS:  # which pairs: the caller patches them through the definition's limbs
+        tl.store(fl_ptr + slot.to(tl.int64) * stride_o + rows, tl.where(fits, 0, 1).to(tl.int8))
 
 
 @triton.jit
 def _gemv_exact_kernel(qt_ptr, stride_q, sx_ptr, ids_ptr, loc_ptr, out_ptr, out2_ptr, stride_o, bad_ptr,
-                       a_ptr, a2_ptr, s_ptr, slut_ptr, g_ptr, g2_ptr, gs_ptr, gslut_ptr,
+                       fl_ptr, fl2_ptr, a_ptr, a2_ptr, s_ptr, slut_ptr, g_ptr, g2_ptr, gs_ptr, gslut_ptr,
                        N, magic, KW: tl.constexpr, CBITS: tl.constexpr, OFF: tl.constexpr,
                        DUAL: tl.constexpr, PRE: tl.constexpr, SDEC: tl.constexpr, LOG2G: tl.constexpr,
-                       BN: tl.constexpr, BW: tl.constexpr):
+                       FLAGS: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(loc_ptr + tl.load(ids_ptr + slot)).to(tl.int64)
@@ -154,9 +158,9 @@ def _gemv_exact_kernel(qt_ptr, stride_q, sx_ptr, ids_ptr, loc_ptr, out_ptr, out2
             sc2 = _scale(gslut_ptr, sg, SDEC)
             top2, low2 = _bit_range(sc2)
             acc2, hi2, lo2 = _fold(acc2, hi2, lo2, p2, sc2, top2, low2, sp2, sblk)
-    _finish(out_ptr, stride_o, slot, rows, acc, hi, lo, bad_ptr, LOG2G)
+    _finish(out_ptr, stride_o, slot, rows, acc, hi, lo, bad_ptr, fl_ptr, LOG2G, FLAGS)
     if DUAL:
-        _finish(out2_ptr, stride_o, slot, rows, acc2, hi2, lo2, bad_ptr, LOG2G)
+        _finish(out2_ptr, stride_o, slot, rows, acc2, hi2, lo2, bad_ptr, fl2_ptr, LOG2G, FLAGS)
 
 
 @triton.jit
@@ -274,10 +278,11 @@ def swiglu_quantize(g, u, limit: float, bad, nb: int = 16, h=None):
 
 
 def gemv_exact(lp, qt, s, ids, loc, bad, *, lp2=None, bn: int = 8, bw: int = 64, num_warps: int = 4,
-               pre: bool = True, sdec: bool = True):
+               pre: bool = True, sdec: bool = True, flags: bool = False):
     """Exact W_e @ a[slot] for every slot (e = loc[ids[slot]]), a = the quantized input (qt, s)
     from ``quantize`` / ``swiglu_quantize``: float32 (n, N), or (gate, up) with ``lp2``.
-    Pairs outside the kernel's float64 bound count in ``bad`` (their outputs are not exact)."""
+    Pairs outside the kernel's float64 bound count in ``bad`` (their outputs are not exact);
+    ``flags``: also an int8 (n, N) tensor per output, 1 at those pairs (returned after the outputs)."""
     import torch
 
     n = qt.shape[0]
@@ -289,6 +294,8 @@ def gemv_exact(lp, qt, s, ids, loc, bad, *, lp2=None, bn: int = 8, bw: int = 64,
         raise ValueError(f"exact product: input {tuple(qt.shape)} for weights of {KW * 16} columns")
     out = torch.empty((n, N), dtype=torch.float32, device=qt.device)
     out2 = torch.empty_like(out) if lp2 is not None else out
+    fl = torch.zeros((n, N), dtype=torch.int8, device=qt.device) if flags else out
+    fl2 = torch.zeros((n, N), dtype=torch.int8, device=qt.device) if flags and lp2 is not None else fl
     bw = _bw(KW, bw)
     bn = _bn(N, bn)
     sd = _sdec_of(lp.slut) if sdec else 0
@@ -296,9 +303,13 @@ def gemv_exact(lp, qt, s, ids, loc, bad, *, lp2=None, bn: int = 8, bw: int = 64,
         sd = 0
     if n:
         _gemv_exact_kernel[(n, N // bn)](
-            qt, qt.stride(0), s, ids, loc, out, out2, out.stride(0), bad,
+            qt, qt.stride(0), s, ids, loc, out, out2, out.stride(0), bad, fl, fl2,
             lp.a, lp.a2 if lp.a2 is not None else lp.a, lp.s, lp.slut,
             o.a, o.a2 if o.a2 is not None else o.a, o.s, o.slut,
             N, MAGIC, KW=KW, CBITS=lp.cbits, OFF=int(lp.off), DUAL=lp2 is not None, PRE=bool(pre), SDEC=sd,
-            LOG2G=int(math.ceil(math.log2(KW))) if KW > 1 else 0, BN=bn, BW=bw, num_warps=num_warps)
-    return (out, out2) if lp2 is not None else out
+            LOG2G=int(math.ceil(math.log2(KW))) if KW > 1 else 0, FLAGS=bool(flags), BN=bn, BW=bw,
+            num_warps=num_warps)
+    outs = (out, out2) if lp2 is not None else (out,)
+    if flags:
+        outs += (fl, fl2) if lp2 is not None else (fl,)
+    return outs if len(outs) > 1 else out

@@ -4,7 +4,7 @@ the definition (owners/torch_exact) — quantization, the float64 SwiGLU (its
 edge cases: E = +inf, clamps, infinities, signed zeros), the exact products
 for rocmfp2 and rocmfp3 (cancellation to +0.0, -0.0 weights, pairs outside
 the float64 bound flagged) — and a CUDA owner on the CPU device gives the
-CPU owners' exact bytes, rerunning a flagged call through the definition."""
+CPU owners' exact bytes, patching flagged pairs with the definition's limbs."""
 
 from __future__ import annotations
 
@@ -187,10 +187,10 @@ def test_hand_built_rows_cancellation_signed_zero_and_flagged_pairs(ek):
     for toks, flagged in (([0, 1, 2], False), ([3], True)):
         bad = torch.zeros(1, dtype=torch.int32)
         qt, s = ek.quantize(x[toks], bad)
-        y = ek.gemv_exact(lp, qt, s, torch.zeros(len(toks), dtype=torch.int64), loc, bad, bn=8, bw=4)
-        assert (int(bad[0]) > 0) == flagged
-        if not flagged:
-            assert np.array_equal(_bits(y), _bits(want[toks]))
+        y, fl = ek.gemv_exact(lp, qt, s, torch.zeros(len(toks), dtype=torch.int64), loc, bad, bn=8, bw=4,
+                              flags=True)
+        assert (int(bad[0]) > 0) == flagged and int(fl.sum()) == int(bad[0])
+        assert np.array_equal(_bits(y)[fl.numpy() == 0], _bits(want[toks])[fl.numpy() == 0])
     assert _bits(want[0, 0]) == 0 and (_bits(want[1]) == 0).all() and (_bits(want[:3, 1]) == 0).all()
 
 
@@ -206,7 +206,7 @@ def test_owner_exact_bytes_are_the_cpu_owners(ek, qtypes):
     ids = np.array([4, 13, 4, 1, 9])
     x = S.tokens(len(ids), seed=21)
     y = o.run_slots(LAYER, x, ids, "exact")
-    assert o.exact_stats == {"kernel": 1, "rerun": 0}
+    assert o.exact_stats == {"kernel": 1, "patched": 0, "rerun": 0}
     want = ref.run_slots(LAYER, x, ids, "exact")
     assert np.array_equal(_bits(y), _bits(want))
     try:
@@ -227,7 +227,7 @@ def test_owner_exact_bytes_are_the_cpu_owners(ek, qtypes):
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's max over the NaN input
-def test_owner_reruns_a_flagged_call_through_the_definition(ek):
+def test_owner_patches_flagged_pairs_with_the_definitions_limbs(ek):
     from ds4quant.runtime.owners.torch_owner import TorchOwner
 
     o, stacks = _owner(("rocmfp2",) * 3)
@@ -239,15 +239,34 @@ def test_owner_reruns_a_flagged_call_through_the_definition(ek):
     x[1, :32] *= 1e30
     x[1, 32:64] *= 1e-30
     y = o.run_slots(LAYER, x, ids, "exact")
-    assert o.exact_stats == {"kernel": 0, "rerun": 1}
+    assert o.exact_stats == {"kernel": 0, "patched": 1, "rerun": 0}
     assert np.array_equal(_bits(y), _bits(ref.run_slots(LAYER, x, ids, "exact")))
     x[0, 3] = np.nan  # non-finite input: the definition's error, through the rerun
     with np.errstate(invalid="ignore", over="ignore"), pytest.raises(BadInputError, match="non-finite"):
         o.run_slots(LAYER, x, ids, "exact")
+    assert o.exact_stats["rerun"] == 1
     with pytest.raises(BadInputError, match="not resident"):
         o.run_slots(LAYER, S.tokens(1), np.array([2]), "exact")
     o.close()
     ref.close()
+
+
+@pytest.mark.parametrize("proj", ["gate", "up", "down"])
+def test_a_patched_pair_is_the_definitions_sum(ek, proj):
+    o, stacks = _owner(("rocmfp2", "rocmfp2", "rocmfp3"))
+    ids = np.array([9, 4, 9])
+    inp = torch.from_numpy(S.tokens(3, seed=23, hidden=S.FFN if proj == "down" else S.HIDDEN))
+    rows = stacks[proj].rows
+    out = torch.full((3, rows), float("nan"))
+    flags = torch.zeros((3, rows), dtype=torch.int8)
+    flags[0, ::3] = 1
+    flags[2] = 1
+    o._patch(LAYER, proj, out, flags, ids, inp)
+    for i, e in enumerate(ids):
+        want = te.exact_linear(torch.from_numpy(S.decoded(stacks[proj], EXPERTS.index(e))), inp[i:i + 1])[0]
+        m = flags[i].numpy() == 1
+        assert np.array_equal(_bits(out[i])[m], _bits(want)[m]) and np.isnan(out[i].numpy()[~m]).all()
+    o.close()
 
 
 def test_layers_the_kernels_do_not_cover_take_the_definition(ek):
