@@ -70,6 +70,17 @@ def _graph(torch, fn):
     return g
 
 
+def expert_sets(rng, n_exp: int, topk: int, batch: int, n_sets: int):
+    """int64 (batch * topk,) expert ids of ``n_sets`` routings for rotated replays: at batch 1
+    disjoint sets (consecutive slices of one permutation, sorted), so a replay finds few of its
+    weights in L2; else ``topk`` distinct random experts a token."""
+    if batch == 1:
+        perm = rng.permutation(n_exp)
+        return [np.sort(perm[np.arange(i * topk, (i + 1) * topk) % n_exp]).astype(np.int64) for i in range(n_sets)]
+    return [np.stack([rng.choice(n_exp, topk, replace=False) for _ in range(batch)]).reshape(-1).astype(np.int64)
+            for _ in range(n_sets)]
+
+
 def layout_ref(lp, e_loc):
     """float64 (n, rows, cols) weights of the local experts e_loc from the word layout."""
     from dataclasses import replace
@@ -136,9 +147,7 @@ def main(argv=None) -> int:
     ids_d = torch.from_numpy(ids).to(dev)
     xT = torch.from_numpy(group_t(xn)).to(dev)
     # rotation: N_ROT disjoint expert sets (16 x 6 of 256), one input row set
-    perm = rng.permutation(n_exp)
-    sets = [torch.from_numpy(np.sort(perm[np.arange(i * topk, (i + 1) * topk) % n_exp])).to(dev)
-            for i in range(N_ROT)]
+    sets = [torch.from_numpy(e).to(dev) for e in expert_sets(rng, n_exp, topk, 1, N_ROT)]
     ids_buf = ids_d.clone()
 
     def rotate(i):  # a new expert set before each timed replay (untimed)

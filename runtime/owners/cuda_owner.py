@@ -1,9 +1,13 @@
 """CudaOwner: routed experts on one CUDA (or ROCm) device, fast mode through
 the Triton kernels of ``runtime.kernels``.
 
-* exact mode is ``TorchOwner``'s: ``formats.decode_torch`` of the artifact
-  bytes, then ``torch_exact`` (the session plan's definition in integer /
-  single-rounding torch ops), so a CUDA owner gives the CPU owner's bytes.
+* exact mode gives the CPU owner's bytes: on layers the decode-step kernels
+  cover (below) through ``kernels.exact_triton`` (``owners/cuda_exact``: the
+  definition's exact sums and float64 SwiGLU in four launches, a CUDA graph
+  per (layer, slots)); elsewhere, and for a call those kernels flag, it is
+  ``TorchOwner``'s: ``formats.decode_torch`` of the artifact bytes, then
+  ``torch_exact`` (the session plan's definition in integer /
+  single-rounding torch ops).
 * fast mode repacks every resident stack once at load
   (``kernels.layout.repack``: code planes + scale bytes, the runtime's own
   layout; the artifact bytes stay resident for exact mode and
@@ -47,6 +51,7 @@ import numpy as np
 
 from ds4quant.errors import BadInputError, MissingDependencyError, ShapeError
 from ds4quant.runtime.owners.base import MODES, ExpertStack
+from ds4quant.runtime.owners.cuda_exact import ExactKernelsMixin
 from ds4quant.runtime.owners.torch_owner import DEFAULT_SWIGLU_LIMIT, TorchOwner
 
 PROJS = ("gate", "up", "down")
@@ -80,13 +85,14 @@ def _need_triton():
     return moe_triton
 
 
-class CudaOwner(TorchOwner):
+class CudaOwner(ExactKernelsMixin, TorchOwner):
     """Owner protocol on a CUDA/ROCm device; see the module docstring."""
 
     def __init__(self, device: str = "cuda:0", identity: Optional[str] = None,
                  swiglu_limit: float = DEFAULT_SWIGLU_LIMIT, bt: int = 16, prec: str = "tf32x3",
-                 graphs: bool = True, gemv_max_slots: int = 16):
+                 graphs: bool = True, gemv_max_slots: int = 16, exact_kernels: bool = True):
         super().__init__(device, identity=identity, swiglu_limit=swiglu_limit)
+        self._exact_init(exact_kernels)
         self.graphs = bool(graphs)
         self.gemv_max_slots = int(gemv_max_slots)
         # decode-step kernel tiles: stage ("gu" / "down") -> (rows per program, words per step,
@@ -476,7 +482,10 @@ class CudaOwner(TorchOwner):
             raise BadInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
         if mode == "exact":
-            ready.fire()  # exact mode's input copy is inside torch_exact
+            y = self.exact_kernels_call(layer, x, ids, ready)
+            if y is not None:
+                return y
+            ready.fire()  # the definition's path: its input copy is inside torch_exact
             return super().run_slots(layer, x, expert_ids, mode)
         if self.device.type == "cuda":
             xn = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)

@@ -1,0 +1,210 @@
+"""Exact mode of the CUDA owner through ``kernels.exact_triton`` (a mixin of
+``CudaOwner``): the layers whose three projections run the decode-step
+kernels (``CudaOwner.gemv_set``: rocmfp2 / rocmfp3 word layout) take four
+launches a call — quantize, gate + up, SwiGLU + quantize, down — captured
+once per (layer, slots) in a CUDA graph like fast mode's decode step.
+
+The bytes are the definition's (``owners/torch_exact``, the CPU owner's):
+the kernels compute the same exact sums and the same one-operation-at-a-time
+float64 SwiGLU. Where a (slot, row) sum falls outside the kernels' float64
+bound the kernels count it; the call is then run again stage by stage
+(eager, ``exact_patched``), each flagged output replaced by the definition's
+integer-limb sum of that pair (``torch_exact._limb_linear``) before the next
+stage reads it. A non-finite input or SwiGLU output sends the call through
+``TorchOwner``'s exact path, which raises the definition's error.
+``exact_stats`` counts the calls that took the kernels alone, the patched
+ones and the reruns.
+Other qtypes, several stacks a projection and batches above
+``exact_max_slots`` take ``TorchOwner``'s exact path directly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ExactKernelsMixin:
+    """Exact mode on the word-layout kernels; needs CudaOwner's residency and buffers."""
+
+    def _exact_init(self, enabled: bool) -> None:
+        self.exact_kernels = bool(enabled)
+        # (rows per program, words per step, warps, prefetch) of the gate + up and the down launch
+        self.exact_tile: dict[str, tuple] = {"gu": (8, 64, 4, True), "down": (16, 64, 8, True)}
+        # slots a call may have for the kernels (each slot reads its expert's weights: no grouping)
+        self.exact_max_slots = 1024
+        self.exact_stats = {"kernel": 0, "patched": 0, "rerun": 0}
+
+    def exact_set(self, layer: int, ids: np.ndarray):
+        """``gemv_set(layer)`` when this call can take the exact kernels, else None."""
+        n = ids.shape[0]
+        if not self.exact_kernels or not 0 < n <= self.exact_max_slots:
+            return None
+        try:
+            from ds4quant.runtime.kernels import exact_triton  # noqa: F401
+        except ImportError:  # exact mode stays usable without triton (the definition's path)
+            return None
+        gem = self.gemv_set(layer)
+        if gem is None:
+            return None
+        loc = gem[4]
+        if ids.min() < 0 or ids.max() >= loc.shape[0] or (loc[ids] < 0).any():
+            return None  # the definition's path names the expert that is not resident
+        return gem
+
+    def exact_device(self, layer: int, x, ids):
+        """The exact kernels on device tensors: x float32 (n, H), ids int64 (n,) global
+        experts -> (y float32 (n, H), bad int32 (1,)); y holds the definition's bits when
+        bad is 0."""
+        import torch
+        from ds4quant.runtime.kernels import exact_triton as ek
+
+        lg, lu, ld, loc, _ = self._gemv[layer]
+        bad = torch.zeros((1,), dtype=torch.int32, device=x.device)
+        qx, sx = ek.quantize(x, bad)
+        bn, bw, nw, pre = self.exact_tile["gu"]
+        g, u = ek.gemv_exact(lg, qx, sx, ids, loc, bad, lp2=lu, bn=bn, bw=bw, num_warps=nw, pre=pre)
+        qh, sh = ek.swiglu_quantize(g, u, self.swiglu_limit, bad)
+        bn, bw, nw, pre = self.exact_tile["down"]
+        y = ek.gemv_exact(ld, qh, sh, ids, loc, bad, bn=bn, bw=bw, num_warps=nw, pre=pre)
+        return y, bad
+
+    def exact_patched(self, layer: int, x, ids):
+        """Exact mode stage by stage, every flagged pair patched through the definition's limbs:
+        x float32 (n, H), ids int64 (n,) device tensors -> y float32 (n, H), or None when an
+        input or a SwiGLU output is not finite (the definition's path raises)."""
+        import torch
+        from ds4quant.runtime.kernels import exact_triton as ek
+
+        lg, lu, ld, loc, _ = self._gemv[layer]
+        host_ids = ids.cpu().numpy()
+        bad = torch.zeros((1,), dtype=torch.int32, device=x.device)
+        qx, sx = ek.quantize(x, bad)
+        if int(bad[0]):
+            return None
+        bn, bw, nw, pre = self.exact_tile["gu"]
+        g, u, fg, fu = ek.gemv_exact(lg, qx, sx, ids, loc, bad, lp2=lu, bn=bn, bw=bw, num_warps=nw, pre=pre,
+                                     flags=True)
+        self._patch(layer, "gate", g, fg, host_ids, x)
+        self._patch(layer, "up", u, fu, host_ids, x)
+        bad.zero_()
+        h = torch.empty_like(g)
+        qh, sh = ek.swiglu_quantize(g, u, self.swiglu_limit, bad, h=h)
+        if int(bad[0]):
+            return None
+        bn, bw, nw, pre = self.exact_tile["down"]
+        y, fy = ek.gemv_exact(ld, qh, sh, ids, loc, bad, bn=bn, bw=bw, num_warps=nw, pre=pre, flags=True)
+        self._patch(layer, "down", y, fy, host_ids, h)
+        return y
+
+    def _patch(self, layer: int, proj: str, out, flags, ids: np.ndarray, inp) -> None:
+        """out[slot, row] = the definition's limb sum for every flagged pair (inp: that stage's input)."""
+        import torch
+        from ds4quant.runtime.owners import torch_exact as te
+
+        pairs = flags.nonzero().cpu().numpy()
+        for slot in np.unique(pairs[:, 0]):
+            rows = torch.from_numpy(pairs[pairs[:, 0] == slot, 1]).to(out.device)
+            w = self._decode(layer, proj, int(ids[slot])).to(out.device).index_select(0, rows)
+            q, s = te.quantize_blocks(inp[slot:slot + 1])
+            out[slot, rows] = te._limb_linear(*te._split_weights(w), q, s)[0]
+
+    def _exact_graph(self, layer: int, n: int, H: int):
+        """(graph, x, ids, y, bad): the exact decode step of ``n`` slots captured once."""
+        import torch
+
+        key = (layer, n, "exact")
+        if key in self._graph_cache:
+            return self._graph_cache[key]
+        xs = torch.zeros((n, H), dtype=torch.float32, device=self.device)
+        ids = torch.full((n,), int(self._gemv[layer][4].argmax()), dtype=torch.int64, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compiles the kernels outside the capture
+            self.exact_device(layer, xs, ids)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            y, bad = self.exact_device(layer, xs, ids)
+        self._graph_cache[key] = (graph, xs, ids, y, bad)
+        return self._graph_cache[key]
+
+    def _exact_cuda(self, layer: int, x: np.ndarray, ids: np.ndarray, ready):
+        """The exact kernels through the pinned buffers and the owner's two streams; ready.fire()
+        once the input copy is enqueued. None: the call needs the definition's path."""
+        import torch
+
+        n, H = x.shape
+        pin_x = self._pin("x", n * H, torch.float32).view(n, H)
+        pin_x.numpy()[...] = x
+        pin_i = self._pin("ids", n, torch.int64)
+        pin_i.numpy()[...] = ids
+        copy, comp = self._stream_pair()
+        graph = None
+        if self.graphs:
+            graph, dx, di, gy, gbad = self._exact_graph(layer, n, H)
+        else:
+            dx = torch.empty((n, H), dtype=torch.float32, device=self.device)
+            di = torch.empty((n,), dtype=torch.int64, device=self.device)
+        copy.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(copy):
+            dx.copy_(pin_x, non_blocking=True)
+            di.copy_(pin_i, non_blocking=True)
+            staged = torch.cuda.Event()
+            staged.record(copy)
+        ready.fire()
+        with torch.cuda.stream(comp):
+            comp.wait_event(staged)
+            if graph is not None:
+                graph.replay()
+                y, bad = gy, gbad
+            else:
+                y, bad = self.exact_device(layer, dx, di)
+            pin_y = self._pin("y", n * H, torch.float32).view(n, H)
+            pin_y.copy_(y, non_blocking=True)
+            pin_b = self._pin("bad", 1, torch.int32)
+            pin_b.copy_(bad, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(comp)
+        done.synchronize()  # this owner's work only
+        if not int(pin_b.numpy()[0]):
+            self.exact_stats["kernel"] += 1
+            return pin_y.numpy().copy()
+        with torch.cuda.stream(comp):  # some pairs need the limbs (or a value is not finite)
+            y = self.exact_patched(layer, dx, di)
+            if y is None:
+                return None
+            pin_y.copy_(y, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(comp)
+        done.synchronize()
+        self.exact_stats["patched"] += 1
+        return pin_y.numpy().copy()
+
+    def exact_kernels_call(self, layer: int, x, ids: np.ndarray, ready):
+        """float32 (n, H) numpy through the exact kernels, or None (the caller takes the
+        definition's path: a layer or batch the kernels do not cover, or a rerun)."""
+        import torch
+
+        if self.exact_set(layer, ids) is None:
+            return None
+        xn = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
+        xn = np.ascontiguousarray(xn, dtype=np.float32)
+        if xn.ndim != 2 or xn.shape[0] != ids.shape[0]:
+            return None  # the definition's path raises the shape error
+        with self._lock:
+            if self.device.type == "cuda":
+                y = self._exact_cuda(layer, xn, ids, ready)
+            else:  # the CPU device (interpreter tests): eager launches
+                ready.fire()
+                xt, it = torch.from_numpy(xn), torch.from_numpy(ids)
+                yt, bad = self.exact_device(layer, xt, it)
+                if int(bad[0]):
+                    yt = self.exact_patched(layer, xt, it)
+                    if yt is not None:
+                        self.exact_stats["patched"] += 1
+                else:
+                    self.exact_stats["kernel"] += 1
+                y = None if yt is None else yt.numpy()
+        if y is None:
+            self.exact_stats["rerun"] += 1
+        return y
