@@ -3,10 +3,13 @@
 The artifact bytes stay the contract; at load a CUDA owner repacks each
 resident stack once into planes the kernels read with plain strided loads:
 
-    a: uint8 (E, rows, cols * ABITS / 8)  codes in weight order, LSB first
-       (2-bit: 4 codes a byte; 4-bit: 2; 8-bit: 1; 3-bit codes: their low 2 bits)
-    b: uint8 (E, rows, cols / 8)          3-bit codes only: bit 2 of each code, 8 a byte
+    a: uint8 (E, rows, cols * ABITS / 8)  the low ABITS bits of each code, weight order,
+       LSB first (2-bit: 4 codes a byte; 4-bit: 2; 8-bit: 1). 3-bit codes keep
+       their low 2 bits here, 6-bit codes (rocmfp6) their low 4
+    b: uint8 (E, rows, cols * BBITS / 8)  the code's remaining high bits, same order:
+       bit 2 of a 3-bit code (8 a byte), bits 4-5 of a 6-bit code (4 a byte)
     s: uint8 (E, rows, cols / G)          the group's scale / meta byte, unchanged
+    o: uint8 (E, rows, cols / G)          rocmfp2_affine only: the group's offset byte
 
 A weight is ``levels[table, code] * scales[s_byte]`` where ``scales`` is a
 256-entry float32 LUT of the byte and ``levels`` a small float32 table
@@ -15,6 +18,13 @@ meta byte). These are the same products ``formats.decode`` forms
 (``_components``: level x scale), so decoding the planes reproduces
 ``formats.decode`` bit for bit (a test checks it on the CPU device); the
 kernels' sums are fast mode's, not exact mode's.
+
+rocmfp2_affine (type 107, spec §4) is ``(code * scales[s]) - scales[o]`` with
+codes 0..3 and both bytes plain UE4M3: two float32 roundings, as its decode
+does. The product of a 2-bit code and a UE4M3 value (4 significant bits) is
+exact in float32, so a compiler that contracts the multiply and the
+subtraction into one fused multiply-add still gives the same bits (a test
+checks the product's exactness over every byte).
 
 Repacking is per expert so a DS4 stack (256 x 4096 x 2048) never needs more
 than one expert's int64 temporaries.
@@ -29,18 +39,22 @@ import numpy as np
 
 from ds4quant.errors import UnsupportedFormatError
 
-# qtype -> (layout family, format code of _scale_search or MIX bits, group, code bits)
+# scale-search qtype -> (format code of _scale_search, code bits); MIX qtype -> code bits
 _SCALE = {"rocmfp2": (0, 2), "rocmfp2_s40": (5, 2), "rocmfp3": (1, 3), "rocmfp4": (4, 4),
-          "rocmfp4_fast": (4, 4), "rocmfp8": (3, 8)}
+          "rocmfp4_fast": (4, 4), "rocmfp6": (2, 6), "rocmfp8": (3, 8)}
 _GROUPS = {"rocmfp4_fast": 32, "rocmfp8": 32}
 _MIX = {"rocmfp2_mix": 2, "rocmfp3_mix": 3}
 
-#: qtypes the Triton kernels decode in place; every other qtype runs
-#: decode_torch + matmul (rocmfp6, rocmfp2_affine, q8_0, bf16, f16, f32).
-KERNEL_QTYPES = tuple(sorted(set(_SCALE) | set(_MIX) | {"mxfp4"}))
+# code bits -> (bits in plane a, bits in plane b)
+_SPLIT = {2: (2, 0), 3: (2, 1), 4: (4, 0), 6: (4, 2), 8: (8, 0)}
+AFFINE = "rocmfp2_affine"
 
-# level arithmetic the kernel may do instead of a table gather
-LV_GATHER, LV_FP2, LV_FP3 = 0, 1, 2
+#: qtypes the Triton kernels decode in place; every other qtype runs
+#: decode_torch + matmul (q8_0, bf16, f16, f32).
+KERNEL_QTYPES = tuple(sorted(set(_SCALE) | set(_MIX) | {"mxfp4", AFFINE}))
+
+# level arithmetic the kernel may do instead of a table gather (LV_CODE: level = code)
+LV_GATHER, LV_FP2, LV_FP3, LV_CODE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -49,16 +63,21 @@ class Format:
 
     qtype: str
     abits: int  # bits per code in plane a (2, 4 or 8)
-    has_b: bool  # 3-bit codes: bit 2 in plane b
+    bbits: int  # bits per code in plane b (0: no plane b; 1: 3-bit codes; 2: 6-bit codes)
     group: int  # weights per scale byte
     mix: bool  # levels from the expert's registered books, book = meta >> 7
     nlev: int  # entries of one level table
-    lv_mode: int  # LV_GATHER / LV_FP2 / LV_FP3
+    lv_mode: int  # LV_GATHER / LV_FP2 / LV_FP3 / LV_CODE
+    affine: bool = False  # rocmfp2_affine: minus scales[offset byte] (plane o)
+
+    @property
+    def has_b(self) -> bool:
+        return self.bbits > 0
 
     @property
     def key(self) -> tuple:
         """Two stacks with equal keys can share one launch (gate + up)."""
-        return (self.abits, self.has_b, self.group, self.mix, self.nlev, self.lv_mode)
+        return (self.abits, self.bbits, self.group, self.mix, self.nlev, self.lv_mode, self.affine)
 
 
 def kernel_format(qtype: str) -> Optional[Format]:
@@ -66,13 +85,14 @@ def kernel_format(qtype: str) -> Optional[Format]:
     if qtype in _SCALE:
         fmt, bits = _SCALE[qtype]
         lv = {"rocmfp2": LV_FP2, "rocmfp3": LV_FP3}.get(qtype, LV_GATHER)
-        return Format(qtype, 8 if bits == 8 else (4 if bits == 4 else 2), bits == 3,
-                      _GROUPS.get(qtype, 16), False, 1 << bits, lv)
+        return Format(qtype, *_SPLIT[bits], _GROUPS.get(qtype, 16), False, 1 << bits, lv)
     if qtype in _MIX:
         bits = _MIX[qtype]
-        return Format(qtype, 2, bits == 3, 16, True, 1 << bits, LV_GATHER)
+        return Format(qtype, *_SPLIT[bits], 16, True, 1 << bits, LV_GATHER)
     if qtype == "mxfp4":
-        return Format(qtype, 4, False, 32, False, 16, LV_GATHER)
+        return Format(qtype, 4, 0, 32, False, 16, LV_GATHER)
+    if qtype == AFFINE:
+        return Format(qtype, 2, 0, 32, False, 4, LV_CODE, affine=True)
     return None
 
 
@@ -88,6 +108,8 @@ def scale_lut(qtype: str) -> np.ndarray:
         return np.asarray(UE4M3, dtype=np.float32)[np.arange(256) & 0x7F].copy()  # bit 7 picks the book
     if qtype == "mxfp4":
         return np.array(E8M0_HALF, dtype=np.float32)
+    if qtype == AFFINE:  # scale and offset bytes alike: plain UE4M3 (no fp2s mirror bit)
+        return np.asarray(UE4M3, dtype=np.float32).copy()
     raise UnsupportedFormatError(f"{qtype} has no kernel layout")
 
 
@@ -104,6 +126,8 @@ def level_lut(qtype: str, books=None, modes=None) -> np.ndarray:
         return np.array(ss.LEVELS[fmt][: 1 << bits], dtype=np.float32)[None, :]
     if qtype == "mxfp4":
         return np.array(KV, dtype=np.float32)[None, :]
+    if qtype == AFFINE:
+        return np.arange(4, dtype=np.float32)[None, :]
     if qtype in _MIX:
         bits = _MIX[qtype]
         fixed = np.array(ss.LEVELS[ss.FP2 if bits == 2 else ss.FP3][: 1 << bits], dtype=np.float32)
@@ -127,8 +151,8 @@ def _pack(codes, bits: int):
 
 
 def repack(qtype: str, data, cols: int):
-    """Artifact rows -> (a, b or None, s) planes; data torch.uint8 (E, rows, row_bytes)
-    on the target device. See the module docstring."""
+    """Artifact rows -> (a, b or None, s, o or None) planes; data torch.uint8
+    (E, rows, row_bytes) on the target device. See the module docstring."""
     import torch
 
     f = kernel_format(qtype)
@@ -136,10 +160,12 @@ def repack(qtype: str, data, cols: int):
         raise UnsupportedFormatError(f"{qtype} has no kernel layout")
     E, rows, _ = data.shape
     nb = cols // 32
-    bits = 3 if f.has_b else (f.abits if qtype not in _MIX else 2)
-    a = torch.empty((E, rows, cols * f.abits // 8), dtype=torch.uint8, device=data.device)
-    b = torch.empty((E, rows, cols // 8), dtype=torch.uint8, device=data.device) if f.has_b else None
-    s = torch.empty((E, rows, cols // f.group), dtype=torch.uint8, device=data.device)
+    bits = f.abits + f.bbits
+    dev = data.device
+    a = torch.empty((E, rows, cols * f.abits // 8), dtype=torch.uint8, device=dev)
+    b = torch.empty((E, rows, cols * f.bbits // 8), dtype=torch.uint8, device=dev) if f.has_b else None
+    s = torch.empty((E, rows, cols // f.group), dtype=torch.uint8, device=dev)
+    o = torch.empty_like(s) if f.affine else None
     for e in range(E):
         blk = data[e].reshape(rows, nb, -1)
         if qtype == "mxfp4":
@@ -149,7 +175,11 @@ def repack(qtype: str, data, cols: int):
             a[e] = _pack(codes, 4).reshape(rows, -1)
             continue
         qsb = 4 * bits
-        s[e] = blk[:, :, qsb:].reshape(rows, -1)
+        if f.affine:  # qs[8], then the scale byte and the offset byte
+            s[e] = blk[:, :, qsb]
+            o[e] = blk[:, :, qsb + 1]
+        else:
+            s[e] = blk[:, :, qsb:].reshape(rows, -1)
         qs = blk[:, :, :qsb]
         if bits in (2, 8):
             a[e] = qs.reshape(rows, -1)  # already weight order, LSB first
@@ -159,35 +189,45 @@ def repack(qtype: str, data, cols: int):
             codes = torch.cat([q64 & 15, q64 >> 4], dim=2)
             a[e] = _pack(codes, 4).reshape(rows, -1)
             continue
-        pos = torch.arange(32, device=data.device) * 3  # 3-bit little-endian stream
+        # 3- and 6-bit codes: a little-endian bit stream; a code never spans more than two bytes
+        pos = torch.arange(32, device=dev) * bits
         lo = pos >> 3
         hi = torch.clamp(lo + 1, max=qsb - 1)
         word = q64[:, :, lo] | (q64[:, :, hi] << 8)
-        codes = (word >> (pos & 7)) & 7
-        a[e] = _pack(codes & 3, 2).reshape(rows, -1)
-        b[e] = _pack(codes >> 2, 1).reshape(rows, -1)
-    return a, b, s
+        codes = (word >> (pos & 7)) & ((1 << bits) - 1)
+        a[e] = _pack(codes & ((1 << f.abits) - 1), f.abits).reshape(rows, -1)
+        b[e] = _pack(codes >> f.abits, f.bbits).reshape(rows, -1)
+    return a, b, s, o
 
 
-def unpack_reference(qtype: str, a, b, s, cols: int, levels, scales, tables=None):
+def _unpack_codes(plane, nbits: int, shape):
+    import torch
+
+    per = 8 // nbits
+    sh = torch.arange(per, device=plane.device, dtype=torch.int64) * nbits
+    return ((plane.to(torch.int64)[..., None] >> sh) & ((1 << nbits) - 1)).reshape(shape)
+
+
+def unpack_reference(qtype: str, a, b, s, cols: int, levels, scales, tables=None, o=None):
     """float32 (E, rows, cols) weights from the planes, in torch (the layout's
     test oracle: must equal formats.decode bit for bit). levels/scales: the LUTs
-    as torch tensors; tables: int64 (E,) first level table of each expert (MIX)."""
+    as torch tensors; tables: int64 (E,) first level table of each expert (MIX);
+    o: the offset plane (rocmfp2_affine)."""
     import torch
 
     f = kernel_format(qtype)
     E, rows, _ = a.shape
-    per = 8 // f.abits
-    sh = torch.arange(per, device=a.device, dtype=torch.int64) * f.abits
-    codes = ((a.to(torch.int64)[..., None] >> sh) & ((1 << f.abits) - 1)).reshape(E, rows, cols)
+    codes = _unpack_codes(a, f.abits, (E, rows, cols))
     if f.has_b:
-        sh8 = torch.arange(8, device=a.device, dtype=torch.int64)
-        codes = codes | (((b.to(torch.int64)[..., None] >> sh8) & 1).reshape(E, rows, cols) << 2)
+        codes = codes | (_unpack_codes(b, f.bbits, (E, rows, cols)) << f.abits)
     sb = s.to(torch.int64).repeat_interleave(f.group, dim=2)
     tab = torch.zeros_like(sb)
     if f.mix:
         tab = tables.to(torch.int64)[:, None, None] + (sb >> 7)
-    return levels[tab, codes] * scales[sb]
+    w = levels[tab, codes] * scales[sb]
+    if f.affine:
+        w = w - scales[o.to(torch.int64).repeat_interleave(f.group, dim=2)]  # its own rounding
+    return w
 
 
 # -- the decode-step kernels' word layout (kernels/gemv_triton.py) -------------

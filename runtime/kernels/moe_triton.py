@@ -14,6 +14,15 @@ the activation chunk and reduces, scale applied once per group of 16/32
 weights; ``bt == 16`` decodes the tile once and uses ``tl.dot`` for all the
 group's tokens (``input_precision``: tf32x3 by default, close to float32).
 
+rocmfp2_affine (weight = code * s - o per 32-weight group): the tl.dot tile
+decodes every weight as the artifact's decode does, the product and the
+subtraction rounded apart (``layout``: the product is exact, so a fused
+multiply-add would give the same bits); the matrix-vector tile instead sums
+per group ``s * sum(code * x) - o * sum(x)``, which differs from summing the
+decoded weights' products by float32 rounding only: fast mode's sums are
+float32 tree sums either way, and the tests hold it to the other qtypes'
+tolerance against a float64 product of the decoded weights.
+
 Fast mode only: sums are tree-ordered float32 (no exact-mode claim). Runs
 under ``TRITON_INTERPRET=1`` on the CPU for tests.
 """
@@ -23,15 +32,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ds4quant.runtime.kernels.layout import LV_FP2, LV_FP3
+from ds4quant.runtime.kernels.layout import LV_CODE, LV_FP2, LV_FP3
 
 
 @triton.jit
-def _tile(a_base, b_base, s_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
+def _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
           slut_ptr, llut_ptr,
-          ABITS: tl.constexpr, HAS_B: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
-          NLEV: tl.constexpr, LV: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Levels (BN, BK // G, G) and scales (BN, BK // G) of one weight tile."""
+          ABITS: tl.constexpr, BBITS: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
+          NLEV: tl.constexpr, LV: tl.constexpr, AFF: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Levels (BN, BK // G, G), scales (BN, BK // G) and offsets (BN, BK // G;
+    AFF only, else the scales again) of one weight tile."""
     CPB: tl.constexpr = 8 // ABITS
     NG: tl.constexpr = BK // G
     ja = tl.arange(0, BK // CPB)
@@ -43,19 +53,26 @@ def _tile(a_base, b_base, s_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_
         codes = tl.reshape(codes, (BN, BK))
     else:
         codes = ba
-    if HAS_B:
-        jb = tl.arange(0, BK // 8)
-        pb = b_base + rows[:, None].to(tl.int64) * kb_row + (k0 // 8 + jb)[None, :]
+    if BBITS > 0:  # the code's high bits (3-bit: bit 2; 6-bit: bits 4-5)
+        CPBB: tl.constexpr = 8 // BBITS
+        jb = tl.arange(0, BK // CPBB)
+        pb = b_base + rows[:, None].to(tl.int64) * kb_row + (k0 // CPBB + jb)[None, :]
         bb = tl.load(pb, mask=rmask[:, None], other=0).to(tl.int32)
-        hb = (bb[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-        codes = codes | (tl.reshape(hb, (BN, BK)) << 2)
+        hb = (bb[:, :, None] >> (tl.arange(0, CPBB) * BBITS)[None, None, :]) & ((1 << BBITS) - 1)
+        codes = codes | (tl.reshape(hb, (BN, BK)) << ABITS)
     js = tl.arange(0, NG)
     ps = s_base + rows[:, None].to(tl.int64) * ks_row + (k0 // G + js)[None, :]
     sb = tl.load(ps, mask=rmask[:, None], other=0).to(tl.int32)
     scale = tl.load(slut_ptr + sb)
+    off = scale
+    if AFF:  # the offset plane has the scale plane's shape and LUT (plain UE4M3)
+        po = o_base + rows[:, None].to(tl.int64) * ks_row + (k0 // G + js)[None, :]
+        off = tl.load(slut_ptr + tl.load(po, mask=rmask[:, None], other=0).to(tl.int32))
     c3 = tl.reshape(codes, (BN, NG, G))
     if LV == 1:  # rocmfp2: {-1, 0, 1, 2}
         lv = (c3 - 1).to(tl.float32)
+    elif LV == 3:  # rocmfp2_affine: the code itself
+        lv = c3.to(tl.float32)
     elif LV == 2:  # rocmfp3: sign bit 2, magnitudes {0, 1, 2, 4}
         m = c3 & 3
         mag = (m + (m == 3).to(tl.int32)).to(tl.float32)
@@ -65,18 +82,37 @@ def _tile(a_base, b_base, s_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_
         lv = tl.load(llut_ptr + (tab * NLEV)[:, :, None] + c3)
     else:
         lv = tl.load(llut_ptr + c3)
-    return lv, scale
+    return lv, scale, off
+
+
+@triton.jit
+def _weights(lv, sc, off, AFF: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The decoded (BN, BK) tile: level * scale, minus the offset for affine."""
+    w = lv * sc[:, :, None]
+    if AFF:
+        w = w - off[:, :, None]
+    return tl.reshape(w, (BN, BK))
+
+
+@triton.jit
+def _gsum(lv, sc, off, x3, xg, AFF: tl.constexpr):
+    """(BN,) the tile's products with one token: per group scale * sum(level * x)
+    (minus offset * sum(x) for affine, xg = sum(x) per group), summed over groups."""
+    part = tl.sum(lv * x3, axis=2) * sc
+    if AFF:
+        part = part - off * xg
+    return tl.sum(part, axis=1)
 
 
 @triton.jit
 def _moe_linear_kernel(
     x_ptr, stride_x, out_ptr, stride_o, groups_ptr,
-    a_ptr, b_ptr, s_ptr, tab_ptr,
-    a2_ptr, b2_ptr, s2_ptr, tab2_ptr,
+    a_ptr, b_ptr, s_ptr, o_ptr, tab_ptr,
+    a2_ptr, b2_ptr, s2_ptr, o2_ptr, tab2_ptr,
     slut_ptr, llut_ptr, slut2_ptr, llut2_ptr,
     N, K, ka_row, kb_row, ks_row, limit,
-    ABITS: tl.constexpr, HAS_B: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
-    NLEV: tl.constexpr, LV: tl.constexpr, DUAL: tl.constexpr,
+    ABITS: tl.constexpr, BBITS: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
+    NLEV: tl.constexpr, LV: tl.constexpr, AFF: tl.constexpr, DUAL: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
     gid = tl.program_id(0)
@@ -89,6 +125,8 @@ def _moe_linear_kernel(
     a_base = a_ptr + e * N * ka_row
     b_base = b_ptr + e * N * kb_row
     s_base = s_ptr + e * N * ks_row
+    o_base = o_ptr + e * N * ks_row
+    o2_base = o2_ptr + e * N * ks_row
     a2_base = a2_ptr + e * N * ka_row
     b2_base = b2_ptr + e * N * kb_row
     s2_base = s2_ptr + e * N * ks_row
@@ -106,13 +144,15 @@ def _moe_linear_kernel(
         for k0 in range(0, K, BK):
             xk = tl.load(x_ptr + s0.to(tl.int64) * stride_x + k0 + kk)
             x3 = tl.reshape(xk, (1, NG, G))
-            lv, sc = _tile(a_base, b_base, s_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
-                           slut_ptr, llut_ptr, ABITS, HAS_B, G, MIX, NLEV, LV, BN, BK)
-            acc += tl.sum(tl.sum(lv * x3, axis=2) * sc, axis=1)
+            xg = tl.sum(x3, axis=2)  # per-group sums of x: affine's offset term, shared by gate and up
+            lv, sc, off = _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row,
+                                ks_row, slut_ptr, llut_ptr, ABITS, BBITS, G, MIX, NLEV, LV, AFF, BN, BK)
+            acc += _gsum(lv, sc, off, x3, xg, AFF)
             if DUAL:
-                lv2, sc2 = _tile(a2_base, b2_base, s2_base, tab2_base, rows, rmask, k0, ka_row, kb_row,
-                                 ks_row, slut2_ptr, llut2_ptr, ABITS, HAS_B, G, MIX, NLEV, LV, BN, BK)
-                acc2 += tl.sum(tl.sum(lv2 * x3, axis=2) * sc2, axis=1)
+                lv2, sc2, off2 = _tile(a2_base, b2_base, s2_base, o2_base, tab2_base, rows, rmask, k0, ka_row,
+                                       kb_row, ks_row, slut2_ptr, llut2_ptr, ABITS, BBITS, G, MIX, NLEV, LV,
+                                       AFF, BN, BK)
+                acc2 += _gsum(lv2, sc2, off2, x3, xg, AFF)
         res = acc
         if DUAL:
             gc = tl.minimum(acc, limit)
@@ -127,15 +167,14 @@ def _moe_linear_kernel(
         acc2 = tl.zeros((BT, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             xt = tl.load(x_ptr + trow[:, None] * stride_x + (k0 + kk)[None, :], mask=tmask[:, None], other=0.0)
-            lv, sc = _tile(a_base, b_base, s_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
-                           slut_ptr, llut_ptr, ABITS, HAS_B, G, MIX, NLEV, LV, BN, BK)
-            w = tl.reshape(lv * sc[:, :, None], (BN, BK))
-            acc += tl.dot(xt, tl.trans(w), input_precision=PREC)
+            lv, sc, off = _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row,
+                                ks_row, slut_ptr, llut_ptr, ABITS, BBITS, G, MIX, NLEV, LV, AFF, BN, BK)
+            acc += tl.dot(xt, tl.trans(_weights(lv, sc, off, AFF, BN, BK)), input_precision=PREC)
             if DUAL:
-                lv2, sc2 = _tile(a2_base, b2_base, s2_base, tab2_base, rows, rmask, k0, ka_row, kb_row,
-                                 ks_row, slut2_ptr, llut2_ptr, ABITS, HAS_B, G, MIX, NLEV, LV, BN, BK)
-                w2 = tl.reshape(lv2 * sc2[:, :, None], (BN, BK))
-                acc2 += tl.dot(xt, tl.trans(w2), input_precision=PREC)
+                lv2, sc2, off2 = _tile(a2_base, b2_base, s2_base, o2_base, tab2_base, rows, rmask, k0, ka_row,
+                                       kb_row, ks_row, slut2_ptr, llut2_ptr, ABITS, BBITS, G, MIX, NLEV, LV,
+                                       AFF, BN, BK)
+                acc2 += tl.dot(xt, tl.trans(_weights(lv2, sc2, off2, AFF, BN, BK)), input_precision=PREC)
         res = acc
         if DUAL:
             gc = tl.minimum(acc, limit)
@@ -157,7 +196,8 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
 
     fmt: layout.Format; x float32 (n_slots, K) sorted by expert; groups int32
     (n_groups, 3) = (local expert, first slot, slots <= bt); w / w2: the
-    planes dict of a stack (a, b, s, slut, llut, tab); out float32 (n_slots, N).
+    planes dict of a stack (a, b, s, o, slut, llut, tab; b and o may be None or
+    absent); out float32 (n_slots, N).
     """
     a = w["a"]
     _, N, ka_row = a.shape
@@ -177,17 +217,20 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
         bn = 32 if bt == 1 else 64
     if not num_warps:
         num_warps = 4
+    def off(p):  # the offset plane, or any plane as a pointer the kernel never reads
+        return p["o"] if p.get("o") is not None else p["s"]
+
     grid = (groups.shape[0], triton.cdiv(N, bn))
     _moe_linear_kernel[grid](
         x, x.stride(0), out, out.stride(0), groups,
-        a, b, w["s"], w["tab"],
-        o["a"], o["b"] if o["b"] is not None else o["a"], o["s"], o["tab"],
+        a, b, w["s"], off(w), w["tab"],
+        o["a"], o["b"] if o["b"] is not None else o["a"], o["s"], off(o), o["tab"],
         w["slut"], w["llut"], o["slut"], o["llut"],
         N, K, ka_row, kb_row, ks_row, float(limit),
-        ABITS=fmt.abits, HAS_B=fmt.has_b, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev,
-        LV=fmt.lv_mode, DUAL=dual, BT=bt, BN=bn, BK=bk, PREC=prec, num_warps=num_warps,
+        ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev,
+        LV=fmt.lv_mode, AFF=fmt.affine, DUAL=dual, BT=bt, BN=bn, BK=bk, PREC=prec, num_warps=num_warps,
     )
     return out
 
 
-assert LV_FP2 == 1 and LV_FP3 == 2  # the kernel's constexpr branches
+assert LV_FP2 == 1 and LV_FP3 == 2 and LV_CODE == 3  # the kernel's constexpr branches

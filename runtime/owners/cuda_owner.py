@@ -9,12 +9,15 @@ the Triton kernels of ``runtime.kernels``.
   ``torch_exact`` (the session plan's definition in integer /
   single-rounding torch ops).
 * fast mode repacks every resident stack once at load
-  (``kernels.layout.repack``: code planes + scale bytes, the runtime's own
-  layout; the artifact bytes stay resident for exact mode and
-  ``held_bytes``) and runs two launches per call and layer: gate + up of all
-  the selected experts with SwiGLU fused, then down; slots sorted by expert,
-  up to ``bt`` tokens of one expert per program (``tl.dot``) when an expert
-  has several slots, a matrix-vector tile per slot otherwise.
+  (``kernels.layout.repack``: code planes + scale bytes, and offset bytes
+  for rocmfp2_affine, the runtime's own layout; the artifact bytes stay
+  resident for exact mode and ``held_bytes``) for every qtype of
+  ``kernels.layout.KERNEL_QTYPES`` (every ROCmFPX qtype, rocmfp6 and
+  rocmfp2_affine included, MIX 105/106 and mxfp4) and runs two launches
+  per call and layer: gate + up of all the selected experts with SwiGLU
+  fused, then down; slots sorted by expert, up to ``bt`` tokens of one
+  expert per program (``tl.dot``) when an expert has several slots, a
+  matrix-vector tile per slot otherwise.
 * MIX (105/106) stacks decode with the books registered in this owner's
   registry, copied to the device on first use (and again after a
   re-registration); an unregistered tensor raises ``UnregisteredTableError``.
@@ -34,9 +37,9 @@ the Triton kernels of ``runtime.kernels``.
   waits on the output's event (never a device-wide synchronize).
   ``run_slots_staged`` fires the overlap readiness signal as soon as that copy
   is enqueued (runtime/overlap.py).
-* qtypes outside ``kernels.layout.KERNEL_QTYPES`` (rocmfp6, rocmfp2_affine,
-  q8_0, bf16, f16, f32), or a call whose experts need them, run
-  TorchOwner's fast path (decode_torch + matmul) for the whole call.
+* qtypes outside ``kernels.layout.KERNEL_QTYPES`` (q8_0, bf16, f16, f32),
+  or a call whose experts need them, run TorchOwner's fast path
+  (decode_torch + matmul) for the whole call.
 
     o = CudaOwner("cuda:0")
     rt = runtime.load(art, placement={L: {"cuda:0": ids}}, owners={"cuda:0": o}, mode="fast")
@@ -130,8 +133,8 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
             dev = torch.from_numpy(np.ascontiguousarray(stack.data))
         else:
             dev = self._where[(stack.layer, str(stack.proj))][stack.expert_ids[0]][2]
-        a, b, s = layout.repack(stack.qtype, dev, stack.cols)
-        p = dict(fmt=fmt, stack=stack, a=a, b=b, s=s,
+        a, b, s, off = layout.repack(stack.qtype, dev, stack.cols)
+        p = dict(fmt=fmt, stack=stack, a=a, b=b, s=s, o=off,
                  slut=torch.from_numpy(layout.scale_lut(stack.qtype)).to(self.device),
                  llut=None, tab=torch.zeros(1, dtype=torch.int32, device=self.device), books=None)
         if stack.qtype in layout.LINEAR_QTYPES:
@@ -145,7 +148,7 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
         self._planes[stack.tensor] = p
 
     def resident_bytes(self) -> int:
-        extra = sum(int(p["a"].nbytes + p["s"].nbytes + (p["b"].nbytes if p["b"] is not None else 0))
+        extra = sum(int(p["a"].nbytes + p["s"].nbytes + sum(p[k].nbytes for k in "bo" if p[k] is not None))
                     for p in self._planes.values())
         extra += sum(int(p["lin"].a.nbytes + p["lin"].a2.nbytes) for p in self._planes.values()
                      if "lin" in p and p["lin"].a2 is not None)

@@ -26,7 +26,7 @@ EXPERTS = (1, 4, 9, 13)
 def test_word_layout_decodes_to_the_artifact_values(qtype):
     stacks, _ = S.layer_stacks(qtype, LAYER, EXPERTS)
     for st in stacks.values():
-        a, b, s = layout.repack(qtype, torch.from_numpy(np.ascontiguousarray(st.data)), st.cols)
+        a, b, s, _ = layout.repack(qtype, torch.from_numpy(np.ascontiguousarray(st.data)), st.cols)
         lp = layout.linear_planes(qtype, a, b, s, torch.from_numpy(layout.scale_lut(qtype)))
         assert lp.a.dtype == torch.int32 and tuple(lp.a.shape) == (st.n_experts, st.rows, st.cols // 16)
         got = layout.linear_reference(lp).numpy()

@@ -3,8 +3,10 @@
 
 The repacked layout must decode to ``formats.decode``'s bits (torch only, no
 triton needed); the kernels' fast output must match a float64 product of the
-decoded weights within float32 rounding, on matrix-vector (one slot per
-expert) and grouped (tl.dot) batches, for every qtype with a kernel layout.
+decoded weights within float32 rounding, and TorchOwner's fast path (decode
+then matmul) within the same tolerance, on matrix-vector (one slot per
+expert) and grouped (tl.dot) batches, for every qtype with a kernel layout:
+every ROCmFPX qtype (rocmfp6 and rocmfp2_affine included), MIX 105/106, mxfp4.
 """
 
 from __future__ import annotations
@@ -25,23 +27,24 @@ EXPERTS = (3, 7, 8, 20)
 
 
 def _planes(stack):
-    a, b, s = layout.repack(stack.qtype, torch.from_numpy(np.ascontiguousarray(stack.data)), stack.cols)
-    return a, b, s
+    return layout.repack(stack.qtype, torch.from_numpy(np.ascontiguousarray(stack.data)), stack.cols)
 
 
 @pytest.mark.parametrize("qtype", layout.KERNEL_QTYPES)
 def test_repacked_planes_decode_to_the_artifact_bits(qtype):
     stacks, entries = S.layer_stacks(qtype, LAYER, EXPERTS)
     for st in stacks.values():
-        a, b, s = _planes(st)
-        assert a.nbytes + s.nbytes + (b.nbytes if b is not None else 0) == st.nbytes  # same bits, moved
+        a, b, s, o = _planes(st)
+        assert (b is not None) == layout.kernel_format(qtype).has_b
+        assert (o is not None) == (qtype == "rocmfp2_affine")
+        assert a.nbytes + s.nbytes + sum(p.nbytes for p in (b, o) if p is not None) == st.nbytes  # same bits, moved
         books = modes = None
         if st.tensor in entries:
             books, modes = entries[st.tensor].books, entries[st.tensor].modes
         lev = torch.from_numpy(layout.level_lut(qtype, books, modes))
         sc = torch.from_numpy(layout.scale_lut(qtype))
         tab = torch.arange(0, 2 * st.n_experts, 2) if books is not None else None
-        got = layout.unpack_reference(qtype, a, b, s, st.cols, lev, sc, tab).numpy()
+        got = layout.unpack_reference(qtype, a, b, s, st.cols, lev, sc, tab, o).numpy()
         for i, e in enumerate(st.expert_ids):
             want = S.decoded(st, i)
             if books is not None and int(modes[i]) == 0:
@@ -51,8 +54,30 @@ def test_repacked_planes_decode_to_the_artifact_bits(qtype):
                 assert np.array_equal(got[i].view(np.uint32), want.view(np.uint32)), f"{st.tensor} expert {e}"
 
 
+def test_every_rocmfpx_qtype_has_a_kernel_layout():
+    from ds4quant import formats
+
+    rocmfpx = {q for q, t in formats.QTYPES.items() if t.family == "rocmfpx" or t.is_mix}
+    assert {"rocmfp6", "rocmfp2_affine", "rocmfp2_mix", "rocmfp3_mix"} <= rocmfpx
+    assert rocmfpx | {"mxfp4"} <= set(layout.KERNEL_QTYPES)
+
+
+def test_affine_products_are_exact_in_float32():
+    """code * scale is exact for every scale byte, so the kernels' decode of
+    rocmfp2_affine gives the same bits whether or not the compiler fuses the
+    product and the offset's subtraction into one multiply-add."""
+    sc = layout.scale_lut("rocmfp2_affine")
+    assert np.isfinite(sc).all()
+    for c in range(4):
+        p32 = np.float32(c) * sc
+        assert np.array_equal(p32.astype(np.float64), float(c) * sc.astype(np.float64))
+        for o in sc[::7]:
+            fused = (float(c) * sc.astype(np.float64) - np.float64(o)).astype(np.float32)  # one rounding
+            assert np.array_equal(fused.view(np.uint32), (p32 - o).view(np.uint32))
+
+
 def test_no_kernel_layout_for_the_fallback_qtypes():
-    for q in ("rocmfp6", "rocmfp2_affine", "q8_0", "bf16"):
+    for q in ("q8_0", "bf16", "f16", "f32"):
         assert layout.kernel_format(q) is None
         with pytest.raises(Exception, match="no kernel layout"):
             layout.scale_lut(q)
@@ -122,7 +147,7 @@ def test_kernel_mix_needs_registered_books(interp):
 
 
 def test_fallback_qtype_runs_decode_then_matmul(interp):
-    o, stacks = _owner("rocmfp6")
+    o, stacks = _owner("q8_0")
     ids = np.array([3, 20])
     assert o.plan(LAYER, ids) is None
     x = S.tokens(2, seed=2)
@@ -161,3 +186,25 @@ def test_kernel_compact_stacks_mixed_formats(interp):
         gc = np.minimum(W["gate"] @ xi, 10.0)
         ref = W["down"] @ (gc / (1 + np.exp(-gc)) * np.clip(W["up"] @ xi, -10.0, 10.0))
         assert np.abs(y[r] - ref).max() / np.abs(ref).max() < 2e-5, f"slot {r} expert {e}"
+
+
+@pytest.mark.parametrize("qtype", layout.KERNEL_QTYPES)
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_kernel_fast_output_matches_the_torch_owner(interp, qtype, batch):
+    """The CUDA owner's kernels on the CPU device against TorchOwner's fast path
+    (decode_torch + matmul) on the same stacks: within float32 rounding of each other."""
+    from ds4quant.runtime.owners.torch_owner import TorchOwner
+
+    ids = BATCHES[batch]
+    o, stacks = _owner(qtype)
+    t = TorchOwner("cpu", identity="torch-cpu:8")
+    for st in stacks.values():
+        t.add_stack(st)
+    _, entries = S.layer_stacks(qtype, LAYER, EXPERTS)
+    for name, ent in entries.items():
+        t.register_books(name, EXPERTS, ent)
+    assert o.plan(LAYER, ids) is not None  # the kernels, not the owner's own fallback
+    x = S.tokens(len(ids), seed=6)
+    y = o.run_slots(LAYER, x, ids, "fast")
+    want = t.run_slots(LAYER, x, ids, "fast")
+    S.assert_rows_close(y, want.astype(np.float64), ids, 2e-5, f"{qtype} vs TorchOwner")
