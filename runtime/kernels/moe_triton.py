@@ -95,12 +95,12 @@ def _weights(lv, sc, off, AFF: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr)
 
 
 @triton.jit
-def _gsum(lv, sc, off, x3, xg, AFF: tl.constexpr):
-    """(BN,) the tile's products with one token: per group scale * sum(level * x)
-    (minus offset * sum(x) for affine, xg = sum(x) per group), summed over groups."""
+def _gsum(lv, sc, off, x3, AFF: tl.constexpr):
+    """(BN,) the tile's products with one token x3 (1, BK // G, G): per group
+    scale * sum(level * x), minus offset * sum(x) for affine, summed over groups."""
     part = tl.sum(lv * x3, axis=2) * sc
-    if AFF:
-        part = part - off * xg
+    if AFF:  # sum(x) is one row's: cheap beside the tile, so gate and up each form it
+        part = part - off * tl.sum(x3, axis=2)
     return tl.sum(part, axis=1)
 
 
@@ -144,15 +144,14 @@ def _moe_linear_kernel(
         for k0 in range(0, K, BK):
             xk = tl.load(x_ptr + s0.to(tl.int64) * stride_x + k0 + kk)
             x3 = tl.reshape(xk, (1, NG, G))
-            xg = tl.sum(x3, axis=2)  # per-group sums of x: affine's offset term, shared by gate and up
             lv, sc, off = _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row,
                                 ks_row, slut_ptr, llut_ptr, ABITS, BBITS, G, MIX, NLEV, LV, AFF, BN, BK)
-            acc += _gsum(lv, sc, off, x3, xg, AFF)
+            acc += _gsum(lv, sc, off, x3, AFF)
             if DUAL:
                 lv2, sc2, off2 = _tile(a2_base, b2_base, s2_base, o2_base, tab2_base, rows, rmask, k0, ka_row,
                                        kb_row, ks_row, slut2_ptr, llut2_ptr, ABITS, BBITS, G, MIX, NLEV, LV,
                                        AFF, BN, BK)
-                acc2 += _gsum(lv2, sc2, off2, x3, xg, AFF)
+                acc2 += _gsum(lv2, sc2, off2, x3, AFF)
         res = acc
         if DUAL:
             gc = tl.minimum(acc, limit)

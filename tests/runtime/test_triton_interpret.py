@@ -208,3 +208,43 @@ def test_kernel_fast_output_matches_the_torch_owner(interp, qtype, batch):
     y = o.run_slots(LAYER, x, ids, "fast")
     want = t.run_slots(LAYER, x, ids, "fast")
     S.assert_rows_close(y, want.astype(np.float64), ids, 2e-5, f"{qtype} vs TorchOwner")
+
+
+@pytest.mark.parametrize("qtype", ["rocmfp6", "rocmfp2_affine"])
+def test_exact_mode_does_not_read_the_kernel_planes(qtype):
+    """Exact mode on these layers is the definition's (decode_torch + torch_exact): the
+    CUDA owner's bytes are TorchOwner's, though the stacks now have kernel planes."""
+    from ds4quant.runtime.owners.torch_owner import TorchOwner
+
+    ids = np.array([7, 3, 7, 20])
+    o, stacks = _owner(qtype)
+    assert o.plan(LAYER, ids) is not None and o.gemv_set(LAYER) is None
+    t = TorchOwner("cpu", identity="torch-cpu:8")
+    for st in stacks.values():
+        t.add_stack(st)
+    x = S.tokens(len(ids), seed=9)
+    got, want = o.run_slots(LAYER, x, ids, "exact"), t.run_slots(LAYER, x, ids, "exact")
+    assert got.dtype == want.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter runs what the GPU compiler might refuse: compile the kernel for
+    every kernel qtype (both tiles, gate+up fused) with Triton's code generator and ptxas."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile every time, never a cached kernel
+    script = Path(__file__).with_name("_compile_sm90.py")
+    p = subprocess.run([sys.executable, str(script), *layout.KERNEL_QTYPES], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(p.stdout.splitlines()) == 2 * len(layout.KERNEL_QTYPES)
