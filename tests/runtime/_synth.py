@@ -7,6 +7,9 @@ the MIX codebook entries (mode 1 and mode 0 experts mixed) they need.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import zlib
 
 import numpy as np
@@ -17,6 +20,7 @@ from ds4quant.names import Proj, stack_name
 from ds4quant.runtime.owners.base import ExpertStack
 
 HIDDEN, FFN = 256, 128
+GPU_RECORD_ENV = "DS4Q_GPU_RECORD"  # a path: the GPU tests append their hashes there as JSON lines
 EXACT_QTYPES = ("rocmfp2", "rocmfp2_affine", "rocmfp2_s40", "rocmfp3", "rocmfp4", "rocmfp4_fast",
                 "rocmfp6", "rocmfp8", "rocmfp2_mix", "rocmfp3_mix", "mxfp4", "q8_0", "bf16")
 
@@ -145,3 +149,19 @@ def assert_rows_close(y, ref, ids, tol: float, what: str = "") -> None:
     for r in range(len(ids)):
         err = np.abs(y[r] - ref[r]).max() / max(np.abs(ref[r]).max(), 1e-30)
         assert err < tol, f"{what} slot {r} (expert {ids[r]}): {err}"
+
+
+def sha32(a) -> str:
+    """sha256 of the float32 bytes of an array, a tensor (any device) or a nested list:
+    the identity hash the runtime tests compare."""
+    if hasattr(a, "detach"):
+        a = a.detach().cpu().numpy()
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(a), dtype=np.float32).tobytes()).hexdigest()
+
+
+def record_gpu(**kw) -> None:
+    """Append one JSON line to $DS4Q_GPU_RECORD (the GPU results a closing note cites)."""
+    path = os.environ.get(GPU_RECORD_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(kw) + "\n")

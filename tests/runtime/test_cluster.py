@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
 
 from ds4quant import formats, runtime  # noqa: E402
-from tests.runtime._synth import identity_rows, write_identity_artifact  # noqa: E402
+from tests.runtime._synth import identity_rows, write_identity_artifact, sha32  # noqa: E402
 from ds4quant.artifact import read_gguf_set  # noqa: E402
 from ds4quant.artifact.view import open_artifact  # noqa: E402
 from ds4quant.convert import convert  # noqa: E402
@@ -41,10 +41,6 @@ COMBINE_LAYER = 2
 OWNER = "torch-cpu:0"
 PLACEMENTS = {"uniform": ("uniform", 0), "balanced": ("balanced", 0), "replicate-hot": ("balanced", 2)}
 TIMEOUT = 60
-
-
-def _sha(a) -> str:
-    return hashlib.sha256(np.ascontiguousarray(np.asarray(a), dtype=np.float32).tobytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +109,7 @@ def _reference(art: Path, x, tok, routing):
             for L in LAYERS:
                 idx, w = routing[L] if L in routing else rt.route(L, x, tok)
                 res = rt.run_layer(L, x, idx, w, shared=rt.shared(L, x))
-                out[L] = (_sha(res.out), res, rt.shared(L, x), idx, w)
+                out[L] = (sha32(res.out), res, rt.shared(L, x), idx, w)
             return out
     finally:
         torch.set_num_threads(n)
@@ -131,7 +127,7 @@ def _check_runs(runs, jobs, refs, n):
         assert run.n_ranks == n and len(run.ranks) == n
         for L in LAYERS:
             assert run.sha256[L] == ref[L][0], f"{art.name} {pname.name} layer {L}"
-            assert _sha(run.outputs[L]) == ref[L][0]
+            assert sha32(run.outputs[L]) == ref[L][0]
         with open_artifact(art) as v:
             nb = v.expert_nbytes()
         from ds4quant.runtime.placement import read_placement
@@ -398,7 +394,7 @@ def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, t
         for L in (*LAYERS, LAYERS[0]):  # the same ranks serve every call
             _, res, shared, idx, w = ref[L]
             got = grp.run_layer(L, x, idx, w, shared=shared)
-            assert _sha(got.out) == ref[L][0], f"{n} ranks, layer {L}"
+            assert sha32(got.out) == ref[L][0], f"{n} ranks, layer {L}"
         assert [p.pid for p in grp._procs] == pids and all(p.poll() is None for p in grp._procs)
         st = grp.stats()
         assert st["calls"] == 3 and st["n_ranks"] == n

@@ -11,10 +11,7 @@ hash is appended there as JSON lines (the closing note's record).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +26,7 @@ from ds4quant import runtime  # noqa: E402
 from ds4quant.runtime.kernels import layout  # noqa: E402
 
 from . import _synth as S  # noqa: E402
+from ._synth import sha32, record_gpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "ds4-tiny"
@@ -37,18 +35,6 @@ LAYER = 1
 EXPERTS = (3, 7, 8, 20)
 DEV = "hip:0" if getattr(torch.version, "hip", None) else "cuda:0"
 HAVE_CPU = importlib.util.find_spec("ds4quant.runtime.owners.cpu") is not None
-
-
-def _sha(a) -> str:
-    a = a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a
-    return hashlib.sha256(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()
-
-
-def _record(**kw) -> None:
-    path = os.environ.get("DS4Q_GPU_RECORD")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 def _load(owner, qtype):
@@ -84,10 +70,10 @@ def test_exact_slots_equal_the_cpu_owners_bytes(qtype):
     for o in ref_owners:
         _load(o, qtype)
         want = o.run_slots(LAYER, x, ids, "exact")
-        assert _sha(got) == _sha(want), f"{qtype}: {cuda.identity} vs {o.identity}"
+        assert sha32(got) == sha32(want), f"{qtype}: {cuda.identity} vs {o.identity}"
         o.close()
-    _record(test="exact_slots", qtype=qtype, owners=[cuda.identity] + [o.identity for o in ref_owners],
-            sha256=_sha(got))
+    record_gpu(test="exact_slots", qtype=qtype, owners=[cuda.identity] + [o.identity for o in ref_owners],
+            sha256=sha32(got))
     cuda.close()
 
 
@@ -110,7 +96,7 @@ def test_fast_kernels_match_float64(qtype, ids):
         gc = np.minimum(g, 10.0)
         ref = W["down"][loc[e]] @ (gc / (1 + np.exp(-gc)) * np.clip(u, -10.0, 10.0))
         worst = max(worst, float(np.abs(y[r] - ref).max() / np.abs(ref).max()))
-    _record(test="fast_vs_f64", qtype=qtype, slots=len(ids), max_rel=worst)
+    record_gpu(test="fast_vs_f64", qtype=qtype, slots=len(ids), max_rel=worst)
     assert worst < 1e-4, f"{qtype}: {worst}"
     o.close()
 
@@ -169,7 +155,7 @@ def test_placements_give_identical_moe_bytes(artifacts, tmp_path_factory, recipe
         with runtime.load(art, placement=plc, mode="exact", owners=owners) as rt:
             if recipe == "adaptive":
                 assert any(formats.QTYPES[s.qtype].is_mix for s in rt.view.stacks)
-            hashes[name] = [_sha(rt.moe(L, x, tok)) for L in (0, 2)]
+            hashes[name] = [sha32(rt.moe(L, x, tok)) for L in (0, 2)]
             qts = sorted({s.qtype for s in rt.view.stacks})
             if owners:  # fast mode on the same owner: the kernels, close to exact
                 rt.mode = "fast"
@@ -178,7 +164,7 @@ def test_placements_give_identical_moe_bytes(artifacts, tmp_path_factory, recipe
                 ze = rt.moe(2, x, tok)
                 rel = float((z - ze).norm() / ze.norm())
                 assert rel < 6e-2, f"{name}: fast vs exact {rel}"
-    _record(test="placements", recipe=recipe, qtypes=qts, layers=[0, 2], sha256=hashes)
+    record_gpu(test="placements", recipe=recipe, qtypes=qts, layers=[0, 2], sha256=hashes)
     first = next(iter(hashes.values()))
     for name, h in hashes.items():
         assert h == first, f"{recipe}: {name} differs from cpu only"

@@ -9,10 +9,7 @@ IEEE float64 division and has no fused multiply-add. With
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
-import os
 
 import numpy as np
 import pytest
@@ -27,22 +24,12 @@ from ds4quant.runtime.owners import torch_exact as te  # noqa: E402
 from ds4quant.runtime.owners.base import ExpertStack  # noqa: E402
 
 from . import _synth as S  # noqa: E402
+from ._synth import sha32, record_gpu  # noqa: E402
 
 DEV = "hip:0" if getattr(torch.version, "hip", None) else "cuda:0"
 HAVE_CPU = importlib.util.find_spec("numba") is not None
 STRIX = ("rocmfp2", "rocmfp2", "rocmfp3")
 DS4 = (4096, 2048)  # hidden, expert width
-
-
-def _sha(a) -> str:
-    return hashlib.sha256(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()
-
-
-def _record(**kw) -> None:
-    path = os.environ.get("DS4Q_GPU_RECORD")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 def _stacks(qtypes, n_exp, H, I, seed=1):
@@ -86,11 +73,11 @@ def test_exact_kernels_give_the_cpu_bytes_at_ds4_sizes(qtypes):
     assert cuda.exact_stats == {"kernel": 1, "patched": 0, "rerun": 0}
     cuda.graphs = False
     eager = cuda.run_slots(0, x, ids, "exact")
-    hashes = {cuda.identity: _sha(got), f"{cuda.identity} eager": _sha(eager)}
+    hashes = {cuda.identity: sha32(got), f"{cuda.identity} eager": sha32(eager)}
     for o in refs:
-        hashes[o.identity] = _sha(o.run_slots(0, x, ids, "exact"))
+        hashes[o.identity] = sha32(o.run_slots(0, x, ids, "exact"))
         o.close()
-    _record(test="exact_kernels_ds4", qtypes=list(qtypes), sha256=hashes)
+    record_gpu(test="exact_kernels_ds4", qtypes=list(qtypes), sha256=hashes)
     assert len(set(hashes.values())) == 1, hashes
     cuda.close()
 
@@ -104,8 +91,8 @@ def test_exact_kernels_at_batch_64_give_the_cpu_bytes():
     got = cuda.run_slots(0, x, ids, "exact")
     assert cuda.exact_stats == {"kernel": 1, "patched": 0, "rerun": 0}
     want = refs[0].run_slots(0, x, ids, "exact")
-    _record(test="exact_kernels_b64", qtypes=list(STRIX), sha256=_sha(got))
-    assert _sha(got) == _sha(want)
+    record_gpu(test="exact_kernels_b64", qtypes=list(STRIX), sha256=sha32(got))
+    assert sha32(got) == sha32(want)
     cuda.close()
     refs[0].close()
 
@@ -120,7 +107,7 @@ def test_a_flagged_call_is_patched_to_the_cpu_bytes():
     got = cuda.run_slots(0, x, ids, "exact")
     assert cuda.exact_stats == {"kernel": 0, "patched": 1, "rerun": 0}
     for o in refs:
-        assert _sha(o.run_slots(0, x, ids, "exact")) == _sha(got), o.identity
+        assert sha32(o.run_slots(0, x, ids, "exact")) == sha32(got), o.identity
         o.close()
     cuda.close()
 
@@ -162,5 +149,5 @@ def test_swiglu_kernel_divides_in_ieee_float64_without_fma():
     ck = ek._swiglu_quant_kernel[(n, 1)](g, g, K, ek.swiglu_constants(g.device, 10.0), qt, s, bad, qt, K, K // 16,
                                          K // 32, NB=2, H_OUT=False, num_warps=2, enable_fp_fusion=False)
     ptx = ck.asm["ptx"]
-    _record(test="swiglu_ptx", div_rn_f64=ptx.count("div.rn.f64"), fma_f64=ptx.count("fma.rn.f64"))
+    record_gpu(test="swiglu_ptx", div_rn_f64=ptx.count("div.rn.f64"), fma_f64=ptx.count("fma.rn.f64"))
     assert "div.rn.f64" in ptx and "fma.rn.f64" not in ptx and "div.approx" not in ptx

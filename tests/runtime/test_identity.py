@@ -8,7 +8,6 @@ they are in the build (importorskip otherwise)."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ds4quant import formats, runtime  # noqa: E402
-from tests.runtime._synth import write_identity_artifact  # noqa: E402
+from tests.runtime._synth import write_identity_artifact, sha32  # noqa: E402
 from ds4quant.artifact import read_gguf_set  # noqa: E402
 from ds4quant.convert import convert  # noqa: E402
 from ds4quant.errors import BadInputError, Ds4quantError, MissingDependencyError  # noqa: E402
@@ -30,10 +29,6 @@ SAMPLE = ROOT / "samples" / "ds4-tiny"
 E = 16  # experts per layer of the tiny sample
 HASH_LAYER, TOPK_LAYER = 0, 2
 HAVE_CPU = importlib.util.find_spec("ds4quant.runtime.owners.cpu") is not None
-
-
-def _sha(t) -> str:
-    return hashlib.sha256(np.ascontiguousarray(t.detach().cpu().numpy(), dtype=np.float32).tobytes()).hexdigest()
 
 
 def _split(owners: list[str], how: str = "interleave"):
@@ -93,7 +88,7 @@ def test_exact_moe_bytes_identical_on_every_placement(strix, hidden, reference, 
         for L in (HASH_LAYER, TOPK_LAYER):
             z = rt.moe(L, x, tok)
             assert z.dtype == torch.float32 and z.shape == x.shape
-            assert _sha(z) == _sha(reference[L][0]), f"layer {L} on {name}"
+            assert sha32(z) == sha32(reference[L][0]), f"layer {L} on {name}"
         assert sum(rt.resident_bytes().values()) >= sum(
             t.nbytes for n, t in read_gguf_set(next(strix.glob("*.gguf"))).tensors.items() if parse_stack(n))
 
@@ -114,7 +109,7 @@ def test_hot_owner_plus_none_shard_and_its_complement(strix, hidden, reference):
                                                           if int(idx[t, k]) in cold}
             merged = torch.where(torch.from_numpy(ra.held)[:, :, None], ra.slots, rb.slots)
             z = combine(w, merged, shared=a.shared(L, x))
-            assert _sha(z) == _sha(want)
+            assert sha32(z) == sha32(want)
 
 
 def test_a_token_does_not_depend_on_its_batch(strix, hidden):
@@ -130,7 +125,7 @@ def test_a_token_does_not_depend_on_its_batch(strix, hidden):
             bi, bw = rt.route(TOPK_LAYER, batch, torch.arange(batch.shape[0]))
             bi[pos], bw[pos] = idx[0], w[0]  # the same routing: this checks the experts, not the router
             res = rt.run_layer(TOPK_LAYER, batch, bi, bw).out
-            assert _sha(res[pos:pos + 1]) == _sha(one)
+            assert sha32(res[pos:pos + 1]) == sha32(one)
 
 
 @pytest.mark.parametrize("owners", [["torch-cpu:0", "torch-cpu:1"]] + ([["cpu:0", "torch-cpu:1"]] if HAVE_CPU else []))
@@ -149,7 +144,7 @@ def test_moe_with_its_routing_does_not_depend_on_the_batch(strix, hidden, owners
             one = rt.moe(L, x[4:5], tok[4:5])
             i1, w1 = rt.route(L, x[4:5], tok[4:5])
             for batch, btok, pos in ((big[32:39], big_tok[32:39], 5), (big, big_tok, 37)):
-                assert _sha(rt.moe(L, batch, btok)[pos:pos + 1]) == _sha(one), f"layer {L}, batch {len(batch)}"
+                assert sha32(rt.moe(L, batch, btok)[pos:pos + 1]) == sha32(one), f"layer {L}, batch {len(batch)}"
                 bi, bw = rt.route(L, batch, btok)
                 assert torch.equal(bi[pos:pos + 1], i1) and torch.equal(bw[pos:pos + 1].view(torch.int32),
                                                                         w1.view(torch.int32))
@@ -174,7 +169,7 @@ def test_fast_mode_is_close_to_exact_and_reported_not_equal(strix, hidden, refer
     with runtime.load(strix, mode="fast", placement=_split(["torch-cpu:0", "torch-cpu:1"])) as rt:
         z = rt.moe(TOPK_LAYER, x, tok)
     want = reference[TOPK_LAYER][0]
-    assert _sha(z) != _sha(want)
+    assert sha32(z) != sha32(want)
     for r in range(7):
         rel = float((z[r] - want[r]).norm() / want[r].norm())
         # exact mode's int8 activation blocks (input and SwiGLU output): ~2% per row measured on
@@ -191,7 +186,7 @@ def test_torch_decode_on_the_cpu_device_gives_the_same_bytes(strix, hidden, refe
     with runtime.load(strix, placement=_split(["torch-cpu:0", "torch-cpu:1"]), owners=mine) as rt:
         assert rt.owners["torch-cpu:1"] is mine["torch-cpu:1"]
         for L in (HASH_LAYER, TOPK_LAYER):
-            assert _sha(rt.moe(L, x, tok)) == _sha(reference[L][0])
+            assert sha32(rt.moe(L, x, tok)) == sha32(reference[L][0])
     assert mine["torch-cpu:1"].experts(TOPK_LAYER) == ()  # closed with the runtime
 
 
@@ -204,7 +199,7 @@ def test_device_owner_gives_the_cpu_bytes(strix, hidden, reference):
         with runtime.load(strix, placement=plc) as rt:
             assert rt.owners[dev].identity == dev
             for L in (HASH_LAYER, TOPK_LAYER):
-                assert _sha(rt.moe(L, x, tok)) == _sha(reference[L][0])
+                assert sha32(rt.moe(L, x, tok)) == sha32(reference[L][0])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ds4quant.runtime.owners.worker") is None,
@@ -213,7 +208,7 @@ def test_worker_owner_gives_the_same_bytes(strix, hidden, reference):
     x, tok = hidden
     with runtime.load(strix, placement=_split(["torch-cpu:0", "worker:0"])) as rt:
         for L in (HASH_LAYER, TOPK_LAYER):
-            assert _sha(rt.moe(L, x, tok)) == _sha(reference[L][0])
+            assert sha32(rt.moe(L, x, tok)) == sha32(reference[L][0])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ds4quant.runtime.owners.worker") is None,
@@ -234,7 +229,7 @@ def test_hosted_worker_owner_names_give_the_single_process_bytes(strix, hidden, 
         for L in (HASH_LAYER, TOPK_LAYER):
             want = rt.moe(L, x, tok)
             if mode == "exact":
-                assert _sha(got[L]) == _sha(want) == _sha(reference[L][0]), f"layer {L}"
+                assert sha32(got[L]) == sha32(want) == sha32(reference[L][0]), f"layer {L}"
             else:
                 torch.testing.assert_close(got[L], want, rtol=1e-5, atol=1e-6, msg=f"layer {L}")
 
@@ -252,7 +247,7 @@ def test_worker_hosting_the_device_owner_by_name(strix, hidden, reference):
     x, tok = hidden
     with runtime.load(strix, placement=_split(["worker:1/cuda:0", "torch-cpu:0"]), mode="exact") as rt:
         for L in (HASH_LAYER, TOPK_LAYER):
-            assert _sha(rt.moe(L, x, tok)) == _sha(reference[L][0])
+            assert sha32(rt.moe(L, x, tok)) == sha32(reference[L][0])
 
 
 def test_load_refuses_and_cleans_up(strix):
@@ -301,12 +296,12 @@ def test_adaptive_compact_mix_stacks_identical_and_books_gathered(adaptive, hidd
     with runtime.load(adaptive) as one, runtime.load(adaptive, placement=three) as rt:
         assert any(s.compact for s in rt.view.stacks) and any(formats.QTYPES[s.qtype].is_mix for s in rt.view.stacks)
         for L in (HASH_LAYER, TOPK_LAYER):
-            assert _sha(rt.moe(L, x, tok)) == _sha(one.moe(L, x, tok))
+            assert sha32(rt.moe(L, x, tok)) == sha32(one.moe(L, x, tok))
         if HAVE_CPU:  # the numba CPU owner on the same compact MIX stacks, beside a torch owner
             mixed = _split(["cpu:0", "torch-cpu:1"])
             with runtime.load(adaptive, placement=mixed) as m:
                 for L in (HASH_LAYER, TOPK_LAYER):
-                    assert _sha(m.moe(L, x, tok)) == _sha(one.moe(L, x, tok))
+                    assert sha32(m.moe(L, x, tok)) == sha32(one.moe(L, x, tok))
         # each owner decodes with the books of the global expert it holds (global -> local gather):
         # its per-slot output equals a float64 product over weights decoded with the entry's global row
         for st in rt.view.stacks_for(TOPK_LAYER, "gate"):

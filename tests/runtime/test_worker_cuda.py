@@ -6,7 +6,6 @@ GPU tests skip without CUDA/HIP."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,16 +19,13 @@ from ds4quant.runtime.execute import run_layer  # noqa: E402
 from ds4quant.runtime.owners.worker import OWNER_CLASSES, WorkerOwner, owner_class  # noqa: E402
 
 from . import _synth as S  # noqa: E402
+from ._synth import sha32  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 LAYER = 1
 EXPERTS = (0, 1, 2, 3, 4, 5)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or HIP device")
-
-
-def _sha(a) -> str:
-    return hashlib.sha256(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()
 
 
 def test_cuda_is_a_hostable_owner():
@@ -90,7 +86,7 @@ def test_mixed_placement_with_a_cuda_worker_equals_one_process():
     # the torch-cpu owner (the second exact implementation; no numba compile on the lent GPU's clock)
     cpu = {"cpu:0": _fill(TorchOwner("cpu", identity="torch-cpu:0", torch_decode=True), q, EXPERTS)}
     ref_cpu = run_layer(LAYER, x, idx, wts, cpu, ["cpu:0"] * 6, "exact")
-    assert _sha(ref.out.numpy()) == _sha(ref_cpu.out.numpy())
+    assert sha32(ref.out.numpy()) == sha32(ref_cpu.out.numpy())
     w = WorkerOwner("worker:1", owner="cuda", device="cuda:0", env=ENV, timeout_s=120.0)
     hot = CudaOwner("cuda:0", identity="cuda:0")
     try:
@@ -101,12 +97,12 @@ def test_mixed_placement_with_a_cuda_worker_equals_one_process():
         with ThreadPoolExecutor(2) as pool:
             for overlap in (False, True):
                 got = run_layer(LAYER, x, idx, wts, owners, table, "exact", pool, home="cuda:0", overlap=overlap)
-                assert _sha(got.out.numpy()) == _sha(ref.out.numpy()), f"overlap={overlap}"
+                assert sha32(got.out.numpy()) == sha32(ref.out.numpy()), f"overlap={overlap}"
             fast = [run_layer(LAYER, x, idx, wts, owners, table, "fast", pool, home="cuda:0", overlap=o).out
                     for o in (False, True)]
-        assert _sha(fast[0].numpy()) == _sha(fast[1].numpy())
+        assert sha32(fast[0].numpy()) == sha32(fast[1].numpy())
         fast_one = run_layer(LAYER, x, idx, wts, one, ["cuda:0"] * 6, "fast").out
-        assert _sha(fast_one.numpy()) == _sha(fast[0].numpy())  # fast slots depend on their own row only
+        assert sha32(fast_one.numpy()) == sha32(fast[0].numpy())  # fast slots depend on their own row only
     finally:
         w.close()
         hot.close()
