@@ -46,8 +46,7 @@ class ExactKernelsMixin:
         gem = self.gemv_set(layer)
         if gem is None:
             return None
-        loc = gem[4]
-        if ids.min() < 0 or ids.max() >= loc.shape[0] or (loc[ids] < 0).any():
+        if not self._all_resident(gem[4], ids):
             return None  # the definition's path names the expert that is not resident
         return gem
 

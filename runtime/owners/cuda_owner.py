@@ -289,6 +289,12 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
         self._gemv[layer] = got
         return got
 
+    @staticmethod
+    def _all_resident(loc: np.ndarray, ids: np.ndarray) -> bool:
+        """Whether every id of a non-empty ``ids`` has a slot in ``gemv_set``'s host
+        ``loc`` (-1: not resident here)."""
+        return bool(ids.min() >= 0 and ids.max() < loc.shape[0] and (loc[ids] >= 0).all())
+
     def gemv_device(self, layer: int, xT, ids):
         """The decode-step kernels on device tensors: xT float32 (n, 16, H / 16)
         group-transposed (``group_t``), ids int64 (n,) global experts -> float32
@@ -317,7 +323,7 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
         if gem is None or ids.shape[0] == 0:
             return None
         loc = gem[4]
-        if ids.min() < 0 or ids.max() >= loc.shape[0] or (loc[ids] < 0).any():
+        if not self._all_resident(loc, ids):
             return None
         if ids.shape[0] / np.unique(ids).shape[0] > self.group_max_mean:
             return None
@@ -391,7 +397,7 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
             return self._grouped_cuda(layer, x, gp, ready)
         if gem is not None:
             loc = gem[4]
-            if ids.min() < 0 or ids.max() >= loc.shape[0] or (loc[ids] < 0).any():
+            if not self._all_resident(loc, ids):
                 bad = sorted({int(e) for e in ids if e < 0 or e >= loc.shape[0] or loc[e] < 0})
                 raise BadInputError(f"experts {bad} of layer {layer} are not resident on {self.identity}")
         pin_i = self._pin("ids", n, torch.int64)
@@ -510,7 +516,7 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
         with self._lock:
             gem = self.gemv_set(layer) if 0 < ids.shape[0] <= self.gemv_max_slots else None
             gp = self.grouped_plan(layer, ids) if gem is None else None
-            if gem is not None and ids.min() >= 0 and ids.max() < gem[4].shape[0] and (gem[4][ids] >= 0).all():
+            if gem is not None and self._all_resident(gem[4], ids):
                 # the CPU device (interpreter tests): the decode-step kernels, eager
                 y = self.gemv_device(layer, torch.from_numpy(group_t(xt.numpy())), torch.from_numpy(ids))
             elif gp is not None:  # the grouped kernels, eager
