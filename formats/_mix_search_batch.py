@@ -208,7 +208,33 @@ class _Batcher:
 _BATCHER = _Batcher()
 
 
+#: whether a CUDA device's searches take the one-launch Triton kernel
+#: (``_mix_search_triton``; the same choices) instead of the shared torch batch
+USE_TRITON = True
+
+
 def choose_batched(X, W, books: np.ndarray, mode: int, bits: int):
     """``_mix_search_torch.choose_torch`` through the shared queue: numpy
-    book int64 (G,), byte int64 (G,), codes uint8 (G, 16), status int8 (G,)."""
+    book int64 (G,), byte int64 (G,), codes uint8 (G, 16), status int8 (G,).
+    Where the Triton kernel covers the device, the search is one launch on
+    the caller's own stream: nothing is gained by waiting for other workers."""
+    if USE_TRITON and _triton_for(X.device):
+        from ds4quant.formats._mix_search_triton import choose_triton
+
+        return choose_triton(X, W, np.asarray(books, np.float32), int(mode), int(bits))
     return _BATCHER.submit(_Request(X, W, np.asarray(books, np.float32), int(mode), int(bits)))
+
+
+def _triton_for(device) -> bool:
+    """A CUDA device with Triton importable, or Triton's interpreter already
+    loaded for the kernel module (the CPU tests)."""
+    import os
+    import sys
+
+    if getattr(device, "type", None) == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    return bool(os.environ.get("TRITON_INTERPRET")) and "ds4quant.formats._mix_search_triton" in sys.modules

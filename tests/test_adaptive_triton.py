@@ -1,0 +1,130 @@
+"""Issue 14: the one-launch MIX search (``formats._mix_search_triton``) gives the
+numba search's books, bytes, codes and refusals bit for bit: under Triton's
+interpreter on the CPU (CI), and on CUDA where present (DS4-sized matrices,
+the fitter and ``measure_matrix`` through it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4quant.formats import _mix_search
+from tests.test_adaptive_device import _books, _data, _same_choice
+
+torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+F = np.float32
+
+
+@pytest.fixture(scope="module")
+def mt():
+    if CUDA:
+        pytest.importorskip("triton")
+        import importlib
+
+        return importlib.import_module("ds4quant.formats._mix_search_triton")
+    from tests.runtime._interp import kernels
+
+    return kernels("ds4quant.formats._mix_search_triton")
+
+
+def _dev():
+    return torch.device("cuda" if CUDA else "cpu")
+
+
+def _to(x, imp):
+    from ds4quant.formats._mix_search_torch import to_device
+
+    return to_device(x, imp, _dev())
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("mode", [1, 0])
+@pytest.mark.parametrize("rows,cols,kind", [(9, 256, "t3"), (5, 128, "zeros"), (6, 384, "wide"), (4, 128, "bad")])
+def test_triton_search_equals_numba(mt, bits, mode, rows, cols, kind):
+    rng = np.random.default_rng(rows * 7 + bits + mode + 100)
+    x = _data(rng, rows, cols, kind)
+    q = np.exp(rng.standard_normal(cols)).astype(F)
+    q[rng.random(cols) < 0.1] = 0
+    books = _books(x, 4 if bits == 2 else 8, q)
+    for imp in (q, None):
+        want = _mix_search._choose(x, imp, books, mode, bits)
+        got = mt.choose_triton(*_to(x, imp), books, mode, bits)
+        assert _same_choice(want, got), (kind, imp is None)
+    if kind == "bad":
+        assert set(np.unique(want[3])) == {0, 1, 2}  # both refusals were exercised
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_triton_edge_books_and_weights(mt, bits):
+    """A book whose max level is 0 (no candidates), unusable weights (NaN,
+    negative, inf: status 2), huge values whose quotient by ML overflows, and
+    subnormals."""
+    rng = np.random.default_rng(7 + bits)
+    L = 4 if bits == 2 else 8
+    x = _data(rng, 6, 128, "t3")
+    x[0, :16] = F(3e38)
+    x[1, 16:32] = F(1e-42)
+    x[2, 32:48] = F(2.0**-133)
+    q = np.exp(rng.standard_normal(128)).astype(F)
+    q[5] = np.nan
+    q[40] = -1.0
+    q[77] = np.inf
+    books = _books(x[3:], L, None)
+    b0 = books.copy()
+    b0[1] = 0
+    same = np.stack([books[0], books[0]])  # every book-1 candidate ties its book-0 twin: book 0 wins
+    for mode in (1, 0):
+        for bk in ((books, b0, same) if mode == 1 else (books,)):  # mode 0 reads no books
+            for imp in (q, None, np.abs(np.nan_to_num(q, nan=0, posinf=1))):
+                want = _mix_search._choose(x, imp, bk, mode, bits)
+                got = mt.choose_triton(*_to(x, imp), bk, mode, bits)
+                assert _same_choice(want, got), (mode, imp is None)
+
+
+def test_batched_search_takes_the_kernel(mt, monkeypatch):
+    """choose_batched runs the kernel for a device it covers (the fitter's entry)."""
+    from ds4quant.formats import _mix_search_batch as mb
+
+    calls = []
+    orig = mt.choose_triton
+    monkeypatch.setattr(mt, "choose_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    rng = np.random.default_rng(3)
+    x = _data(rng, 4, 128, "t3")
+    books = _books(x, 4, None)
+    got = mb.choose_batched(*_to(x, None), books, 1, 2)
+    assert calls and _same_choice(_mix_search._choose(x, None, books, 1, 2), got)
+
+
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("mode", [1, 0])
+def test_triton_search_equals_numba_at_ds4_size(mt, bits, mode):
+    rng = np.random.default_rng(11 + bits + mode)
+    x = (0.02 * rng.standard_t(3, (512, 2048))).astype(F)
+    q = np.exp(rng.standard_normal(2048)).astype(F)
+    q[rng.random(2048) < 0.05] = 0
+    books = _books(x, 4 if bits == 2 else 8, q)
+    for imp in (q, None):
+        assert _same_choice(_mix_search._choose(x, imp, books, mode, bits),
+                            mt.choose_triton(*_to(x, imp), books, mode, bits))
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["rocmfp2_mix", "rocmfp3_mix"])
+def test_measure_matrix_on_cuda_through_the_kernel_equals_the_host(mt, qtype):
+    from ds4quant.adaptive import AdaptiveOptions, measure_matrix
+
+    rng = np.random.default_rng(5)
+    x = (0.02 * rng.standard_t(3, (256, 1024))).astype(F)
+    q = np.exp(rng.standard_normal(1024)).astype(F)
+    opts = AdaptiveOptions(target_bpw=2.7)
+    w = q.astype(np.float64)
+    a, ba = measure_matrix(x, q, w, qtype, opts, "t/0")
+    b, bb = measure_matrix(x, q, w, qtype, opts, "t/0", device=torch.device("cuda"))
+    assert a == b and ba[1] == bb[1] and np.array_equal(ba[0], bb[0])
