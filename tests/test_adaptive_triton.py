@@ -87,6 +87,7 @@ def test_batched_search_takes_the_kernel(mt, monkeypatch):
     from ds4quant.formats import _mix_search_batch as mb
 
     calls = []
+    monkeypatch.setattr(mb, "FORCE_TRITON", True)
     orig = mt.choose_triton
     monkeypatch.setattr(mt, "choose_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
     rng = np.random.default_rng(3)
