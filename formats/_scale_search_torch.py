@@ -35,6 +35,11 @@ symmetric under negation; FP2 by its §3 thresholds while every |x*inv| <
 ``q * sqrt(sigma^2 + x*x)`` with sigma^2 from the host's ``row_energy_nb``
 (a sequential float32 row sum, which a device reduction would round
 differently).
+
+On CUDA, ``encode_torch`` and ``measure_torch`` take ``_scale_search_triton``
+instead: one launch a matrix that scans all 126 bytes of every group (the
+definition itself, no window or proofs) and gives the same bytes; see
+``USE_TRITON``.
 """
 
 from __future__ import annotations
@@ -57,6 +62,13 @@ WINDOWS = {(FP2, 16): (20, 8), (FP3, 16): (18, 6), (FP4, 16): (16, 2), (FP4, 32)
 # candidates x groups per evaluated batch (bounds device memory: ~6 float32
 # temporaries of this many elements are alive at once)
 _BATCH = 1 << 24
+
+#: which path ``encode_torch`` / ``measure_torch`` take: None (the default) the
+#: Triton kernel (``_scale_search_triton``) on a CUDA device where triton
+#: imports and the torch search elsewhere; True the Triton kernel on any device
+#: (on the CPU only under Triton's interpreter: the tests); False always the
+#: torch search. The same bytes either way.
+USE_TRITON: "bool | None" = None
 
 _MAG = {FP3: (0.0, 1.0, 2.0, 4.0), FP4: (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0)}
 _THR = {FP3: (0.5, 1.5, 3.0), FP4: tuple(float(t) for t in FP4_THRESHOLDS)}
@@ -261,6 +273,25 @@ def decode_chosen(fmt: int, group: int, e, codes):
     return (lv * T["scales"][e.reshape(-1)].unsqueeze(1)).reshape(rows, cols)
 
 
+def _use_triton(device, stats=None) -> bool:
+    """Whether this call takes the Triton kernel (``USE_TRITON``); ``stats``, the
+    counts of the window's proofs, exist only on the torch search."""
+    if USE_TRITON is False or stats is not None:
+        return False
+    if USE_TRITON is None:
+        import torch
+
+        if torch.device(device).type != "cuda":
+            return False
+    try:
+        from ds4quant.formats import _scale_search_triton as tr
+    except ImportError:
+        if USE_TRITON:
+            raise
+        return False
+    return bool(USE_TRITON) or not tr.INTERPRETED  # the interpreter on a GPU only when forced
+
+
 def _device_inputs(qtype, x, importance, device, nonfinite):
     """Checked input on the device: (fmt, group, x, q or None, sigma2 or None)."""
     import torch
@@ -283,7 +314,9 @@ def _device_inputs(qtype, x, importance, device, nonfinite):
 
 def encode_torch(qtype: str, x, importance, device, nonfinite: str = "reject", stats=None) -> np.ndarray:
     """``formats.encode(qtype, x, importance, nonfinite=...)`` with the search
-    on ``device`` and the packing on the host: the same bytes, the same refusals."""
+    on ``device`` and the packing on the host: the same bytes, the same refusals.
+    ``stats`` (a dict): counts of the torch search's window proofs (this keeps
+    the call on the torch search; see ``USE_TRITON``)."""
     import torch
 
     from ds4quant.formats._scale_search import pack_ref
@@ -294,14 +327,20 @@ def encode_torch(qtype: str, x, importance, device, nonfinite: str = "reject", s
 
         return np.zeros((0, get_qtype(qtype).row_bytes(X.shape[1])), np.uint8)
     with torch.no_grad():
-        e, codes = search(fmt, group, X, Q, s2, stats)
+        if _use_triton(X.device, stats):
+            from ds4quant.formats._scale_search_triton import search_triton
+
+            e, codes, _ = search_triton(fmt, group, X, Q, s2)
+        else:
+            e, codes = search(fmt, group, X, Q, s2, stats)
         return pack_ref(fmt, e.to(torch.uint8).cpu().numpy(), codes.cpu().numpy(), group)
 
 
 def measure_torch(qtype: str, x: np.ndarray, importance, device) -> tuple[int, np.ndarray]:
     """What the measure stage needs of ``encode`` then ``decode``: (payload
     bytes, the decoded float32 values on the host), with the search and the
-    decode on ``device``; the bytes are never packed."""
+    decode on ``device`` (one Triton launch on CUDA, ``USE_TRITON``); the
+    bytes are never packed."""
     import torch
 
     from ds4quant.formats import get_qtype
@@ -311,6 +350,10 @@ def measure_torch(qtype: str, x: np.ndarray, importance, device) -> tuple[int, n
     if X.shape[0] == 0:
         return nbytes, np.zeros(tuple(X.shape), np.float32)
     with torch.no_grad():
+        if _use_triton(X.device):
+            from ds4quant.formats._scale_search_triton import search_triton
+
+            return nbytes, to_host(search_triton(fmt, group, X, Q, s2, codes=False, decode=True)[2])
         e, codes = search(fmt, group, X, Q, s2)
         return nbytes, to_host(decode_chosen(fmt, group, e, codes))
 
