@@ -123,7 +123,7 @@ def _magnitude(k, FMT: tl.constexpr):
 
 @triton.jit
 def _element(x_ptr, q_ptr, s2, idx, col, live, HAS_Q: tl.constexpr):
-    """One element of each group: (x as stored, x or 0 where not finite, finite, weight)."""
+    """One element of each group: (x, or 0 where not finite; its weight)."""
     x = tl.load(x_ptr + idx, mask=live, other=0.0)
     fin = (x.to(tl.int32, bitcast=True) & EXP) != EXP
     xf = tl.where(fin, x, 0.0)
@@ -136,7 +136,7 @@ def _element(x_ptr, q_ptr, s2, idx, col, live, HAS_Q: tl.constexpr):
         w = tl.where(qok & fin, w, 0.0)
     else:
         w = tl.where(fin, 1.0, 0.0)
-    return x, xf, fin, w
+    return xf, w
 
 
 @triton.jit
@@ -157,7 +157,7 @@ def _search_kernel(x_ptr, q_ptr, s2_ptr, S_ptr, INV_ptr, e_ptr, c_ptr, y_ptr, n,
     acc = tl.zeros([BLOCK, NE], tl.float32)
     nz = tl.zeros([BLOCK], tl.int1)
     for i in range(G):  # element order: the sum's order
-        x, xf, fin, w = _element(x_ptr, q_ptr, s2, base + i, col0 + i, live, HAS_Q)
+        xf, w = _element(x_ptr, q_ptr, s2, base + i, col0 + i, live, HAS_Q)
         nz = nz | ((xf.to(tl.int32, bitcast=True) & ABS) != 0)
         wb = w[:, None]
         if FMT == _FP2:
