@@ -46,17 +46,19 @@ def importance(key: str, cols: int) -> np.ndarray:
 
 
 @contextmanager
-def host_scale_search():
-    """The device path as it was before the scale search moved to the device
-    (issue 14, session 5): the non-MIX candidates' search on the host."""
+def torch_searches():
+    """The device path as session 5 left it (the anchor of the Triton kernels,
+    issue 14, session 6): the MIX and non-MIX searches as torch operations
+    (``_mix_search_batch``'s shared batch, ``_scale_search_torch.search``)."""
+    from ds4quant.formats import _mix_search_batch as mb
     from ds4quant.formats import _scale_search_torch as sst
 
-    old = sst.QTYPES
-    sst.QTYPES = {}
+    old = (mb.USE_TRITON, sst.USE_TRITON)
+    mb.USE_TRITON, sst.USE_TRITON = False, False
     try:
         yield
     finally:
-        sst.QTYPES = old
+        mb.USE_TRITON, sst.USE_TRITON = old
 
 
 def _measure_all(x, imp, cands, opts, dev) -> list:
@@ -92,13 +94,13 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
         ([(f"{threads} cores", threads, "cpu", False)] if threads > 1 and not device_only else [])
     dev_paths = [(f"{d} + {threads} cores", threads, d, False) for d in devices]
     if device_anchor:  # the pre-change device path, timed in the same run
-        dev_paths += [(f"{d} + {threads} cores, scale search on the host", threads, d, True) for d in devices]
+        dev_paths += [(f"{d} + {threads} cores, torch searches (session 5)", threads, d, True) for d in devices]
     # device_first: a run with little time left measures the device before the CPU rows
     paths = dev_paths + paths if device_first else paths + dev_paths
     out = {"experts": experts, "shape_gate_up": list(GATE_UP), "shape_down": list(DOWN), "fp4_gb": gb,
            "candidates": list(cands), "paths": {}}
     results = {}
-    for label, jobs, device, host_scale in paths:
+    for label, jobs, device, anchor in paths:
         dev = resolve_device(device)
 
         def items():
@@ -111,7 +113,7 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
                 return _measure_all(x, imp, cands, opts, dev)
 
         load = os.getloadavg()[0]
-        with numba_threads(jobs), (host_scale_search() if host_scale else nullcontext()):
+        with numba_threads(jobs), (torch_searches() if anchor else nullcontext()):
             c0, t0 = time.process_time(), time.perf_counter()
             got = list(ordered_map(items(), work, jobs))
             sec, cpu = time.perf_counter() - t0, time.process_time() - c0

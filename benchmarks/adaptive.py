@@ -572,8 +572,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device-only", action="store_true",
                     help="--ds4-shape: no CPU row (compare the digests with a CPU run of the same N)")
     ap.add_argument("--device-anchor", action="store_true",
-                    help="--ds4-shape: also time each --device row with the non-MIX scale search on the host "
-                         "(the device path before it moved)")
+                    help="--ds4-shape: also time each --device row with every search as torch operations "
+                         "(the device path before the Triton kernels)")
     ap.add_argument("--ds4-shape", type=int, default=0, metavar="N",
                     help="also time measure_matrix on N synthetic experts at DeepSeek-V4 Flash shapes")
     ap.add_argument("--cold-threads-check", action="store_true",

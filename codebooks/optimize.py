@@ -195,6 +195,7 @@ class _FastProblem:
         self.fixed = _FIXED_106 if self.bits == 2 else _FIXED_105
         self._memo: dict = {}
         self._terms: list = [None] * len(self.mats)  # float64 scratch of the one-pass evaluation
+        self._dterms: list = [None] * len(self.mats)  # and of the device search's error terms
         # (mode, books bytes) -> the choices on the single matrix (set keep: the all-rows problem)
         self.keep = False
         self.kept: dict = {}
@@ -250,7 +251,9 @@ class _FastProblem:
             else:
                 ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
             _check_status(self.qt, st, x.shape[1] // 16)
-            terms = np.empty(h.shape, np.float64)
+            if self._dterms[i] is None:  # reused: a fresh 8 bytes a weight per evaluation costs its page faults
+                self._dterms[i] = np.empty(h.shape, np.float64)
+            terms = self._dterms[i]
             _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
             # the legacy figure: np.sum over the (rows, cols) float64 array
             t = float(np.sum(terms.reshape(x.shape)))
