@@ -118,7 +118,7 @@ def _bins_ref(x: np.ndarray, q: Optional[np.ndarray]):
     return idx.reshape(-1), w.reshape(-1)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _add_nb(hist, x, q, has_q):
     # Sequential on purpose: double bins must see the reference's add order.
     rows, cols = x.shape

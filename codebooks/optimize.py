@@ -243,18 +243,26 @@ class _FastProblem:
                 num += n1
                 den += d1
                 continue
+            terms = None
             if self._dev is not None:
-                from ds4quant.formats._mix_search_batch import choose_batched
+                from ds4quant.formats import _mix_search_batch as mb
 
-                # shared with the other workers' searches: one set of launches for all
-                ob, oe, codes, st = choose_batched(*self._dev[i], books, mode, self.bits)
+                if not stats and mb.USE_TRITON and mb._triton_for(self.device):
+                    # an error without Lloyd sums: the search and the float64 terms on the device
+                    from ds4quant.formats._mix_search_triton import choose_triton
+
+                    ob, oe, codes, st, terms = choose_triton(*self._dev[i], books, mode, self.bits, terms=True)
+                else:
+                    # shared with the other workers' searches: one set of launches for all
+                    ob, oe, codes, st = mb.choose_batched(*self._dev[i], books, mode, self.bits)
             else:
                 ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
             _check_status(self.qt, st, x.shape[1] // 16)
-            if self._dterms[i] is None:  # reused: a fresh 8 bytes a weight per evaluation costs its page faults
-                self._dterms[i] = np.empty(h.shape, np.float64)
-            terms = self._dterms[i]
-            _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
+            if terms is None:
+                if self._dterms[i] is None:  # reused: a fresh 8 bytes a weight per evaluation costs its page faults
+                    self._dterms[i] = np.empty(h.shape, np.float64)
+                terms = self._dterms[i]
+                _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
             # the legacy figure: np.sum over the (rows, cols) float64 array
             t = float(np.sum(terms.reshape(x.shape)))
             if self.keep and len(self.mats) == 1 and (mode == 0 or t < self._kept_min):

@@ -214,6 +214,29 @@ def _fixed_kernel(x_ptr, w_ptr, S_ptr, INV_ptr, be_ptr, codes_ptr, st_ptr, N, HW
     tl.store(st_ptr + h, st.to(tl.int8), mask=m)
 
 
+@triton.jit
+def _terms_kernel(x_ptr, w_ptr, lv_ptr, S_ptr, bk_ptr, be_ptr, codes_ptr, out_ptr, NE, HW,
+                  L: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """The fitter's error terms per element (``terms_stats_nb`` without the
+    Lloyd sums): float64 (x - y)^2 * w with y = float32(S * level), level =
+    lv[book * L + code] (the books in mode 1, the fixed levels in mode 0).
+    One float32 product, then float64 subtract and multiplies: nothing for a
+    fused multiply-add to change."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < NE
+    g = o // 16
+    x = tl.load(x_ptr + o, mask=m, other=0.0)
+    c = tl.load(codes_ptr + o, mask=m, other=0).to(tl.int32)
+    bk = tl.load(bk_ptr + g, mask=m, other=0).to(tl.int32)
+    s = tl.load(S_ptr + tl.load(be_ptr + g, mask=m, other=0).to(tl.int32))
+    y = s * tl.load(lv_ptr + bk * L + c)
+    d = x.to(tl.float64) - y.to(tl.float64)
+    t = d * d
+    if HAS_W:
+        t = t * tl.load(w_ptr + (g % HW) * 16 + (o % 16), mask=m, other=1.0).to(tl.float64)
+    tl.store(out_ptr + o, t, mask=m)
+
+
 _TABLES: dict = {}
 
 
@@ -239,10 +262,12 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, to_host=None):
+def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, to_host=None, terms: bool = False):
     """``_mix_search._choose`` for device tensors from ``_mix_search_torch.to_device``
     (X (R, H, 16), W (1, H, 16) or None): numpy book int64 (G,), byte int64
-    (G,), codes uint8 (G, 16), status int8 (G,), on the caller's stream."""
+    (G,), codes uint8 (G, 16), status int8 (G,), on the caller's stream;
+    with ``terms`` also the fitter's float64 error terms (G, 16) of those
+    choices (``terms_stats_nb``'s, computed on the device)."""
     import torch
 
     if to_host is None:
@@ -270,4 +295,17 @@ def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, to_host=None):
         else:
             _fixed_kernel[grid](x, w, S, INV, be, codes, st, G, H, BITS=bits, HAS_W=has_w, BLOCK=blk,
                                 num_warps=4, enable_fp_fusion=False)
-    return (to_host(bk).astype(np.int64), to_host(be).astype(np.int64), to_host(codes), to_host(st))
+    out = (to_host(bk).astype(np.int64), to_host(be).astype(np.int64), to_host(codes), to_host(st))
+    if not terms:
+        return out
+    t = torch.empty((G, _HALF), dtype=torch.float64, device=dev)
+    if G:
+        from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
+
+        lv = np.ascontiguousarray(books, np.float32) if mode == 1 else (_FIXED_106 if bits == 2 else _FIXED_105)
+        lv_t = torch.from_numpy(np.ascontiguousarray(lv, np.float32).reshape(-1)).to(dev)
+        ne = G * _HALF
+        blk = min(triton.next_power_of_2(ne), 1 << 16) if _interpreted() else 1024
+        _terms_kernel[(triton.cdiv(ne, blk),)](x, w, lv_t, S, bk, be, codes, t, ne, H, L=lv.shape[-1],
+                                               HAS_W=has_w, BLOCK=blk, num_warps=4, enable_fp_fusion=False)
+    return out + (to_host(t),)

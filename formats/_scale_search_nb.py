@@ -45,7 +45,7 @@ def _fp2_level_nb(v):
     return F32(2.0) if d < bd else lv
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def row_energy_nb(x):
     """§2.1 for one float32 row (see row_energy_ref)."""
     k = x.shape[0]
@@ -69,7 +69,7 @@ def row_energy_nb(x):
     return s / np.float32(k)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def row_energy_s40_nb(x):
     s = _ZERO
     for i in range(x.shape[0]):
@@ -420,7 +420,7 @@ def _unpack_block_nb(fmt, row, off, codes):
         codes[i] = (v >> (pos & 7)) & mask
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _encode_row_nb(fmt, x, imp, has_imp, group, mirror, zero_seed, fp8_nearest, out):
     cols = x.shape[0]
     nscales = 32 // group

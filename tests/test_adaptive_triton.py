@@ -129,3 +129,49 @@ def test_measure_matrix_on_cuda_through_the_kernel_equals_the_host(mt, qtype):
     a, ba = measure_matrix(x, q, w, qtype, opts, "t/0")
     b, bb = measure_matrix(x, q, w, qtype, opts, "t/0", device=torch.device("cuda"))
     assert a == b and ba[1] == bb[1] and np.array_equal(ba[0], bb[0])
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("mode", [1, 0])
+def test_triton_terms_equal_the_hosts(mt, bits, mode):
+    """The device's float64 error terms of the kernel's choices are
+    ``terms_stats_nb``'s bit for bit (so the fitter's np.sum of them is too)."""
+    from ds4quant.formats._mix_search_fit import terms_stats_nb
+    from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
+
+    rng = np.random.default_rng(21 + bits + mode)
+    x = _data(rng, 6, 256, "wide")
+    q = np.exp(rng.standard_normal(256)).astype(F)
+    q[rng.random(256) < 0.1] = 0
+    L = 4 if bits == 2 else 8
+    books = _books(x, L, q)
+    fixed = _FIXED_106 if bits == 2 else _FIXED_105
+    for imp in (q, None):
+        ob, oe, codes, st, terms = mt.choose_triton(*_to(x, imp), books, mode, bits, terms=True)
+        want = np.empty((x.size // 16, 16), np.float64)
+        wq = imp.reshape(-1, 16) if imp is not None else np.zeros((1, 16), F)
+        terms_stats_nb(x.reshape(-1, 16), wq, imp is not None, books, ob, oe, codes, mode, fixed, want,
+                       np.zeros(2 * L), np.zeros(2 * L), False)
+        assert terms.dtype == np.float64 and np.array_equal(terms.view(np.uint64), want.view(np.uint64))
+
+
+@pytest.mark.parametrize("qtype", ["rocmfp2_mix", "rocmfp3_mix"])
+def test_fitter_through_the_kernels_equals_the_host(mt, qtype, monkeypatch):
+    """fit_optimized with its searches and error terms in the kernels (on
+    torch's CPU device under the interpreter; on CUDA where present) gives the
+    host's books, mode, figures and the encoder's choices."""
+    from ds4quant.codebooks.optimize import fit_optimized
+    from ds4quant.formats import _mix_search_batch as mb
+
+    if not CUDA:
+        monkeypatch.setattr(mb, "FORCE_TRITON", True)
+    rng = np.random.default_rng(9)
+    x = (0.02 * rng.standard_t(3, (40, 256))).astype(F)
+    q = np.exp(rng.standard_normal(256)).astype(F)
+    kw = dict(seed="t/1", iterations=3, restarts=1, max_rows=16)
+    a = fit_optimized([x], qtype, q, **kw)
+    b = fit_optimized([x], qtype, q, device=_dev(), **kw)
+    assert np.array_equal(a.books, b.books) and a.mode == b.mode
+    assert (a.error, a.reference_error, a.fixed_error, a.refined_error) == \
+        (b.error, b.reference_error, b.fixed_error, b.refined_error)
+    assert all(np.array_equal(u, v) for u, v in zip(a.encoding, b.encoding))
