@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The lent-GPU run of issue 14 (the adaptive measure stage on CUDA), from the checkout root, with
 # the gguf wheel in .whl (the device image lacks it):
-#   OUT=... T_TESTS=240 T_DS4=330 DS4_EXPERTS=16 bash benchmarks/gpu_adaptive_run.sh
+#   OUT=... T_TESTS=240 T_PROF=100 T_DS4=330 DS4_EXPERTS=16 bash benchmarks/gpu_adaptive_run.sh
 # 1. the CUDA identity tests, which also fill numba's cache before anything is timed: the Triton MIX
 #    and scale searches == numba at DS4 sizes, the torch searches == numba, and convert --device cuda
 #    == the CPU path on samples/ds4-tiny (plan, errors, GGUF sha256, measurement cache);
 # 2. --ds4-shape N (DS4 Flash-shaped experts) at full width: all cores on the CPU, --device cuda
 #    (the Triton kernels) and --device cuda with every search as torch operations (session 5's path),
 #    one digest expected for all rows.
+# 3. with T_PROF: one worker's per-candidate breakdown of the three paths and its profiles.
 # Everything that comes back is under $OUT (at most 8 files).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -26,6 +27,10 @@ if [ "${T_TESTS:-240}" != 0 ]; then
       > "$OUT/tests.txt" 2>&1
   echo "tests rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -20
+fi
+if [ "${T_PROF:-0}" != 0 ]; then  # one worker's breakdown (benchmarks/adaptive_profile.py)
+  timeout "$T_PROF" python3 benchmarks/adaptive_profile.py --device cuda > "$OUT/profile.txt" 2>&1
+  echo "profile rc=$? $(( $(date +%s) - t0 )) s"; head -24 "$OUT/profile.txt"
 fi
 if [ "${T_DS4:-330}" != 0 ]; then
   timeout "${T_DS4:-330}" python3 benchmarks/adaptive.py --cost-only --ds4-only --ds4-shape "${DS4_EXPERTS:-16}" \
