@@ -303,7 +303,7 @@ def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, to_host=None, t
         from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
 
         lv = np.ascontiguousarray(books, np.float32) if mode == 1 else (_FIXED_106 if bits == 2 else _FIXED_105)
-        lv_t = torch.from_numpy(np.ascontiguousarray(lv, np.float32).reshape(-1)).to(dev)
+        lv_t = torch.from_numpy(np.array(lv, np.float32).reshape(-1)).to(dev)  # a copy: the tables are read-only
         ne = G * _HALF
         blk = min(triton.next_power_of_2(ne), 1 << 16) if _interpreted() else 1024
         _terms_kernel[(triton.cdiv(ne, blk),)](x, w, lv_t, S, bk, be, codes, t, ne, H, L=lv.shape[-1],

@@ -46,6 +46,10 @@ _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], F)
 
 @pytest.fixture(scope="module")
 def tr():
+    if torch.cuda.is_available():
+        # these run the kernel on torch's CPU device through the interpreter (CI); on a GPU host
+        # the compiled kernel is what runs, and test_cuda_ds4_shape_equals_numba checks it
+        pytest.skip("interpreter tests: a CPU-only host's (the compiled kernel is tested on CUDA)")
     return kernels("ds4quant.formats._scale_search_triton")
 
 
