@@ -8,20 +8,24 @@ books and bytes never depend on the worker count. A worker runs numba's
 kernels on one thread (numba's thread count is per Python thread), the
 parallelism is across experts, not inside a matrix.
 
-``--device cuda`` moves to the GPU through torch, bit-identical to the numba
-kernels: the MIX encoder's search (every candidate scale and book of every
-half, the work of the codebook fitter's Lloyd steps, its error evaluations
-and the final MIX encode; ``formats._mix_search_torch``; the workers'
-searches share launches, ``formats._mix_search_batch``) and the non-MIX
-candidates' scale search and decode (rocmfp2/3/4/4_fast,
-``formats._scale_search_torch``). Each worker queues its kernels on its own
-CUDA stream (``worker_stream``). What stays on the CPU, because its float64
-sums are sequential or numpy's pairwise order and a GPU reduction would round
-differently: the fitter's error totals and Lloyd level sums
-(``formats._mix_search_fit.terms_stats_nb``), the error sums of every
-candidate (``metrics.error_sums``), the rows' energies of the importance
-weights (a sequential float32 sum), the reference fitter's histogram Lloyd
-and the book projection; and the decode of the MIX candidates' choices.
+``--device cuda`` moves the searches to the GPU, bit-identical to the numba
+kernels, each search one Triton launch: the MIX encoder's search (every
+candidate scale and book of every half, for the codebook fitter's Lloyd
+steps, its error evaluations and the final MIX encode;
+``formats._mix_search_triton``, which also gives the error-only evaluations
+their float64 terms) and the non-MIX candidates' scale search and decode
+(rocmfp2/3/4/4_fast, ``formats._scale_search_triton``). Without Triton (or
+on torch's CPU device, ``torch-cpu``) the same searches run as torch
+operations (``formats._mix_search_torch`` / ``_mix_search_batch``, whose
+batch the workers share, and ``formats._scale_search_torch``). Each worker
+queues its kernels on its own CUDA stream (``worker_stream``). What stays on
+the CPU, because its float64 sums are sequential or numpy's pairwise order
+and a GPU reduction would round differently: the fitter's Lloyd level sums
+(``formats._mix_search_fit.terms_stats_nb``) and its error totals (np.sum of
+the terms), the error sums of every candidate (``metrics.error_sums``), the
+rows' energies of the importance weights (a sequential float32 sum), the
+reference fitter's histogram Lloyd and the book projection; and the decode of
+the MIX candidates' choices.
 """
 
 from __future__ import annotations
