@@ -69,6 +69,17 @@ def _half_facts(x_ptr, w_ptr, h, m, wrow, HAS_W: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
+def _element(x_ptr, w_ptr, h, m, wrow, i: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """Element i of the halves h and its weight (1 without importance), as (BLOCK, 1) columns."""
+    x = tl.load(x_ptr + h * 16 + i, mask=m, other=0.0)[:, None]
+    if HAS_W:
+        w = tl.load(w_ptr + wrow * 16 + i, mask=m, other=1.0)[:, None]
+    else:
+        w = tl.full([BLOCK, 1], 1.0, tl.float32)
+    return x, w
+
+
+@triton.jit
 def _byte_tables(S_ptr, INV_ptr):
     """S(e) and 1/S(e) for e = 0..127 as (1, 128) rows, and which e are bytes 1..126."""
     eb = tl.arange(0, 128)
@@ -122,11 +133,7 @@ def _books_kernel(x_ptr, w_ptr, tab_ptr, S_ptr, INV_ptr, bk_ptr, be_ptr, codes_p
             inv = tl.load(INV_ptr + ec)
             err = tl.zeros([BLOCK, 8], tl.float32)
             for i in tl.static_range(16):
-                x = tl.load(x_ptr + h * 16 + i, mask=m, other=0.0)[:, None]
-                if HAS_W:
-                    w = tl.load(w_ptr + wrow * 16 + i, mask=m, other=1.0)[:, None]
-                else:
-                    w = tl.full([BLOCK, 1], 1.0, tl.float32)
+                x, w = _element(x_ptr, w_ptr, h, m, wrow, i, HAS_W, BLOCK)
                 d = x - s * _level(x * inv, tab_ptr, b, L)
                 err = err + (w * d) * d
             err = tl.where(valid & (err == err), err, INF)  # NaN or invalid: never adopted
@@ -185,11 +192,7 @@ def _fixed_kernel(x_ptr, w_ptr, S_ptr, INV_ptr, be_ptr, codes_ptr, st_ptr, N, HW
     S_row, INV_row, in_range = _byte_tables(S_ptr, INV_ptr)
     err = tl.zeros([BLOCK, 128], tl.float32)
     for i in tl.static_range(16):
-        x = tl.load(x_ptr + h * 16 + i, mask=m, other=0.0)[:, None]
-        if HAS_W:
-            w = tl.load(w_ptr + wrow * 16 + i, mask=m, other=1.0)[:, None]
-        else:
-            w = tl.full([BLOCK, 1], 1.0, tl.float32)
+        x, w = _element(x_ptr, w_ptr, h, m, wrow, i, HAS_W, BLOCK)
         d = x - S_row * _fixed_level(x * INV_row, BITS)
         err = err + (w * d) * d
     err = tl.where(in_range & wok[:, None] & (err == err), err, INF)

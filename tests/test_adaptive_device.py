@@ -68,15 +68,19 @@ DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 @pytest.mark.parametrize("mode", [1, 0])
 @pytest.mark.parametrize("rows,cols,kind", [(17, 256, "t3"), (5, 128, "zeros"), (9, 384, "wide"), (4, 128, "bad")])
 def test_torch_search_equals_numba(dev, bits, mode, rows, cols, kind):
-    rng = np.random.default_rng(rows * 7 + bits + mode)
+    check_search(lambda x, imp, books: choose_torch(*to_device(x, imp, dev), books, mode, bits),
+                 np.random.default_rng(rows * 7 + bits + mode), rows, cols, kind, mode, bits)
+
+
+def check_search(choose, rng, rows, cols, kind, mode, bits):
+    """choose(x, importance, books) == numba's search, with and without importance."""
     x = _data(rng, rows, cols, kind)
     q = np.exp(rng.standard_normal(cols)).astype(F)
     q[rng.random(cols) < 0.1] = 0
     books = _books(x, 4 if bits == 2 else 8, q)
     for imp in (q, None):
         want = _mix_search._choose(x, imp, books, mode, bits)
-        got = choose_torch(*to_device(x, imp, dev), books, mode, bits)
-        assert _same_choice(want, got), (kind, imp is None)
+        assert _same_choice(want, choose(x, imp, books)), (kind, imp is None)
     if kind == "bad":
         assert set(np.unique(want[3])) == {0, 1, 2}  # both refusals were exercised
 

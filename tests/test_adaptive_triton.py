@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ds4quant.formats import _mix_search
-from tests.test_adaptive_device import _books, _data, _same_choice
+from tests.test_adaptive_device import _books, _data, _same_choice, check_search
 
 torch = pytest.importorskip("torch")
 CUDA = torch.cuda.is_available()
@@ -42,17 +42,8 @@ def _to(x, imp):
 @pytest.mark.parametrize("mode", [1, 0])
 @pytest.mark.parametrize("rows,cols,kind", [(9, 256, "t3"), (5, 128, "zeros"), (6, 384, "wide"), (4, 128, "bad")])
 def test_triton_search_equals_numba(mt, bits, mode, rows, cols, kind):
-    rng = np.random.default_rng(rows * 7 + bits + mode + 100)
-    x = _data(rng, rows, cols, kind)
-    q = np.exp(rng.standard_normal(cols)).astype(F)
-    q[rng.random(cols) < 0.1] = 0
-    books = _books(x, 4 if bits == 2 else 8, q)
-    for imp in (q, None):
-        want = _mix_search._choose(x, imp, books, mode, bits)
-        got = mt.choose_triton(*_to(x, imp), books, mode, bits)
-        assert _same_choice(want, got), (kind, imp is None)
-    if kind == "bad":
-        assert set(np.unique(want[3])) == {0, 1, 2}  # both refusals were exercised
+    check_search(lambda x, imp, books: mt.choose_triton(*_to(x, imp), books, mode, bits),
+                 np.random.default_rng(rows * 7 + bits + mode + 100), rows, cols, kind, mode, bits)
 
 
 @pytest.mark.parametrize("bits", [2, 3])

@@ -35,13 +35,13 @@ from tests.formats.test_scale_codecs import SETTINGS, importances, matrices
 torch = pytest.importorskip("torch")
 from ds4quant.formats import _scale_search_torch as sst  # noqa: E402
 from ds4quant.formats._scale_search_nb import row_energy_nb  # noqa: E402
+from tests.formats.test_scale_search_torch import _fp4_grid, _numba  # noqa: E402
 from tests.runtime._interp import kernels  # noqa: E402
 
 # the interpreter runs the kernel's float32 ops in numpy, which warns where IEEE overflows to inf
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
 F = np.float32
 NAMES = list(sst.QTYPES)
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], F)
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +72,6 @@ def _never(*a, **k):
     raise AssertionError("the torch search ran instead of the Triton kernel")
 
 
-def _numba(name, x, imp):
-    return formats.encode(name, x, imp, impl="fast", nonfinite="reference")
-
-
-def _fp4_grid(rng, rows, cols):
-    """E2M1 levels times a power-of-two scale per 32 (the DS4 Flash source)."""
-    x = (0.02 * rng.standard_t(3, (rows, cols))).astype(F).reshape(rows, -1, 32)
-    scale = (2.0 ** np.ceil(np.log2(np.maximum(np.abs(x).max(-1, keepdims=True), 1e-30) / 6.0))).astype(F)
-    q = _E2M1[np.searchsorted((_E2M1[1:] + _E2M1[:-1]) / 2, np.abs(x) / scale)]
-    return (np.sign(x) * q * scale).reshape(rows, cols).astype(F)
 
 
 def edge_rows(cols=128, seed=0):
