@@ -247,7 +247,7 @@ class _FastProblem:
             if self._dev is not None:
                 from ds4quant.formats import _mix_search_batch as mb
 
-                if not stats and mb.USE_TRITON and mb._triton_for(self.device):
+                if not stats and mb.triton_for(self.device):
                     # an error without Lloyd sums: the search and the float64 terms on the device
                     from ds4quant.formats._mix_search_triton import choose_triton
 

@@ -208,9 +208,12 @@ class _Batcher:
 _BATCHER = _Batcher()
 
 
-#: whether a CUDA device's searches take the one-launch Triton kernel
-#: (``_mix_search_triton``; the same choices) instead of the shared torch batch
-USE_TRITON = True
+#: which path a search takes, as ``_scale_search_torch.USE_TRITON``: None (the
+#: default) the one-launch Triton kernel (``_mix_search_triton``; the same
+#: choices) on a CUDA device where triton imports, the shared torch batch
+#: elsewhere; True the kernel on any device (on the CPU only under Triton's
+#: interpreter: the tests); False always the torch batch
+USE_TRITON: "bool | None" = None
 
 
 def choose_batched(X, W, books: np.ndarray, mode: int, bits: int):
@@ -218,18 +221,17 @@ def choose_batched(X, W, books: np.ndarray, mode: int, bits: int):
     book int64 (G,), byte int64 (G,), codes uint8 (G, 16), status int8 (G,).
     Where the Triton kernel covers the device, the search is one launch on
     the caller's own stream: nothing is gained by waiting for other workers."""
-    if USE_TRITON and _triton_for(X.device):
+    if triton_for(X.device):
         from ds4quant.formats._mix_search_triton import choose_triton
 
         return choose_triton(X, W, np.asarray(books, np.float32), int(mode), int(bits))
     return _BATCHER.submit(_Request(X, W, np.asarray(books, np.float32), int(mode), int(bits)))
 
 
-def _triton_for(device) -> bool:
-    """A CUDA device with Triton importable (or any device while a test
-    forces the kernel, under Triton's interpreter)."""
-    if FORCE_TRITON:
-        return True
+def triton_for(device) -> bool:
+    """Whether searches on ``device`` take the Triton kernel (``USE_TRITON``)."""
+    if USE_TRITON is not None:
+        return USE_TRITON
     if getattr(device, "type", None) != "cuda":
         return False
     try:
@@ -237,7 +239,3 @@ def _triton_for(device) -> bool:
     except ImportError:
         return False
     return True
-
-
-#: tests: the kernel on torch's CPU device too (with TRITON_INTERPRET=1)
-FORCE_TRITON = False

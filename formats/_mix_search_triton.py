@@ -35,18 +35,24 @@ interpreter on the CPU, and on CUDA where present.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 import triton
 import triton.language as tl
 
 from ds4quant.formats._mix_search import _HALF, _max_level, _splits
-from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV
+from ds4quant.formats._mix_search_torch import _tables
+from ds4quant.formats._scale_search_torch import to_host
 
 # halves per program on a GPU: mode 1 holds (BLOCK, 128) distances for the
 # centre byte, mode 0 (BLOCK, 128) errors
 BLOCK_BOOKS = 64
 BLOCK_FIXED = 32
+# the interpreter runs a program's operations as numpy calls over its block:
+# one program for the whole search is the fast way there (the CPU tests)
+INTERPRETED = bool(os.environ.get("TRITON_INTERPRET"))
 INF = tl.constexpr(float("inf"))
 
 
@@ -240,32 +246,13 @@ def _terms_kernel(x_ptr, w_ptr, lv_ptr, S_ptr, bk_ptr, be_ptr, codes_ptr, out_pt
     tl.store(out_ptr + o, t, mask=m)
 
 
-_TABLES: dict = {}
-
-
-def _ue4m3(dev):
-    import torch
-
-    key = str(dev)
-    if key not in _TABLES:
-        _TABLES[key] = (torch.from_numpy(UE4M3.astype(np.float32)).to(dev),
-                        torch.from_numpy(UE4M3_INV.astype(np.float32)).to(dev))
-    return _TABLES[key]
-
-
 def book_table(books: np.ndarray) -> np.ndarray:
     """The kernel's per-book table: levels, splits, ML (float32 (2, 2L))."""
     books = np.ascontiguousarray(books, np.float32)
     return np.concatenate([books, _splits(books), _max_level(books)[:, None]], axis=1).astype(np.float32)
 
 
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, to_host=None, terms: bool = False):
+def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, terms: bool = False):
     """``_mix_search._choose`` for device tensors from ``_mix_search_torch.to_device``
     (X (R, H, 16), W (1, H, 16) or None): numpy book int64 (G,), byte int64
     (G,), codes uint8 (G, 16), status int8 (G,), on the caller's stream;
@@ -273,23 +260,19 @@ def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, to_host=None, t
     choices (``terms_stats_nb``'s, computed on the device)."""
     import torch
 
-    if to_host is None:
-        from ds4quant.formats._scale_search_torch import to_host
     dev = X.device
     R, H, _ = X.shape
     G = R * H
     x = X.reshape(G, _HALF)
     has_w = W is not None
     w = W.reshape(H, _HALF) if has_w else x  # unread without weights
-    S, INV = _ue4m3(dev)
+    S, INV = _tables(dev)
     bk = torch.zeros(G, dtype=torch.uint8, device=dev)
     be = torch.empty(G, dtype=torch.uint8, device=dev)
     codes = torch.empty((G, _HALF), dtype=torch.uint8, device=dev)
     st = torch.empty(G, dtype=torch.int8, device=dev)
     if G:
-        # the interpreter runs a program's operations as numpy calls over its
-        # block: one program for the whole search is the fast way there
-        blk = min(triton.next_power_of_2(G), 1 << 12) if _interpreted() else (BLOCK_BOOKS if mode == 1 else BLOCK_FIXED)
+        blk = min(triton.next_power_of_2(G), 1 << 12) if INTERPRETED else (BLOCK_BOOKS if mode == 1 else BLOCK_FIXED)
         grid = (triton.cdiv(G, blk),)
         if mode == 1:
             tab = torch.from_numpy(book_table(books)).to(dev)
@@ -308,7 +291,7 @@ def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, to_host=None, t
         lv = np.ascontiguousarray(books, np.float32) if mode == 1 else (_FIXED_106 if bits == 2 else _FIXED_105)
         lv_t = torch.from_numpy(np.array(lv, np.float32).reshape(-1)).to(dev)  # a copy: the tables are read-only
         ne = G * _HALF
-        blk = min(triton.next_power_of_2(ne), 1 << 16) if _interpreted() else 1024
+        blk = min(triton.next_power_of_2(ne), 1 << 16) if INTERPRETED else 1024
         _terms_kernel[(triton.cdiv(ne, blk),)](x, w, lv_t, S, bk, be, codes, t, ne, H, L=lv.shape[-1],
                                                HAS_W=has_w, BLOCK=blk, num_warps=4, enable_fp_fusion=False)
     return out + (to_host(t),)

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from ds4quant.formats._scale_tables import FP2, FP3, FP4, INIT_E, INIT_ERR
-from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV
+from ds4quant.formats._mix_search_torch import _tables  # UE4M3 S and 1/S on a device
 
 ABS = tl.constexpr(0x7FFFFFFF)
 EXP = tl.constexpr(0x7F800000)  # exponent bits: all set = inf or NaN; also +inf's bits
@@ -76,7 +76,6 @@ BLOCK = 16
 NUM_WARPS = 4
 #: the compiler options every launch needs: no multiply-add contraction
 LAUNCH = dict(enable_fp_fusion=False)
-_TABLES: dict = {}
 
 
 @triton.jit
@@ -201,17 +200,6 @@ def _search_kernel(x_ptr, q_ptr, s2_ptr, S_ptr, INV_ptr, e_ptr, c_ptr, y_ptr, n,
             tl.store(c_ptr + base + i, code.to(tl.uint8), mask=live)
         if DECODE:
             tl.store(y_ptr + base + i, lv * s, mask=live)
-
-
-def _tables(dev):
-    import torch
-
-    t = _TABLES.get(str(dev))
-    if t is None:
-        t = (torch.tensor(np.asarray(UE4M3, np.float32), device=dev),
-             torch.tensor(np.asarray(UE4M3_INV, np.float32), device=dev))
-        _TABLES[str(dev)] = t
-    return t
 
 
 def _block(n: int, dev) -> int:

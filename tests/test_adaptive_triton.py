@@ -78,7 +78,7 @@ def test_batched_search_takes_the_kernel(mt, monkeypatch):
     from ds4quant.formats import _mix_search_batch as mb
 
     calls = []
-    monkeypatch.setattr(mb, "FORCE_TRITON", True)
+    monkeypatch.setattr(mb, "USE_TRITON", True)
     orig = mt.choose_triton
     monkeypatch.setattr(mt, "choose_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
     rng = np.random.default_rng(3)
@@ -155,7 +155,7 @@ def test_fitter_through_the_kernels_equals_the_host(mt, qtype, monkeypatch):
     from ds4quant.formats import _mix_search_batch as mb
 
     if not CUDA:
-        monkeypatch.setattr(mb, "FORCE_TRITON", True)
+        monkeypatch.setattr(mb, "USE_TRITON", True)
     rng = np.random.default_rng(9)
     x = (0.02 * rng.standard_t(3, (40, 256))).astype(F)
     q = np.exp(rng.standard_normal(256)).astype(F)
