@@ -62,16 +62,14 @@ def torch_searches():
 
 
 def _measure_all(x, imp, cands, opts, dev) -> list:
-    """Every candidate's Measure (and books) of one matrix, as the measure stage takes them."""
-    from ds4quant.adaptive import _fits, measure_matrix
+    """Every candidate's Measure (and books) of one matrix, as the measure
+    stage takes them (``adaptive.measure_candidates``: on a device the matrix
+    is uploaded once for all of them)."""
+    from ds4quant.adaptive import _fits, measure_candidates
 
-    r = []
-    for q in cands:
-        if not _fits(q, x.shape[1]):
-            continue
-        m, bk = measure_matrix(x, imp, imp.astype(np.float64), q, opts, seed="ds4", device=dev)
-        r.append((q, m, None if bk is None else (bk[0].tobytes(), bk[1])))
-    return r
+    qs = [q for q in cands if _fits(q, x.shape[1])]
+    return [(q, m, None if bk is None else (bk[0].tobytes(), bk[1]))
+            for q, m, bk in measure_candidates(x, imp, imp.astype(np.float64), qs, opts, "ds4", dev)]
 
 
 def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True,

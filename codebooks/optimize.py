@@ -36,7 +36,7 @@ from ds4quant.codebooks.histogram import (_bf16_repair, _bf16_repair_fast, _bf16
 from ds4quant.errors import BadInputError, CodebookError
 from ds4quant.formats._bits import unpack_bits
 from ds4quant.formats._mix_search import _choose, _serial
-from ds4quant.formats._mix_search_fit import _eval_books_nb, book_tables_nb, terms_stats_nb
+from ds4quant.formats._mix_search_fit import _eval_books_nb, book_tables_nb, pairwise_sum_nb, terms_stats_nb
 from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106, _check_status
 from ds4quant.formats.ue4m3 import UE4M3
 
@@ -54,8 +54,9 @@ class OptimizedFit:
     fixed_error: float
     refined_error: float
     # the encoder's choices for (books, mode) on every row of the single
-    # matrix, per half (book int64 (G,), byte int64 (G,), codes uint8 (G, 16)),
-    # when the fast fitter evaluated them there: what encoding it again gives
+    # matrix, per half (book int64 (G,), byte int64 (G,), codes uint8 (G, 16);
+    # uint8 torch tensors where the evaluations ran on a device), when the
+    # fast fitter evaluated them there: what encoding it again gives
     encoding: Optional[tuple] = field(default=None, compare=False, repr=False)
 
 
@@ -143,6 +144,23 @@ class _Problem:
         self.imps = imps
         self.bits = 2 if self.qt.codebook_levels == 4 else 3
 
+    def _device_error(self, i: int, books: np.ndarray, mode: int, halves_per_row: int) -> float:
+        """An error without Lloyd sums, all on the device (Triton): the search,
+        the float64 terms and np.sum's pairwise total; the choices a kept
+        evaluation needs stay there (``OptimizedFit.encoding``)."""
+        from ds4quant.formats._mix_search_triton import search_device, terms_device
+        from ds4quant.formats._scale_search_torch import to_host
+        from ds4quant.metrics_device import pairwise_total
+
+        ch = search_device(*self._dev[i], books, mode, self.bits)
+        _check_status(self.qt, to_host(ch[3]), halves_per_row)
+        t = pairwise_total(terms_device(*self._dev[i], books, mode, self.bits, ch))
+        if self.keep and len(self.mats) == 1 and (mode == 0 or t < self._kept_min):
+            if mode == 1:
+                self._kept_min = t
+            self.kept[(mode, books.tobytes() if mode == 1 else b"")] = ch[:3]
+        return t
+
     def error(self, books: np.ndarray, mode: int) -> float:
         total = 0.0
         for x, q in zip(self.mats, self.imps):
@@ -187,7 +205,7 @@ class _FastProblem:
     sums: the same float64 figures and books bit for bit, no bytes packed or
     decoded, and each distinct (books, mode) evaluated once."""
 
-    def __init__(self, qtype: str, mats: list, imps: list, device=None) -> None:
+    def __init__(self, qtype: str, mats: list, imps: list, device=None, inputs=None) -> None:
         self.qt = formats.get_qtype(qtype)
         self.mats = [np.ascontiguousarray(m, dtype=np.float32) for m in mats]
         self.imps = imps
@@ -195,16 +213,19 @@ class _FastProblem:
         self.fixed = _FIXED_106 if self.bits == 2 else _FIXED_105
         self._memo: dict = {}
         self._terms: list = [None] * len(self.mats)  # float64 scratch of the one-pass evaluation
-        self._dterms: list = [None] * len(self.mats)  # and of the device search's error terms
+        self._dterms: list = [None] * len(self.mats)  # and of the device search's Lloyd steps
         # (mode, books bytes) -> the choices on the single matrix (set keep: the all-rows problem)
         self.keep = False
         self.kept: dict = {}
         self._kept_min = float("inf")
         # on a torch device the search runs there (the matrices stay resident
-        # across the Lloyd steps); the float64 sums below stay on the host
+        # across the Lloyd steps); the Lloyd steps' float64 sums stay on the
+        # host, an error-only evaluation's run there with Triton
         self.device = device
         self._dev = None
-        if device is not None:
+        if inputs is not None:  # already there (the measure stage uploads an expert once)
+            self._dev = list(inputs)
+        elif device is not None:
             from ds4quant.formats._mix_search_torch import to_device
 
             self._dev = [to_device(m, q, device) for m, q in zip(self.mats, imps)]
@@ -243,28 +264,24 @@ class _FastProblem:
                 num += n1
                 den += d1
                 continue
-            terms = None
             if self._dev is not None:
                 from ds4quant.formats import _mix_search_batch as mb
 
                 if not stats and mb.triton_for(self.device):
-                    # an error without Lloyd sums: the search and the float64 terms on the device
-                    from ds4quant.formats._mix_search_triton import choose_triton
-
-                    ob, oe, codes, st, terms = choose_triton(*self._dev[i], books, mode, self.bits, terms=True)
-                else:
-                    # shared with the other workers' searches: one set of launches for all
-                    ob, oe, codes, st = mb.choose_batched(*self._dev[i], books, mode, self.bits)
+                    total += self._device_error(i, books, mode, x.shape[1] // 16)
+                    continue
+                # shared with the other workers' searches: one set of launches for all
+                ob, oe, codes, st = mb.choose_batched(*self._dev[i], books, mode, self.bits)
             else:
                 ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
             _check_status(self.qt, st, x.shape[1] // 16)
-            if terms is None:
-                if self._dterms[i] is None:  # reused: a fresh 8 bytes a weight per evaluation costs its page faults
-                    self._dterms[i] = np.empty(h.shape, np.float64)
-                terms = self._dterms[i]
-                _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
-            # the legacy figure: np.sum over the (rows, cols) float64 array
-            t = float(np.sum(terms.reshape(x.shape)))
+            if self._dterms[i] is None:  # reused: a fresh 8 bytes a weight per evaluation costs its page faults
+                self._dterms[i] = np.empty(h.shape, np.float64)
+            terms = self._dterms[i]
+            _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
+            # the legacy figure: np.sum over the (rows, cols) float64 array, in its
+            # order by numba (which, unlike numpy's reduction, lets the other workers run)
+            t = 0.0 + pairwise_sum_nb(terms.reshape(-1), 0, terms.size)
             if self.keep and len(self.mats) == 1 and (mode == 0 or t < self._kept_min):
                 if mode == 1:
                     self._kept_min = t
@@ -273,6 +290,23 @@ class _FastProblem:
             num += n1
             den += d1
         return total, num, den
+
+    def _device_error(self, i: int, books: np.ndarray, mode: int, halves_per_row: int) -> float:
+        """An error without Lloyd sums, all on the device (Triton): the search,
+        the float64 terms and np.sum's pairwise total; the choices a kept
+        evaluation needs stay there (``OptimizedFit.encoding``)."""
+        from ds4quant.formats._mix_search_triton import search_device, terms_device
+        from ds4quant.formats._scale_search_torch import to_host
+        from ds4quant.metrics_device import pairwise_total
+
+        ch = search_device(*self._dev[i], books, mode, self.bits)
+        _check_status(self.qt, to_host(ch[3]), halves_per_row)
+        t = pairwise_total(terms_device(*self._dev[i], books, mode, self.bits, ch))
+        if self.keep and len(self.mats) == 1 and (mode == 0 or t < self._kept_min):
+            if mode == 1:
+                self._kept_min = t
+            self.kept[(mode, books.tobytes() if mode == 1 else b"")] = ch[:3]
+        return t
 
     def error(self, books: np.ndarray, mode: int) -> float:
         # mode 0 ignores the books: one evaluation per problem
@@ -298,6 +332,7 @@ def fit_optimized(
     max_rows: Optional[int] = None,
     impl: str = "fast",
     device=None,
+    inputs=None,
 ) -> OptimizedFit:
     """Fit one expert's book pair (and mode) for the MIX encoder's own error.
 
@@ -311,6 +346,10 @@ def fit_optimized(
         "legacy" (encode + decode per step, the timing anchor); same result.
     device: None (numba on the host) or a torch device ("cuda") for the
         encoder's search of the "fast" fitter; the same result bit for bit.
+        Where the error evaluations run there (Triton), ``encoding`` holds
+        the choices as uint8 tensors on the device.
+    inputs: the matrices and importance already on ``device``, as
+        ``_mix_search_torch.to_device`` gives them (one (X, W) a matrix).
     Returns an OptimizedFit whose error is <= the reference books' error.
     """
     qt = formats.get_qtype(qtype)
@@ -321,7 +360,7 @@ def fit_optimized(
     if impl not in ("fast", "legacy"):
         raise BadInputError(f"fit_optimized: impl must be 'fast' or 'legacy', got {impl!r}")
     if impl == "fast":
-        P = (lambda q, m, w: _FastProblem(q, m, w, device)) if device is not None else _FastProblem
+        P = (lambda q, m, w, dv=None: _FastProblem(q, m, w, device, dv)) if device is not None else _FastProblem
     else:
         P = _Problem
     project = _project_fast if impl == "fast" else _project
@@ -333,12 +372,21 @@ def fit_optimized(
         if not np.all(np.isfinite(m)):
             raise CodebookError(f"fit_optimized: matrix {i} has non-finite values")
     L = qt.codebook_levels
-    full = P(qt.name, mats, imps)
+    dev_in = inputs if device is not None and impl == "fast" else None
+    full = P(qt.name, mats, imps) if dev_in is None else P(qt.name, mats, imps, dev_in)
     if impl == "fast":
         full.keep = True  # the final encode of the chosen books reuses these choices
     if max_rows is not None and any(m.shape[0] > max_rows for m in mats):
-        pick = lambda m: m[np.linspace(0, m.shape[0] - 1, max_rows).round().astype(int)]  # noqa: E731
-        fit = P(qt.name, [pick(m) if m.shape[0] > max_rows else m for m in mats], imps)
+        rows = [np.linspace(0, m.shape[0] - 1, max_rows).round().astype(int) if m.shape[0] > max_rows else None
+                for m in mats]
+        sub = [m if r is None else m[r] for m, r in zip(mats, rows)]
+        if dev_in is None:
+            fit = P(qt.name, sub, imps)
+        else:  # the sampled rows gathered on the device
+            import torch
+
+            fit = P(qt.name, sub, imps, [(X if r is None else X.index_select(0, torch.from_numpy(r).to(X.device)), W)
+                                         for (X, W), r in zip(dev_in, rows)])
     else:
         fit = full
 

@@ -177,7 +177,8 @@ def legacy_kernels():
         _LEGACY, rocmfp_mix._LEGACY_ENCODE, histogram._LEGACY_LLOYD = old
 
 
-def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: AdaptiveOptions, seed: str, device=None):
+def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: AdaptiveOptions, seed: str, device=None,
+               resident=None):
     """(books, mode, ref_books_error or None, the encoder's choices for them
     on x or None) for one expert matrix."""
     from ds4quant.codebooks import fit_optimized, fit_reference
@@ -188,27 +189,46 @@ def _fit_books(x: np.ndarray, qtype: str, imp: Optional[np.ndarray], opts: Adapt
         return books, 1, None, None
     fit = fit_optimized([x], qtype, imp, seed=seed, iterations=opts.fit_iterations,
                         restarts=opts.fit_restarts, max_rows=opts.fit_max_rows,
-                        impl="legacy" if _LEGACY else "fast", device=None if _LEGACY else device)
+                        impl="legacy" if _LEGACY else "fast", device=None if _LEGACY else device,
+                        inputs=None if resident is None else [resident.halves()])
     return fit.books, fit.mode, fit.reference_error, fit.encoding
 
 
+def _on_device(qt, device) -> bool:
+    """Whether ``measure_matrix`` runs ``qt``'s search on ``device``."""
+    return device is not None and not _LEGACY and (qt.is_mix or sst.covers(qt.name))
+
+
 def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, qtype: str,
-                   opts: AdaptiveOptions, seed: str, device=None) -> tuple[Measure, Optional[tuple[np.ndarray, int]]]:
+                   opts: AdaptiveOptions, seed: str, device=None,
+                   resident=None) -> tuple[Measure, Optional[tuple[np.ndarray, int]]]:
     """Encode ``x`` (float32 (rows, cols)) as ``qtype`` the way convert will;
     return its Measure and, for MIX, the (books, mode) it used. ``device``
     (a torch device or None) runs the MIX search and the scale search of
-    the types ``_scale_search_torch`` covers there, the same bytes. The
-    error, weighted per column by ``err_w``, is taken here and only here."""
+    the types ``_scale_search_torch`` covers there, the same bytes, on the
+    matrix ``resident`` holds there (``adaptive_device.Resident``; made here
+    when not given). The error, weighted per column by ``err_w``, is taken
+    here and only here."""
     qt = get_qtype(qtype)
     books = None
     ref = None
+    s = None
+    if resident is None and _on_device(qt, device):
+        from ds4quant.adaptive_device import Resident
+
+        resident = Resident(x, imp, err_w, device)
     if qt.is_mix:
-        b, mode, ref_err, enc = _fit_books(x, qtype, imp, opts, seed, device)
-        if enc is not None:  # the fitter searched every row with these books: decode its choices
+        b, mode, ref_err, enc = _fit_books(x, qtype, imp, opts, seed, device, resident)
+        nbytes = x.shape[0] * qt.row_bytes(x.shape[1])
+        if enc is not None and not isinstance(enc[0], np.ndarray):
+            # the fitter's choices stayed on the device: decode and sum there
+            from ds4quant.formats._mix_search_triton import decode_device
+
+            s = resident.sums(decode_device(enc, b, mode, 2 if qt.codebook_levels == 4 else 3))
+        elif enc is not None:  # the fitter searched every row with these books: decode its choices
             from ds4quant.formats._mix_search_fit import decode_choices
 
             y = decode_choices(qt, enc, x.shape, b, mode)
-            nbytes = x.shape[0] * qt.row_bytes(x.shape[1])
         else:
             if device is not None and not _LEGACY:
                 from ds4quant.formats._mix_search_torch import encode_torch
@@ -224,15 +244,38 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
         same_weights = np.array_equal(err_w, imp) if imp is not None else bool(np.all(err_w == 1.0))
         if ref_err is not None and same_weights:
             ref = ref_err
+    elif _on_device(qt, device):
+        from ds4quant.formats import encode_input
+
+        encode_input(qt, x, imp)  # encode's refusals
+        q = resident.Q
+        nbytes, Y = sst.measure_on(qt.name, resident.X, q, None if q is None else resident.sigma2())
+        s = resident.sums(Y)  # searched, decoded and summed on the device
     else:
-        if device is not None and not _LEGACY and sst.covers(qt.name):
-            nbytes, y = sst.measure_torch(qt.name, x, imp, device)  # search and decode on the device
-        else:
-            data = encode(qt, x, imp)
-            y = decode(qt, data, x.shape[1])
-            nbytes = int(data.nbytes)
-    s = error_sums(x, y, err_w)
+        data = encode(qt, x, imp)
+        y = decode(qt, data, x.shape[1])
+        nbytes = int(data.nbytes)
+    if s is None:
+        s = error_sums(x, y, err_w)
     return Measure(nbytes, s.sse, s.ssx, s.wsse, s.wssx, ref), books
+
+
+def measure_candidates(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, qtypes: Sequence[str],
+                       opts: AdaptiveOptions, seed: str, device=None) -> list:
+    """[(qtype, Measure, (books, mode) or None)] of one expert matrix for each
+    of ``qtypes`` in order (``measure_matrix``), the matrix uploaded to
+    ``device`` once for all of them; call it inside ``worker_stream(device)``."""
+    resident = None
+    if any(_on_device(get_qtype(q), device) for q in qtypes):
+        from ds4quant.adaptive_device import Resident
+
+        resident = Resident(x, imp, err_w, device)
+    out = []
+    for q in qtypes:
+        meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device,
+                                  resident=resident if _on_device(get_qtype(q), device) else None)
+        out.append((q, meas, bk))
+    return out
 
 
 @dataclass(frozen=True)
@@ -344,12 +387,8 @@ _SAVE_EVERY_S = 20.0
 def _measure_expert(payload, opts: AdaptiveOptions, device) -> list:
     """[(qtype, Measure, books or None)] for one expert matrix, in ``need`` order."""
     x, imp, err_w, need, seed = payload
-    out = []
     with worker_stream(device):
-        for q in need:
-            meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device)
-            out.append((q, meas, bk))
-    return out
+        return measure_candidates(x, imp, err_w, need, opts, seed, device)
 
 
 def allowed_candidates(opts: AdaptiveOptions, surface: str) -> tuple[str, ...]:

@@ -199,11 +199,19 @@ def error_sums(x: np.ndarray, y: np.ndarray, w: Optional[np.ndarray] = None) -> 
     wv = np.ascontiguousarray(w, dtype=np.float64) if has_w else np.zeros(1, np.float64)
     part = np.zeros((x.shape[0], 8), dtype=np.float64)
     _rows(x, y, wv, has_w, part)
+    return sums_of_rows(part, int(x.size), has_w)
+
+
+def sums_of_rows(part: np.ndarray, n: int, has_w: bool) -> Sums:
+    """The Sums of per-row partials float64 (rows, 8) (sse, ssx, ssy, dot,
+    max|d|, non-finite count, wsse, wssx; each a sequential sum over the row
+    in column order), added in row order: ``error_sums``'s figures, wherever
+    the rows were summed (``ds4quant.metrics_device`` on a GPU)."""
     tot = np.zeros(8)
     for r in range(part.shape[0]):  # fixed order: thread count never changes the figures
         tot += part[r]
     return Sums(
-        n=int(x.size), sse=float(tot[0]), ssx=float(tot[1]), ssy=float(tot[2]), dot=float(tot[3]),
+        n=int(n), sse=float(tot[0]), ssx=float(tot[1]), ssy=float(tot[2]), dot=float(tot[3]),
         max_abs=float(part[:, 4].max()) if part.shape[0] else 0.0, finite=bool(tot[5] == 0),
         wsse=float(tot[6]) if has_w else None, wssx=float(tot[7]) if has_w else None,
     )

@@ -104,6 +104,66 @@ def pairwise_sum_nb(a, lo, n):
 
 
 @numba.njit(cache=True, nogil=True)
+def pairwise_leaves_nb(n):
+    """The leaves (start int64 (k,), length int64 (k,)) of numpy's pairwise
+    tree over n > 128 values, left to right: what ``pairwise_sum_nb`` sums
+    one by one. A device sums them in parallel; ``pairwise_combine_nb`` then
+    adds their sums in the tree's order."""
+    lo = np.empty(n // 56 + 2, np.int64)
+    ln = np.empty(n // 56 + 2, np.int64)
+    k = 0
+    tl = np.empty(256, np.int64)
+    tn = np.empty(256, np.int64)
+    tl[0], tn[0] = 0, n
+    top = 1
+    while top > 0:  # depth first, the left child on top: leaves come out in order
+        top -= 1
+        l, m = tl[top], tn[top]
+        if m <= 128:
+            lo[k], ln[k] = l, m
+            k += 1
+        else:
+            n2 = m // 2
+            n2 -= n2 % 8
+            tl[top], tn[top] = l + n2, m - n2
+            tl[top + 1], tn[top + 1] = l, n2
+            top += 2
+    return lo[:k].copy(), ln[:k].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def pairwise_combine_nb(vals, n):
+    """numpy's pairwise sum of n > 128 values from the sums of its leaves
+    (``pairwise_leaves_nb(n)``'s, in order): ``pairwise_sum_nb``'s additions
+    above the leaves, in its order, so 0 + this equals np.sum."""
+    tn = np.empty(256, np.int64)
+    ts = np.empty(256, np.int64)
+    acc = np.empty(256, np.float64)
+    tn[0], ts[0] = n, 0
+    top = 1
+    nv = 0
+    k = 0
+    while top > 0:
+        top -= 1
+        m, st = tn[top], ts[top]
+        if st == 1:
+            nv -= 1
+            acc[nv - 1] = acc[nv - 1] + acc[nv]
+        elif m <= 128:
+            acc[nv] = vals[k]
+            k += 1
+            nv += 1
+        else:
+            n2 = m // 2
+            n2 -= n2 % 8
+            tn[top], ts[top] = m, 1
+            tn[top + 1], ts[top + 1] = m - n2, 0
+            tn[top + 2], ts[top + 2] = n2, 0
+            top += 3
+    return acc[0]
+
+
+@numba.njit(cache=True, nogil=True)
 def terms_stats_nb(h, wq, has_w, books, out_b, out_e, codes, mode, fixed, terms, num, den, stats):
     """Per element of h float32 (G, 16): terms = (x - y)^2 * w in float64
     (y the decoded float32 value, w the raw importance, none without), and

@@ -252,12 +252,11 @@ def book_table(books: np.ndarray) -> np.ndarray:
     return np.concatenate([books, _splits(books), _max_level(books)[:, None]], axis=1).astype(np.float32)
 
 
-def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, terms: bool = False):
-    """``_mix_search._choose`` for device tensors from ``_mix_search_torch.to_device``
-    (X (R, H, 16), W (1, H, 16) or None): numpy book int64 (G,), byte int64
-    (G,), codes uint8 (G, 16), status int8 (G,), on the caller's stream;
-    with ``terms`` also the fitter's float64 error terms (G, 16) of those
-    choices (``terms_stats_nb``'s, computed on the device)."""
+def search_device(X, W, books: np.ndarray, mode: int, bits: int):
+    """The search on device tensors from ``_mix_search_torch.to_device`` (X
+    (R, H, 16), W (1, H, 16) or None), left on the device: book uint8 (G,),
+    byte uint8 (G,), codes uint8 (G, 16), status int8 (G,), queued on the
+    caller's stream."""
     import torch
 
     dev = X.device
@@ -281,17 +280,64 @@ def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, terms: bool = F
         else:
             _fixed_kernel[grid](x, w, S, INV, be, codes, st, G, H, BITS=bits, HAS_W=has_w, BLOCK=blk,
                                 num_warps=4, enable_fp_fusion=False)
+    return bk, be, codes, st
+
+
+def _levels(books: np.ndarray, mode: int, bits: int, dev):
+    """The levels a choice's book and code index: the books (mode 1) or the fixed levels (mode 0)."""
+    import torch
+
+    from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
+
+    lv = np.ascontiguousarray(books, np.float32) if mode == 1 else (_FIXED_106 if bits == 2 else _FIXED_105)
+    return torch.from_numpy(np.array(lv, np.float32).reshape(-1)).to(dev), lv.shape[-1]  # a copy: read-only tables
+
+
+def terms_device(X, W, books: np.ndarray, mode: int, bits: int, choices):
+    """The fitter's float64 error terms (G, 16) of ``choices`` (``search_device``'s
+    first three) on the device: ``terms_stats_nb``'s, bit for bit."""
+    import torch
+
+    bk, be, codes = choices[:3]
+    dev = X.device
+    R, H, _ = X.shape
+    G = R * H
+    x = X.reshape(G, _HALF)
+    has_w = W is not None
+    w = W.reshape(H, _HALF) if has_w else x
+    t = torch.empty((G, _HALF), dtype=torch.float64, device=dev)
+    if G:
+        S, _ = _tables(dev)
+        lv, L = _levels(books, mode, bits, dev)
+        ne = G * _HALF
+        blk = min(triton.next_power_of_2(ne), 1 << 16) if INTERPRETED else 1024
+        _terms_kernel[(triton.cdiv(ne, blk),)](x, w, lv, S, bk, be, codes, t, ne, H, L=L,
+                                               HAS_W=has_w, BLOCK=blk, num_warps=4, enable_fp_fusion=False)
+    return t
+
+
+def decode_device(choices, books: np.ndarray, mode: int, bits: int):
+    """float32 (G, 16) on the device: the values the blocks of ``choices``
+    decode to (``_mix_search_fit.decode_choice_nb``'s one product, S(e) *
+    level, which IEEE multiplication rounds the same in either order)."""
+    import torch
+
+    bk, be, codes = choices[:3]
+    S, _ = _tables(codes.device)
+    lv, L = _levels(books, mode, bits, codes.device)
+    idx = bk.to(torch.int64).unsqueeze(1) * L + codes.to(torch.int64)
+    return S[be.to(torch.int64)].unsqueeze(1) * lv[idx]
+
+
+def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, terms: bool = False):
+    """``_mix_search._choose`` for device tensors from ``_mix_search_torch.to_device``
+    (X (R, H, 16), W (1, H, 16) or None): numpy book int64 (G,), byte int64
+    (G,), codes uint8 (G, 16), status int8 (G,), on the caller's stream;
+    with ``terms`` also the fitter's float64 error terms (G, 16) of those
+    choices (``terms_stats_nb``'s, computed on the device)."""
+    ch = search_device(X, W, books, mode, bits)
+    bk, be, codes, st = ch
     out = (to_host(bk).astype(np.int64), to_host(be).astype(np.int64), to_host(codes), to_host(st))
     if not terms:
         return out
-    t = torch.empty((G, _HALF), dtype=torch.float64, device=dev)
-    if G:
-        from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
-
-        lv = np.ascontiguousarray(books, np.float32) if mode == 1 else (_FIXED_106 if bits == 2 else _FIXED_105)
-        lv_t = torch.from_numpy(np.array(lv, np.float32).reshape(-1)).to(dev)  # a copy: the tables are read-only
-        ne = G * _HALF
-        blk = min(triton.next_power_of_2(ne), 1 << 16) if INTERPRETED else 1024
-        _terms_kernel[(triton.cdiv(ne, blk),)](x, w, lv_t, S, bk, be, codes, t, ne, H, L=lv.shape[-1],
-                                               HAS_W=has_w, BLOCK=blk, num_warps=4, enable_fp_fusion=False)
-    return out + (to_host(t),)
+    return out + (to_host(terms_device(X, W, books, mode, bits, ch)),)

@@ -341,21 +341,32 @@ def measure_torch(qtype: str, x: np.ndarray, importance, device) -> tuple[int, n
     bytes, the decoded float32 values on the host), with the search and the
     decode on ``device`` (one Triton launch on CUDA, ``USE_TRITON``); the
     bytes are never packed."""
+    _, _, X, Q, s2 = _device_inputs(qtype, x, importance, device, "reject")
+    nbytes, Y = measure_on(qtype, X, Q, s2)
+    return nbytes, to_host(Y)
+
+
+def measure_on(qtype: str, X, Q, sigma2):
+    """``measure_torch`` for input already checked and on the device (X
+    float32 (rows, cols), Q (cols,) and sigma2 (rows,) or None, as
+    ``_device_inputs`` gives them): (payload bytes, the decoded float32
+    (rows, cols) left on the device)."""
     import torch
 
     from ds4quant.formats import get_qtype
 
-    fmt, group, X, Q, s2 = _device_inputs(qtype, x, importance, device, "reject")
-    nbytes = X.shape[0] * get_qtype(qtype).row_bytes(X.shape[1])
-    if X.shape[0] == 0:
-        return nbytes, np.zeros(tuple(X.shape), np.float32)
+    fmt, group = QTYPES[qtype]
+    rows, cols = X.shape
+    nbytes = rows * get_qtype(qtype).row_bytes(cols)
+    if rows == 0:
+        return nbytes, torch.zeros((rows, cols), dtype=torch.float32, device=X.device)
     with torch.no_grad():
         if _use_triton(X.device):
             from ds4quant.formats._scale_search_triton import search_triton
 
-            return nbytes, to_host(search_triton(fmt, group, X, Q, s2, codes=False, decode=True)[2])
-        e, codes = search(fmt, group, X, Q, s2)
-        return nbytes, to_host(decode_chosen(fmt, group, e, codes))
+            return nbytes, search_triton(fmt, group, X, Q, sigma2, codes=False, decode=True)[2]
+        e, codes = search(fmt, group, X, Q, sigma2)
+        return nbytes, decode_chosen(fmt, group, e, codes)
 
 
 def to_host(t) -> np.ndarray:

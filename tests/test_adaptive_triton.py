@@ -165,4 +165,44 @@ def test_fitter_through_the_kernels_equals_the_host(mt, qtype, monkeypatch):
     assert np.array_equal(a.books, b.books) and a.mode == b.mode
     assert (a.error, a.reference_error, a.fixed_error, a.refined_error) == \
         (b.error, b.reference_error, b.fixed_error, b.refined_error)
-    assert all(np.array_equal(u, v) for u, v in zip(a.encoding, b.encoding))
+    # through the kernels the choices stay on the device
+    assert all(np.array_equal(u, v.cpu().numpy() if torch.is_tensor(v) else v) for u, v in zip(a.encoding, b.encoding))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch, weighted):
+    """The measure stage's device path with everything in the kernels (the
+    searches, the fitter's error evaluations, the MIX decode, the error sums;
+    the matrix uploaded once) gives the CPU path's Measures and books for
+    every default candidate; no decoded matrix comes back to the host."""
+    from ds4quant import adaptive, adaptive_device
+    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions, measure_candidates
+    from ds4quant.formats import _mix_search_batch as mb
+    from ds4quant.formats import _scale_search_torch as sst
+
+    if not CUDA:
+        from tests.runtime._interp import kernels
+
+        kernels("ds4quant.formats._scale_search_triton")
+        kernels("ds4quant.metrics_device")
+        monkeypatch.setattr(mb, "USE_TRITON", True)
+        monkeypatch.setattr(sst, "USE_TRITON", True)
+    rng = np.random.default_rng(17)
+    x = (0.02 * rng.standard_t(3, (24, 128))).astype(F)
+    q = np.exp(rng.standard_normal(128)).astype(F) if weighted else None
+    # error weights other than the importance (an expert calibration missed)
+    err_w = np.exp(rng.standard_normal(128)) if not weighted else q.astype(np.float64)
+    # (the interpreter's cost is per operation: few rows and Lloyd steps)
+    opts = AdaptiveOptions(target_bpw=2.7, fit_iterations=1, fit_restarts=0, fit_max_rows=8)
+    want = measure_candidates(x, q, err_w, DEFAULT_CANDIDATES, opts, "t/2")
+
+    def host_sums(*a, **k):
+        raise AssertionError("a decoded matrix was summed on the host")
+
+    monkeypatch.setattr(adaptive, "error_sums", host_sums)
+    monkeypatch.setattr(adaptive_device, "error_sums", host_sums)
+    got = measure_candidates(x, q, err_w, DEFAULT_CANDIDATES, opts, "t/2", device=_dev())
+    assert [g[0] for g in got] == [w[0] for w in want] == list(DEFAULT_CANDIDATES)
+    for (qt, mw, bw), (_, mg, bg) in zip(want, got):
+        assert mw == mg, qt
+        assert (bw is None) == (bg is None) and (bw is None or (np.array_equal(bw[0], bg[0]) and bw[1] == bg[1]))
