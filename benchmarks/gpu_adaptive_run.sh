@@ -8,7 +8,8 @@
 # 2. --ds4-shape N (DS4 Flash-shaped experts) at full width: all cores on the CPU, --device cuda
 #    (the Triton kernels) and --device cuda with every search as torch operations (session 5's path),
 #    one digest expected for all rows.
-# 3. with T_PROF: one worker's per-candidate breakdown of the three paths and its profiles.
+# 3. with T_PROF: one worker's per-candidate breakdown of the three paths and its profiles;
+#    with T_WIDTH: the phases per matrix at widths WIDTHS (default 1 and every core) and a GIL probe.
 # Everything that comes back is under $OUT (at most 8 files).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -22,8 +23,8 @@ for p in formats codebooks runtime; do [ -e "ds4quant/$p" ] || ln -s "../$p" "ds
 cat "$OUT/device.txt"
 t0=$(date +%s)
 if [ "${T_TESTS:-240}" != 0 ]; then
-  timeout "${T_TESTS:-240}" python3 -m pytest -q -p no:cacheprovider -rfEs ${TESTS:-tests/test_adaptive_device.py tests/test_adaptive_triton.py \
-      tests/formats/test_scale_search_triton.py} -k "${TESTS_K:-not torch_cpu}" \
+  timeout "${T_TESTS:-240}" python3 -m pytest -q -p no:cacheprovider -rfEs ${TESTS:-tests/test_metrics_device.py tests/test_adaptive_device.py \
+      tests/test_adaptive_triton.py tests/formats/test_scale_search_triton.py} -k "${TESTS_K:-not torch_cpu}" \
       > "$OUT/tests.txt" 2>&1
   echo "tests rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -20
@@ -31,6 +32,11 @@ fi
 if [ "${T_PROF:-0}" != 0 ]; then  # one worker's breakdown (benchmarks/adaptive_profile.py)
   timeout "$T_PROF" python3 benchmarks/adaptive_profile.py --device cuda > "$OUT/profile.txt" 2>&1
   echo "profile rc=$? $(( $(date +%s) - t0 )) s"; head -24 "$OUT/profile.txt"
+fi
+if [ "${T_WIDTH:-0}" != 0 ]; then  # phases per matrix at each width (benchmarks/adaptive_width.py)
+  timeout "$T_WIDTH" python3 benchmarks/adaptive_width.py --device cuda --experts "${DS4_EXPERTS:-16}" \
+    --widths "${WIDTHS:-1,$(nproc)}" --json "$OUT/width.json" > "$OUT/width.txt" 2>&1
+  echo "width rc=$? $(( $(date +%s) - t0 )) s"; grep -v Warning "$OUT/width.txt" | tail -60
 fi
 if [ "${T_DS4:-330}" != 0 ]; then
   timeout "${T_DS4:-330}" python3 benchmarks/adaptive.py --cost-only --ds4-only --ds4-shape "${DS4_EXPERTS:-16}" \
