@@ -74,17 +74,18 @@ def _measure_all(x, imp, cands, opts, dev) -> list:
 
 def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True,
                     partial=None, device_first: bool = False, device_anchor: bool = False,
-                    device_only: bool = False) -> dict:
+                    device_only: bool = False, shapes=None) -> dict:
     from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
     from ds4quant.adaptive_jobs import ordered_map, resolve_device, worker_stream
     from ds4quant.formats import numba_threads
 
     cands = tuple(candidates or DEFAULT_CANDIDATES)
     opts = AdaptiveOptions(target_bpw=2.7, candidates=cands)  # the default --fit-effort
+    gate_up, down = shapes or (GATE_UP, DOWN)  # another (gate/up, down) pair: benchmarks/adaptive_crossover.py
     mats = []
     for e in range(experts):
-        imp_in, imp_down = importance(f"in/{e}", GATE_UP[1]), importance(f"down/{e}", DOWN[1])
-        for which, shape, imp in (("gate", GATE_UP, imp_in), ("up", GATE_UP, imp_in), ("down", DOWN, imp_down)):
+        imp_in, imp_down = importance(f"in/{e}", gate_up[1]), importance(f"down/{e}", down[1])
+        for which, shape, imp in (("gate", gate_up, imp_in), ("up", gate_up, imp_in), ("down", down, imp_down)):
             mats.append((f"{which}/{e}", fp4_matrix(f"{which}/{e}", shape), imp))
     weights = sum(x.size for _, x, _ in mats)
     gb = weights * (0.5 + 1 / 32) / 1e9  # FP4 codes + one E8M0 byte per 32
@@ -95,7 +96,7 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
         dev_paths += [(f"{d} + {threads} cores, torch searches (session 5)", threads, d, True) for d in devices]
     # device_first: a run with little time left measures the device before the CPU rows
     paths = dev_paths + paths if device_first else paths + dev_paths
-    out = {"experts": experts, "shape_gate_up": list(GATE_UP), "shape_down": list(DOWN), "fp4_gb": gb,
+    out = {"experts": experts, "shape_gate_up": list(gate_up), "shape_down": list(down), "fp4_gb": gb,
            "candidates": list(cands), "paths": {}}
     results = {}
     for label, jobs, device, anchor in paths:

@@ -260,11 +260,20 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
     return Measure(nbytes, s.sse, s.ssx, s.wsse, s.wssx, ref), books
 
 
+#: --device cuda measures matrices of fewer weights on the CPU cores (the same
+#: bytes): there each search is a launch and a wait, and the workers' Python
+#: costs more than numba's kernels (benchmarks/adaptive_crossover.py)
+DEVICE_MIN_WEIGHTS = 1 << 20
+
+
 def measure_candidates(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, qtypes: Sequence[str],
                        opts: AdaptiveOptions, seed: str, device=None) -> list:
     """[(qtype, Measure, (books, mode) or None)] of one expert matrix for each
     of ``qtypes`` in order (``measure_matrix``), the matrix uploaded to
-    ``device`` once for all of them; call it inside ``worker_stream(device)``."""
+    ``device`` once for all of them (a CUDA device takes matrices of at least
+    ``DEVICE_MIN_WEIGHTS`` weights); call it inside ``worker_stream(device)``."""
+    if device is not None and getattr(device, "type", None) == "cuda" and x.size < DEVICE_MIN_WEIGHTS:
+        device = None
     resident = None
     if any(_on_device(get_qtype(q), device) for q in qtypes):
         from ds4quant.adaptive_device import Resident

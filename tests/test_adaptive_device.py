@@ -260,8 +260,12 @@ def test_convert_through_the_torch_search_equals_the_cpu_path(tmp_path):
 
 @needs_cuda
 @pytest.mark.gpu
-def test_convert_on_cuda_equals_the_cpu_path(tmp_path):
-    """Default effort (6,1,512), both budgets: same plan, figures and GGUF bytes."""
+def test_convert_on_cuda_equals_the_cpu_path(tmp_path, monkeypatch):
+    """Default effort (6,1,512), both budgets: same plan, figures and GGUF bytes
+    (every matrix on the device: the sample's are below DEVICE_MIN_WEIGHTS)."""
+    from ds4quant import adaptive
+
+    monkeypatch.setattr(adaptive, "DEVICE_MIN_WEIGHTS", 0)
     for target in (17 / 6, 2.7):
         a = _run(tmp_path, "cpu", target, 2, None, "cpu", (6, 1, 512))
         b = _run(tmp_path, "cuda", target, 2, None, "cuda", (6, 1, 512))

@@ -180,6 +180,7 @@ def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch, we
     from ds4quant.formats import _mix_search_batch as mb
     from ds4quant.formats import _scale_search_torch as sst
 
+    monkeypatch.setattr(adaptive, "DEVICE_MIN_WEIGHTS", 0)  # this small matrix on the device too
     if not CUDA:
         from tests.runtime._interp import kernels
 
@@ -206,3 +207,24 @@ def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch, we
     for (qt, mw, bw), (_, mg, bg) in zip(want, got):
         assert mw == mg, qt
         assert (bw is None) == (bg is None) and (bw is None or (np.array_equal(bw[0], bg[0]) and bw[1] == bg[1]))
+
+
+def test_small_matrices_stay_on_the_cpu_cores(monkeypatch):
+    """--device cuda measures a matrix below DEVICE_MIN_WEIGHTS on the CPU path
+    (nothing is uploaded); the figures are the CPU path's either way."""
+    from ds4quant import adaptive, adaptive_device
+    from ds4quant.adaptive import AdaptiveOptions, measure_candidates
+
+    def no_upload(*a, **k):
+        raise AssertionError("a small matrix went to the device")
+
+    monkeypatch.setattr(adaptive_device, "Resident", no_upload)
+    rng = np.random.default_rng(4)
+    x = (0.02 * rng.standard_t(3, (8, 128))).astype(F)
+    q = np.exp(rng.standard_normal(128)).astype(F)
+    opts = AdaptiveOptions(target_bpw=2.7, fit_iterations=1, fit_restarts=0, fit_max_rows=8)
+    assert x.size < adaptive.DEVICE_MIN_WEIGHTS
+    cands = ("rocmfp2", "rocmfp2_mix")
+    got = measure_candidates(x, q, q.astype(np.float64), cands, opts, "t/3", device=torch.device("cuda"))
+    want = measure_candidates(x, q, q.astype(np.float64), cands, opts, "t/3")
+    assert [(g[0], g[1]) for g in got] == [(w[0], w[1]) for w in want]
