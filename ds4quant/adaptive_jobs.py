@@ -12,20 +12,25 @@ parallelism is across experts, not inside a matrix.
 kernels, each search one Triton launch: the MIX encoder's search (every
 candidate scale and book of every half, for the codebook fitter's Lloyd
 steps, its error evaluations and the final MIX encode;
-``formats._mix_search_triton``, which also gives the error-only evaluations
-their float64 terms) and the non-MIX candidates' scale search and decode
-(rocmfp2/3/4/4_fast, ``formats._scale_search_triton``). Without Triton (or
-on torch's CPU device, ``torch-cpu``) the same searches run as torch
-operations (``formats._mix_search_torch`` / ``_mix_search_batch``, whose
-batch the workers share, and ``formats._scale_search_torch``). Each worker
-queues its kernels on its own CUDA stream (``worker_stream``). What stays on
-the CPU, because its float64 sums are sequential or numpy's pairwise order
-and a GPU reduction would round differently: the fitter's Lloyd level sums
-(``formats._mix_search_fit.terms_stats_nb``) and its error totals (np.sum of
-the terms), the error sums of every candidate (``metrics.error_sums``), the
-rows' energies of the importance weights (a sequential float32 sum), the
-reference fitter's histogram Lloyd and the book projection; and the decode of
-the MIX candidates' choices.
+``formats._mix_search_triton``) and the non-MIX candidates' scale search and
+decode (rocmfp2/3/4/4_fast, ``formats._scale_search_triton``). An expert
+matrix is uploaded once for all its candidates (``adaptive_device.Resident``)
+and what the plan needs of it comes back as figures: the fitter's error
+evaluations (the search, the float64 terms and ``np.sum``'s pairwise total)
+and every candidate's error sums run on the device in the host's order
+(``metrics_device``), so no decoded matrix or terms array crosses the link.
+Matrices under ``adaptive.DEVICE_MIN_WEIGHTS`` weights stay on the CPU
+cores, where they are cheaper (the same bytes). Without Triton (or on
+torch's CPU device, ``torch-cpu``) the same searches run as torch operations
+(``formats._mix_search_torch`` / ``_mix_search_batch``, whose batch the
+workers share, and ``formats._scale_search_torch``). Each worker queues its
+kernels on its own CUDA stream (``worker_stream``). What stays on the CPU:
+the Lloyd steps' level sums and totals on the fitter's sampled rows
+(``formats._mix_search_fit.terms_stats_nb``, the level sums in element
+order, a sequential float64 sum per level a GPU would have to run one lane
+a level), the rows' energies of the importance weights (a sequential
+float32 sum, once a matrix), the reference fitter's histogram Lloyd and the
+book projection.
 """
 
 from __future__ import annotations
