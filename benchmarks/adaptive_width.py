@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import importlib
 import json
-import os
 import sys
 import threading
 import time

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 import triton
 import triton.language as tl
 
