@@ -144,23 +144,6 @@ class _Problem:
         self.imps = imps
         self.bits = 2 if self.qt.codebook_levels == 4 else 3
 
-    def _device_error(self, i: int, books: np.ndarray, mode: int, halves_per_row: int) -> float:
-        """An error without Lloyd sums, all on the device (Triton): the search,
-        the float64 terms and np.sum's pairwise total; the choices a kept
-        evaluation needs stay there (``OptimizedFit.encoding``)."""
-        from ds4quant.formats._mix_search_triton import search_device, terms_device
-        from ds4quant.formats._scale_search_torch import to_host
-        from ds4quant.metrics_device import pairwise_total
-
-        ch = search_device(*self._dev[i], books, mode, self.bits)
-        _check_status(self.qt, to_host(ch[3]), halves_per_row)
-        t = pairwise_total(terms_device(*self._dev[i], books, mode, self.bits, ch))
-        if self.keep and len(self.mats) == 1 and (mode == 0 or t < self._kept_min):
-            if mode == 1:
-                self._kept_min = t
-            self.kept[(mode, books.tobytes() if mode == 1 else b"")] = ch[:3]
-        return t
-
     def error(self, books: np.ndarray, mode: int) -> float:
         total = 0.0
         for x, q in zip(self.mats, self.imps):

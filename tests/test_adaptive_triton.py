@@ -18,14 +18,9 @@ F = np.float32
 
 @pytest.fixture(scope="module")
 def mt():
-    if CUDA:
-        pytest.importorskip("triton")
-        import importlib
+    from tests.runtime._interp import device_kernels
 
-        return importlib.import_module("ds4quant.formats._mix_search_triton")
-    from tests.runtime._interp import kernels
-
-    return kernels("ds4quant.formats._mix_search_triton")
+    return device_kernels("ds4quant.formats._mix_search_triton")
 
 
 def _dev():

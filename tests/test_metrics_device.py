@@ -19,14 +19,9 @@ F = np.float32
 
 @pytest.fixture(scope="module")
 def md():
-    if CUDA:
-        pytest.importorskip("triton")
-        import importlib
+    from tests.runtime._interp import device_kernels
 
-        return importlib.import_module("ds4quant.metrics_device")
-    from tests.runtime._interp import kernels
-
-    return kernels("ds4quant.metrics_device")
+    return device_kernels("ds4quant.metrics_device")
 
 
 def _t(a):

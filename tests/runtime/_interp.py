@@ -37,3 +37,15 @@ def kernels(module: str):
     pytest.importorskip("triton")
     patch_interpreter()
     return importlib.import_module(module)
+
+
+def device_kernels(module: str):
+    """A kernel module as the tests run it: compiled where CUDA is present,
+    under the interpreter elsewhere."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.importorskip("triton")
+        return importlib.import_module(module)
+    return kernels(module)
