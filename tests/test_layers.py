@@ -3,7 +3,7 @@
 Layers, bottom up:
 
     leaf       ds4quant/__init__.py, errors.py, names.py, metrics.py (imports nothing of ours above)
-    formats    formats/        (ds4quant.formats)
+    formats    formats/        (ds4quant.formats), and ds4quant/metrics_device.py
     codebooks  codebooks/      (ds4quant.codebooks)
     artifact   ds4quant/artifact/, ds4quant/sources/, and the readers, writers and records
                they and the runtime share: routing.py (routing profiles), imatrix.py
@@ -53,6 +53,9 @@ PLACEMENT = (
     ("ds4quant/errors.py", "leaf"),
     ("ds4quant/names.py", "leaf"),
     ("ds4quant/metrics.py", "leaf"),
+    # metrics.py's figures on a GPU: it uses the formats' device helpers
+    # (to_host, numpy's pairwise tree) and the codebook fitter calls it
+    ("ds4quant/metrics_device.py", "formats"),
     ("formats/**", "formats"),
     ("codebooks/**", "codebooks"),
     ("ds4quant/artifact/**", "artifact"),
