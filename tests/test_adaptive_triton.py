@@ -164,8 +164,7 @@ def test_fitter_through_the_kernels_equals_the_host(mt, qtype, monkeypatch):
     assert all(np.array_equal(u, v.cpu().numpy() if torch.is_tensor(v) else v) for u, v in zip(a.encoding, b.encoding))
 
 
-@pytest.mark.parametrize("weighted", [True, False])
-def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch, weighted):
+def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch):
     """The measure stage's device path with everything in the kernels (the
     searches, the fitter's error evaluations, the MIX decode, the error sums;
     the matrix uploaded once) gives the CPU path's Measures and books for
@@ -185,9 +184,10 @@ def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch, we
         monkeypatch.setattr(sst, "USE_TRITON", True)
     rng = np.random.default_rng(17)
     x = (0.02 * rng.standard_t(3, (24, 128))).astype(F)
-    q = np.exp(rng.standard_normal(128)).astype(F) if weighted else None
-    # error weights other than the importance (an expert calibration missed)
-    err_w = np.exp(rng.standard_normal(128)) if not weighted else q.astype(np.float64)
+    q = np.exp(rng.standard_normal(128)).astype(F)
+    # error weights other than the importance (as for an expert calibration
+    # missed): the device sums must take err_w, the searches q
+    err_w = np.exp(rng.standard_normal(128))
     # (the interpreter's cost is per operation: few rows and Lloyd steps)
     opts = AdaptiveOptions(target_bpw=2.7, fit_iterations=1, fit_restarts=0, fit_max_rows=8)
     want = measure_candidates(x, q, err_w, DEFAULT_CANDIDATES, opts, "t/2")
