@@ -41,6 +41,21 @@ def fp4_matrix(key: str, shape) -> np.ndarray:
     return (np.sign(x) * q * scale).reshape(shape).astype(np.float32)
 
 
+def fp4_packed(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``fp4_matrix``'s values as the checkpoint stores them: E2M1 codes two a
+    byte (the even element low) and one E8M0 byte a block of 32, so that
+    ``dequant_e2m1_blocks`` gives x back bit for bit (-0.0 as code 8)."""
+    rows, cols = x.shape
+    blk = x.reshape(rows, -1, 32)
+    mx = np.abs(blk).max(-1)
+    # the smallest power of two with max|x| / 2^k among the E2M1 levels (<= 6)
+    k = np.where(mx > 0, np.ceil(np.log2(np.maximum(mx, 1e-30) / 6.0)), -127).astype(np.int32)
+    v = np.abs(blk) / (2.0 ** k)[..., None]
+    code = np.searchsorted(_E2M1, v).astype(np.uint8) | np.where(np.signbit(blk), 8, 0).astype(np.uint8)
+    code = code.reshape(rows, cols)
+    return (code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8), (k + 127).astype(np.uint8)
+
+
 def importance(key: str, cols: int) -> np.ndarray:
     return np.exp(_rng(key).standard_normal(cols)).astype(np.float32)
 
@@ -74,7 +89,7 @@ def _measure_all(x, imp, cands, opts, dev) -> list:
 
 def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True,
                     partial=None, device_first: bool = False, device_anchor: bool = False,
-                    device_only: bool = False, shapes=None) -> dict:
+                    device_only: bool = False, shapes=None, reads: bool = False) -> dict:
     from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
     from ds4quant.adaptive_jobs import ordered_map, resolve_device, worker_stream
     from ds4quant.formats import numba_threads
@@ -87,7 +102,16 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
         imp_in, imp_down = importance(f"in/{e}", gate_up[1]), importance(f"down/{e}", down[1])
         for which, shape, imp in (("gate", gate_up, imp_in), ("up", gate_up, imp_in), ("down", down, imp_down)):
             mats.append((f"{which}/{e}", fp4_matrix(f"{which}/{e}", shape), imp))
-    weights = sum(x.size for _, x, _ in mats)
+    if reads:  # hold the matrices as the checkpoint does; the calling thread dequantizes, as measure() does
+        from ds4quant.formats.fp8 import dequant_e2m1_blocks
+
+        packed = [(k, fp4_packed(x), imp) for k, x, imp in mats]
+        assert all(np.array_equal(dequant_e2m1_blocks(*p).view(np.uint32), x.view(np.uint32))
+                   for (_, p, _), (_, x, _) in zip(packed[:3], mats[:3]))
+        weights = sum(x.size for _, x, _ in mats)
+        mats = packed
+    else:
+        weights = sum(x.size for _, x, _ in mats)
     gb = weights * (0.5 + 1 / 32) / 1e9  # FP4 codes + one E8M0 byte per 32
     paths = ([("1 core", 1, "cpu", False)] if one_core else []) + \
         ([(f"{threads} cores", threads, "cpu", False)] if threads > 1 and not device_only else [])
@@ -97,13 +121,15 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
     # device_first: a run with little time left measures the device before the CPU rows
     paths = dev_paths + paths if device_first else paths + dev_paths
     out = {"experts": experts, "shape_gate_up": list(gate_up), "shape_down": list(down), "fp4_gb": gb,
-           "candidates": list(cands), "paths": {}}
+           "candidates": list(cands), "reads": reads, "paths": {}}
     results = {}
     for label, jobs, device, anchor in paths:
         dev = resolve_device(device)
 
         def items():
             for key, x, imp in mats:
+                if reads:
+                    x = dequant_e2m1_blocks(*x, where=key)
                 yield key, (x, imp)
 
         def work(p, dev=dev):

@@ -386,7 +386,8 @@ def benchmark(args) -> dict:
                                                   experts=args.ds4_shape, one_core=not args.skip_one_core,
                                                   partial=out_dir / "ds4shape-partial.json",
                                                   device_first=args.device_first,
-                                                  device_anchor=args.device_anchor, device_only=args.device_only)
+                                                  device_anchor=args.device_anchor, device_only=args.device_only,
+                                                  reads=args.ds4_reads)
         if args.cost_only:
             (out_dir / "adaptive-bench.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
             return result
@@ -576,6 +577,9 @@ def main(argv=None) -> int:
                          "(the device path before the Triton kernels)")
     ap.add_argument("--ds4-shape", type=int, default=0, metavar="N",
                     help="also time measure_matrix on N synthetic experts at DeepSeek-V4 Flash shapes")
+    ap.add_argument("--ds4-reads", action="store_true",
+                    help="--ds4-shape: hold the experts as FP4 codes and scales and dequantize each on the "
+                         "calling thread, as the measure stage reads a checkpoint")
     ap.add_argument("--cold-threads-check", action="store_true",
                     help="also measure again from an empty cache with 1 thread and compare bytes")
     ap.add_argument("--out", help="folder for the PNG and JSON (default: a new temp folder)")
