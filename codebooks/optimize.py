@@ -343,9 +343,9 @@ def fit_optimized(
     if impl not in ("fast", "legacy"):
         raise BadInputError(f"fit_optimized: impl must be 'fast' or 'legacy', got {impl!r}")
     if impl == "fast":
-        P = (lambda q, m, w, dv=None: _FastProblem(q, m, w, device, dv)) if device is not None else _FastProblem
+        P = lambda q, m, w, dv: _FastProblem(q, m, w, device, dv)  # noqa: E731
     else:
-        P = _Problem
+        P = lambda q, m, w, dv: _Problem(q, m, w)  # noqa: E731
     project = _project_fast if impl == "fast" else _project
     mats = [_check_matrix(m, i) for i, m in enumerate(matrices)]
     if not mats:
@@ -356,20 +356,20 @@ def fit_optimized(
             raise CodebookError(f"fit_optimized: matrix {i} has non-finite values")
     L = qt.codebook_levels
     dev_in = inputs if device is not None and impl == "fast" else None
-    full = P(qt.name, mats, imps) if dev_in is None else P(qt.name, mats, imps, dev_in)
+    full = P(qt.name, mats, imps, dev_in)
     if impl == "fast":
         full.keep = True  # the final encode of the chosen books reuses these choices
     if max_rows is not None and any(m.shape[0] > max_rows for m in mats):
         rows = [np.linspace(0, m.shape[0] - 1, max_rows).round().astype(int) if m.shape[0] > max_rows else None
                 for m in mats]
         sub = [m if r is None else m[r] for m, r in zip(mats, rows)]
-        if dev_in is None:
-            fit = P(qt.name, sub, imps)
-        else:  # the sampled rows gathered on the device
+        sub_in = None
+        if dev_in is not None:  # the sampled rows gathered on the device
             import torch
 
-            fit = P(qt.name, sub, imps, [(X if r is None else X.index_select(0, torch.from_numpy(r).to(X.device)), W)
-                                         for (X, W), r in zip(dev_in, rows)])
+            sub_in = [(X if r is None else X.index_select(0, torch.from_numpy(r).to(X.device)), W)
+                      for (X, W), r in zip(dev_in, rows)]
+        fit = P(qt.name, sub, imps, sub_in)
     else:
         fit = full
 

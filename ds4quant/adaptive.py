@@ -279,13 +279,9 @@ def measure_candidates(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarr
     if any(_on_device(get_qtype(q), device) for q in qtypes):
         from ds4quant.adaptive_device import Resident
 
-        resident = Resident(x, imp, err_w, device)
-    out = []
-    for q in qtypes:
-        meas, bk = measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device,
-                                  resident=resident if _on_device(get_qtype(q), device) else None)
-        out.append((q, meas, bk))
-    return out
+        resident = Resident(x, imp, err_w, device)  # measure_matrix reads it for the device's candidates only
+    return [(q, *measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device, resident=resident))
+            for q in qtypes]
 
 
 @dataclass(frozen=True)

@@ -66,15 +66,11 @@ class Resident:
         return self.X.reshape(rows, cols // _HALF, _HALF), W
 
     def sigma2(self):
-        """The rows' energies of the importance weights (``row_energies_nb``: a
-        sequential float32 sum a row, on the host), once per matrix."""
+        """The rows' energies of the importance weights (``_scale_search_torch.row_energies``), once per matrix."""
         if self._sigma2 is None:
-            from ds4quant.formats._scale_search_nb import row_energies_nb
+            from ds4quant.formats._scale_search_torch import row_energies
 
-            s2 = np.empty(self.x.shape[0], np.float32)
-            if self.x.shape[0]:
-                row_energies_nb(self.x, s2)
-            self._sigma2 = self._up(s2, np.float32)
+            self._sigma2 = self._up(row_energies(self.x), np.float32)
         return self._sigma2
 
     def sums(self, Y) -> Sums:

@@ -252,6 +252,14 @@ def book_table(books: np.ndarray) -> np.ndarray:
     return np.concatenate([books, _splits(books), _max_level(books)[:, None]], axis=1).astype(np.float32)
 
 
+def _flat(X, W):
+    """(halves G, halves a row H, x (G, 16), w (H, 16) or x where unread, has_w) of ``to_device``'s tensors."""
+    R, H, _ = X.shape
+    x = X.reshape(R * H, _HALF)
+    has_w = W is not None
+    return R * H, H, x, W.reshape(H, _HALF) if has_w else x, has_w
+
+
 def search_device(X, W, books: np.ndarray, mode: int, bits: int):
     """The search on device tensors from ``_mix_search_torch.to_device`` (X
     (R, H, 16), W (1, H, 16) or None), left on the device: book uint8 (G,),
@@ -260,11 +268,7 @@ def search_device(X, W, books: np.ndarray, mode: int, bits: int):
     import torch
 
     dev = X.device
-    R, H, _ = X.shape
-    G = R * H
-    x = X.reshape(G, _HALF)
-    has_w = W is not None
-    w = W.reshape(H, _HALF) if has_w else x  # unread without weights
+    G, H, x, w, has_w = _flat(X, W)
     S, INV = _tables(dev)
     bk = torch.zeros(G, dtype=torch.uint8, device=dev)
     be = torch.empty(G, dtype=torch.uint8, device=dev)
@@ -300,11 +304,7 @@ def terms_device(X, W, books: np.ndarray, mode: int, bits: int, choices):
 
     bk, be, codes = choices[:3]
     dev = X.device
-    R, H, _ = X.shape
-    G = R * H
-    x = X.reshape(G, _HALF)
-    has_w = W is not None
-    w = W.reshape(H, _HALF) if has_w else x
+    G, H, x, w, has_w = _flat(X, W)
     t = torch.empty((G, _HALF), dtype=torch.float64, device=dev)
     if G:
         S, _ = _tables(dev)

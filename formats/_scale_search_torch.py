@@ -292,12 +292,23 @@ def _use_triton(device, stats=None) -> bool:
     return bool(USE_TRITON) or not tr.INTERPRETED  # the interpreter on a GPU only when forced
 
 
+def row_energies(x: np.ndarray) -> np.ndarray:
+    """sigma^2 of the importance weights per row of float32 x (``row_energies_nb``:
+    a sequential float32 sum a row, on the host, which a device reduction would
+    round differently)."""
+    from ds4quant.formats._scale_search_nb import row_energies_nb
+
+    sigma2 = np.empty(x.shape[0], np.float32)
+    if x.shape[0]:
+        row_energies_nb(x, sigma2)
+    return sigma2
+
+
 def _device_inputs(qtype, x, importance, device, nonfinite):
     """Checked input on the device: (fmt, group, x, q or None, sigma2 or None)."""
     import torch
 
     from ds4quant.formats import encode_input, get_qtype
-    from ds4quant.formats._scale_search_nb import row_energies_nb
 
     fmt, group = QTYPES[qtype]
     x, importance = encode_input(get_qtype(qtype), x, importance, nonfinite=nonfinite)
@@ -305,11 +316,8 @@ def _device_inputs(qtype, x, importance, device, nonfinite):
     X = torch.from_numpy(x).to(device)
     if importance is None:
         return fmt, group, X, None, None
-    sigma2 = np.empty(x.shape[0], np.float32)
-    if x.shape[0]:
-        row_energies_nb(x, sigma2)
     Q = torch.from_numpy(np.ascontiguousarray(importance, np.float32)).to(device)
-    return fmt, group, X, Q, torch.from_numpy(sigma2).to(device)
+    return fmt, group, X, Q, torch.from_numpy(row_energies(x)).to(device)
 
 
 def encode_torch(qtype: str, x, importance, device, nonfinite: str = "reject", stats=None) -> np.ndarray:
