@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The lent-GPU run of issue 14 (the adaptive measure stage on CUDA), from the checkout root, with
+# The adaptive measure stage on a lent CUDA GPU, from the checkout root, with
 # the gguf wheel in .whl (the device image lacks it):
 #   OUT=... T_TESTS=240 T_PROF=100 T_DS4=330 DS4_EXPERTS=16 bash benchmarks/gpu_adaptive_run.sh
 # 1. the CUDA identity tests, which also fill numba's cache before anything is timed: the Triton MIX
 #    and scale searches == numba at DS4 sizes, the torch searches == numba, and convert --device cuda
 #    == the CPU path on samples/ds4-tiny (plan, errors, GGUF sha256, measurement cache);
 # 2. --ds4-shape N (DS4 Flash-shaped experts) at full width: all cores on the CPU, --device cuda
-#    (the Triton kernels) and --device cuda with every search as torch operations (session 5's path),
+#    (the Triton kernels) and --device cuda with every search as torch operations (the anchor),
 #    one digest expected for all rows.
 # 3. with T_PROF: one worker's per-candidate breakdown of the three paths and its profiles;
 #    with T_WIDTH: the phases per matrix at widths WIDTHS (default 1 and every core) and a GIL probe.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The lent-GPU session of the CUDA owner: the benchmark, then the CUDA tests + identity hashes
+# The CUDA owner on a lent GPU: the benchmark, then the CUDA tests + identity hashes
 # (one pytest process, so numba compiles once). From the staged checkout root:
 #   OUT=... T_BENCH=130 T_TESTS=190 bash benchmarks/gpu_run.sh
 set -u
