@@ -201,7 +201,7 @@ def inspect_cmd(artifact, variant_107, as_json):
       ds4quant inspect out/tiny-strix
       ds4quant inspect model.gguf --variant-107 rocmfp2_affine --json
     """
-    from ds4quant.inspection import inspect_artifact
+    from ds4quant.inspect import inspect_artifact
 
     ins = inspect_artifact(artifact, variant_107=variant_107)
     if as_json:
@@ -290,7 +290,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
     from ds4quant.verify import verify
 
     if report_dir is not None:
-        from ds4quant.report import check_report_dir
+        from ds4quant.publish.report import check_report_dir
 
         check_report_dir(report_dir, artifact)
     progress = verify_progress(source is not None and not as_json and sys.stderr.isatty())
@@ -299,7 +299,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
                  text=text_file, protocol=protocol)
     report_path = None
     if report_dir is not None:
-        from ds4quant.report import write_report
+        from ds4quant.publish.report import write_report
 
         report_path = write_report(rep, report_dir)
     if as_json:
@@ -512,7 +512,7 @@ def place_cmd(artifact, routing, owners, min_hot, speed_ratio, cold, ranks, stra
       ds4quant place out/tiny --routing calib/routing.csv --ranks 2 --strategy balanced --out cluster.json
     """
     from ds4quant.errors import BadInputError
-    from ds4quant.place import check_placement, place
+    from ds4quant.deploy.place import check_placement, place
 
     if check is not None:
         if out is not None or owners or ranks is not None:

@@ -37,7 +37,7 @@ def progress_printer(enabled: bool):
 
 def sensitivity_file(given, imatrix, say: bool):
     """--sensitivity: a path, 'none', or (not given) the calibrate run's own file beside --imatrix."""
-    from ds4quant.sensitivity import SENSITIVITY_FILE
+    from ds4quant.calib.sensitivity import SENSITIVITY_FILE
 
     if given is not None:
         return None if given.lower() == "none" else given

@@ -122,7 +122,7 @@ def convert(
     try:
         imx = imx_sha = None
         if imatrix is not None:
-            from ds4quant.imatrix import read_imatrix
+            from ds4quant.calib.imatrix import read_imatrix
 
             imx = read_imatrix(imatrix)
             imx_sha = sha256_file(imatrix)
@@ -253,7 +253,7 @@ class _Job:
             man = manifest(out, files, self.src, rec, plan, results, self.overrides, self.imatrix, self.imx_sha,
                            self.command, self.source_fp, runtimes, adaptive_info, table, file_sha)
             write_manifest(out / MANIFEST, man)
-            from ds4quant.checksums import write_sums
+            from ds4quant.artifact.sums import write_sums
 
             # a folder with SHA256SUMS and no work folder is complete; the sums list the artifact's
             # own files only (never a stale temp file or the lock)

@@ -76,7 +76,7 @@ def members_of(choice: TensorChoice, members: dict) -> tuple[Mapped, ...]:
 def importance(imatrix, name: str, expert: Optional[int], cols: int) -> Optional[np.ndarray]:
     if imatrix is None:
         return None
-    from ds4quant.imatrix import importance_for
+    from ds4quant.calib.imatrix import importance_for
 
     return importance_for(imatrix, name, expert, cols=cols)
 

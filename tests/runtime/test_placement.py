@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from ds4quant.cli import cli
 from ds4quant.errors import BadInputError, BudgetError, CorruptDataError, Ds4quantError, IntegrityError
-from ds4quant.place import parse_owner, parse_size, place_from_bytes
-from ds4quant.routing import RoutingProfile, read_routing
+from ds4quant.deploy.place import parse_owner, parse_size, place_from_bytes
+from ds4quant.calib.routing import RoutingProfile, read_routing
 from ds4quant.runtime.placement import (
     NONE,
     REPLICATED,
@@ -513,7 +513,7 @@ def test_runtime_refuses_a_whole_cluster_placement_in_one_process(tiny_artifact,
     """A placement planned for N ranks, loaded whole in one process, would hold no
     expert and give every slot as zeros: refused, naming the way to run it."""
     from ds4quant import runtime
-    from ds4quant.place import place
+    from ds4quant.deploy.place import place
 
     plc, _ = place(tiny_artifact, str(SAMPLE_ROUTING), ranks=2, strategy="uniform", out=tmp_path / "c.json")
     with pytest.raises(BadInputError, match="plans 2 ranks"):

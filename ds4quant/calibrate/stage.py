@@ -373,7 +373,7 @@ class CalibrationReport:
 
 
 def _build_imatrix(tot: _Totals, n_layer: int, seq_lens: Sequence[int], dataset: str):
-    from ds4quant.imatrix import make_imatrix
+    from ds4quant.calib.imatrix import make_imatrix
 
     sums: dict[str, tuple[Any, Any]] = {}
     for layer in range(n_layer):
@@ -424,8 +424,8 @@ def calibrate(
         rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "calib")
     """
     from ds4quant.artifact.atomic import atomic_write_json
-    from ds4quant.imatrix import write_imatrix_gguf, write_imatrix_lucebox
-    from ds4quant.routing import RoutingProfile, write_routing_csv, write_routing_json
+    from ds4quant.calib.imatrix import write_imatrix_gguf, write_imatrix_lucebox
+    from ds4quant.calib.routing import RoutingProfile, write_routing_csv, write_routing_json
     from ds4quant.sources import open_official_source
     from ds4quant.sources.config import HASH_MOE
 
@@ -522,7 +522,7 @@ def calibrate(
     files = {"imatrix": IMATRIX_FILE, "imatrix_lucebox": IMATRIX_LUCEBOX_FILE, "routing_csv": ROUTING_CSV,
              "routing_json": ROUTING_JSON}
     if sensitivity_seqs:
-        from ds4quant.sensitivity import SENSITIVITY_FILE, measure_sensitivity, write_sensitivity
+        from ds4quant.calib.sensitivity import SENSITIVITY_FILE, measure_sensitivity, write_sensitivity
 
         t1 = time.monotonic()
         with torch_threads(1):

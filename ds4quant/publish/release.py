@@ -124,7 +124,7 @@ def publish(
         shutil.copyfile(art / MANIFEST, tmp / MANIFEST)
         # the report and card describe the release, not where the artifact happened to be
         shown = replace(rep, artifact=Path(out.name), files=tuple(tmp / n for n in names))
-        from ds4quant.report import PLOT_BITS, PLOT_ERROR, PLOT_FIDELITY, PLOT_HIST, write_report
+        from ds4quant.publish.report import PLOT_BITS, PLOT_ERROR, PLOT_FIDELITY, PLOT_HIST, write_report
 
         write_report(shown, tmp / REPORT_DIR, title=f"Verify report: {out.name}")
         plots = tuple(f for f in (PLOT_ERROR, PLOT_BITS, PLOT_HIST, PLOT_FIDELITY) if (tmp / REPORT_DIR / f).is_file())
@@ -189,7 +189,7 @@ def runtimes(rep: VerifyReport) -> tuple[str, ...]:
 
 
 def _layer_qtype_table(rep: VerifyReport) -> list[str]:
-    from ds4quant.report import _table, qtype_text
+    from ds4quant.publish.report import _table, qtype_text
 
     surfaces = [s for s in EXPERT_SURFACES + ("shexp", "attn")
                 if any(g.surface == s for g in rep.groups)]
@@ -208,7 +208,7 @@ def _layer_qtype_table(rep: VerifyReport) -> list[str]:
 def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plots: tuple[str, ...] = ()) -> str:
     """README.md of a release: what it is, where it came from, sizes, fidelity,
     plots (file names under report/), how to load it, which runtimes can, checksums."""
-    from ds4quant.report import (
+    from ds4quant.publish.report import (
         PLOT_BITS,
         PLOT_ERROR,
         PLOT_FIDELITY,

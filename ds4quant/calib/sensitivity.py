@@ -111,8 +111,8 @@ def measure_sensitivity(model, seqs: Sequence[Sequence[int]], imatrix, counts: n
     import torch
 
     from ds4quant.adaptive import expert_weights
-    from ds4quant.calibrate import expert_tensor
-    from ds4quant.imatrix import importance_for
+    from ds4quant.calibrate.stage import expert_tensor
+    from ds4quant.calib.imatrix import importance_for
     from ds4quant.runtime.reference import moe_blocks
 
     if not seqs:

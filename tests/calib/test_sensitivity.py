@@ -10,9 +10,9 @@ import pytest
 
 from ds4quant.adaptive import AdaptiveOptions, Measure, Measurements, resolve
 from ds4quant.errors import BadInputError, CorruptDataError
-from ds4quant.sensitivity import read_sensitivity
+from ds4quant.calib.sensitivity import read_sensitivity
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "ds4-tiny"
 TOKENS = ROOT / "samples" / "tokens.txt"
 
@@ -146,7 +146,7 @@ def test_measure_restores_weights():
     torch = pytest.importorskip("torch")
     from ds4quant.calibrate import calibrate  # noqa: F401  (the reference stack is importable)
     from ds4quant.runtime.reference import load_reference
-    from ds4quant.sensitivity import measure_sensitivity
+    from ds4quant.calib.sensitivity import measure_sensitivity
 
     model = load_reference(SAMPLE, threads=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}

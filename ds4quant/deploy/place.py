@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from ds4quant.errors import BadInputError, BudgetError, ShapeError
-from ds4quant.routing import RoutingProfile, read_routing
+from ds4quant.calib.routing import RoutingProfile, read_routing
 from ds4quant.runtime.placement import Placement, check_owner_name, read_placement, write_placement
 from ds4quant.runtime.planning import (
     MAX_BUDGET,
