@@ -416,7 +416,7 @@ def calibrate(
     bytes do not depend on it. progress gets a ProgressEvent (stage
     "calibrate", unit "sequence", detail ``tokens``: tokens done) after each
     sequence. sensitivity_seqs: the first this many sequences also measure
-    each routed-expert tensor's KL gain (``ds4quant.sensitivity``;
+    each routed-expert tensor's KL gain (``ds4quant.calibrate.sensitivity``;
     ``sensitivity.json``, which ``convert --sensitivity`` reads); 0 skips it.
     ``out_dir`` is created if its parent exists; every file in it is
     replaced atomically.
@@ -522,7 +522,8 @@ def calibrate(
     files = {"imatrix": IMATRIX_FILE, "imatrix_lucebox": IMATRIX_LUCEBOX_FILE, "routing_csv": ROUTING_CSV,
              "routing_json": ROUTING_JSON}
     if sensitivity_seqs:
-        from ds4quant.calib.sensitivity import SENSITIVITY_FILE, measure_sensitivity, write_sensitivity
+        from ds4quant.calib.sensitivity import SENSITIVITY_FILE, write_sensitivity
+        from ds4quant.calibrate.sensitivity import measure_sensitivity
 
         t1 = time.monotonic()
         with torch_threads(1):
