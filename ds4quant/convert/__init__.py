@@ -34,8 +34,6 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import numpy as np
-
 from ds4quant import __version__
 from ds4quant.adaptive import AdaptiveOptions, Books
 from ds4quant.artifact import sha256_file, write_manifest
@@ -43,7 +41,7 @@ from ds4quant.convert.assemble import assemble, codebook_table, manifest
 from ds4quant.convert.encode import mxfp4_payload, run_encode
 from ds4quant.convert.plan import fit_fixed_mix_books, parse_size, plan_fingerprint, tensor_specs
 from ds4quant.convert.outdir import WORK_DIR, OutLock, check_no_overlap, clear_for_force
-from ds4quant.convert.report import ConvertReport, TensorResult
+from ds4quant.convert.report import ConvertReport, TensorResult, build_report
 from ds4quant.convert.tokenizer import tokenizer_kvs
 from ds4quant.convert.resume import (
     FIXED,
@@ -263,28 +261,5 @@ class _Job:
         except OSError as e:
             raise fs_error(e, out, work, created_out) from None
 
-        return _report(out, files, plan, results, cb_bytes, rec, self.source_fp, runtimes, adaptive_info, t_start,
-                       oversize)
-
-
-def _report(out, files, plan, results, cb_bytes, rec, source_fp, runtimes, adaptive_info, t_start,
-            oversize=()) -> ConvertReport:
-    expert_bytes = sum(r.nbytes for r, c in zip(results, plan) if c.tensor_class == "routed_expert")
-    expert_weights = sum(int(np.prod(c.shape)) for c in plan if c.tensor_class == "routed_expert")
-    return ConvertReport(
-        artifact=out,
-        files=tuple(files),
-        bytes=sum(p.stat().st_size for p in files),
-        plan=tuple(plan),
-        results=tuple(results),
-        expert_bytes=expert_bytes,
-        expert_weights=expert_weights,
-        codebook_bytes=cb_bytes,
-        seconds=time.perf_counter() - t_start,
-        recipe=rec.to_json(),
-        source_fingerprint=source_fp,
-        runtimes=runtimes,
-        reused=sum(1 for r in results if r.reused),
-        adaptive=adaptive_info,
-        oversize_splits=tuple(oversize),
-    )
+        return build_report(out, files, plan, results, cb_bytes, rec, self.source_fp, runtimes, adaptive_info,
+                            t_start, oversize)
