@@ -148,13 +148,14 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
       ds4quant convert ckpt/ out/ --recipe rocmfp3 --imatrix imatrix.gguf --tensor-type 'blk\\.0\\..*exps=rocmfp4'
     """
     from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
-    from ds4quant.convert import convert, parse_size
+    from ds4quant.convert import convert
+    from ds4quant.sizes import parse_size
 
     adaptive = None
     if recipe == "adaptive" or target_bpw is not None or max_bytes is not None:
         sensitivity = sensitivity_file(sensitivity, imatrix, not as_json)
         adaptive = AdaptiveOptions(
-            target_bpw=target_bpw, max_bytes=parse_size(max_bytes, "--max-bytes"),
+            target_bpw=target_bpw, max_bytes=None if max_bytes is None else parse_size(max_bytes, "--max-bytes", positive=True),
             candidates=tuple(c.strip() for c in candidates.split(",") if c.strip()) if candidates else DEFAULT_CANDIDATES,
             granularity=granularity, fitter=fitter, routing=routing, cache_dir=cache_dir, lucebox=not no_lucebox,
             sensitivity=sensitivity, jobs=jobs, device=measure_device,

@@ -39,7 +39,7 @@ from ds4quant.adaptive import AdaptiveOptions, Books
 from ds4quant.artifact import sha256_file, write_manifest
 from ds4quant.convert.assemble import assemble, codebook_table, manifest
 from ds4quant.convert.encode import mxfp4_payload, run_encode
-from ds4quant.convert.plan import fit_fixed_mix_books, parse_size, plan_fingerprint, tensor_specs
+from ds4quant.convert.plan import fit_fixed_mix_books, plan_fingerprint, tensor_specs
 from ds4quant.convert.outdir import WORK_DIR, OutLock, check_no_overlap, clear_for_force
 from ds4quant.convert.report import ConvertReport, TensorResult, build_report
 from ds4quant.convert.tokenizer import tokenizer_kvs
@@ -59,13 +59,14 @@ from ds4quant.errors import BadInputError, Ds4quantError, OutputError
 from ds4quant.formats import get_qtype, numba_threads
 from ds4quant.progress import ProgressEvent, ProgressFn
 from ds4quant.recipes import Override, Recipe, get_recipe, plan_tensors
+from ds4quant.sizes import parse_size
 from ds4quant.sources.naming import deepseek4_kvs
 
 MANIFEST = "manifest.json"
 
 __all__ = [
     "FIXED", "MANIFEST", "MAY_CHANGE", "WORK_DIR",
-    "ConvertReport", "ProgressEvent", "ProgressFn", "TensorResult", "convert", "mxfp4_payload", "parse_size",
+    "ConvertReport", "ProgressEvent", "ProgressFn", "TensorResult", "convert", "mxfp4_payload",
 ]
 
 
@@ -79,7 +80,7 @@ def convert(
     tensor_types: Sequence[str] = (),
     dense_qtype: Optional[str] = None,
     name: Optional[str] = None,
-    split_max_size: Optional[str] = None,
+    split_max_size: "str | int | None" = None,
     adaptive: Optional[AdaptiveOptions] = None,
     loose_sidecars: bool = False,
     resume: bool = False,
@@ -112,7 +113,7 @@ def convert(
     elif adaptive is not None and (adaptive.target_bpw is not None or adaptive.max_bytes is not None):
         raise BadInputError(f"--target-bpw/--max-bytes only apply to --recipe adaptive, not {rec.name}")
     overrides = [Override.parse(t) for t in tensor_types]
-    split_bytes = parse_size(split_max_size)
+    split_bytes = None if split_max_size is None else parse_size(split_max_size, "--split-max-size", positive=True)
     if threads is not None and threads < 1:
         raise BadInputError(f"must be >= 1, got {threads}", where="--threads")
 
