@@ -22,11 +22,12 @@ transformers = pytest.importorskip("transformers")
 
 from click.testing import CliRunner  # noqa: E402
 
-from ds4quant.calibrate import calibrate, expert_rows, read_tokens  # noqa: E402
-from ds4quant.cli import cli  # noqa: E402
-from ds4quant.errors import BadInputError  # noqa: E402
 from ds4quant.calib.imatrix import importance_for, read_imatrix  # noqa: E402
 from ds4quant.calib.routing import read_routing_csv, read_routing_json  # noqa: E402
+from ds4quant.calibrate import calibrate, read_tokens  # noqa: E402
+from ds4quant.cli import cli  # noqa: E402
+from ds4quant.errors import BadInputError  # noqa: E402
+from ds4quant.runtime.reference import expert_rows  # noqa: E402
 
 TINY = {
     "vocab_size": 512, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 4,
