@@ -37,7 +37,8 @@ class Size(int):
 
 
 class SizeType(click.ParamType):
-    """``1024``, ``512M``, ``50G``, ``1.5T`` (binary units) -> a ``Size`` in bytes.
+    """``1024``, ``512M``, ``50G``, ``1.5T`` (binary units) -> a ``Size`` in bytes;
+    ``positive`` (``SIZE``) refuses 0.
 
     A bad size is a ``Ds4quantError`` naming the option, so it prints as one
     line and exits 2 like every other user error (not click's usage block)."""
@@ -105,5 +106,5 @@ def protocol_option(help: str):
     return click.option("--protocol", type=click.Choice(list(PROTOCOLS)), default=None, help=help)
 
 
-def size_option(*decls: str, help: str, positive: bool = True):
-    return click.option(*decls, type=SizeType(positive), default=None, metavar="SIZE", help=help)
+def size_option(*decls: str, help: str):
+    return click.option(*decls, type=SIZE, default=None, metavar="SIZE", help=help)
