@@ -45,14 +45,14 @@ class Measured:
         self.n_exp = {t: 1 + max(e for tt, e, _ in self.m if tt == t) for t in self.tensors}
         counts = None
         if routing is not None:
-            from ds4quant.routing import read_routing
+            from ds4quant.calib.routing import read_routing
 
             counts = read_routing(routing).counts
         self.w = {t: expert_weights(None if counts is None else counts[_layer(t)], self.n_exp[t])
                   for t in self.tensors}
         self.reached = {t: np.ones(self.n_exp[t], bool) for t in self.tensors}
         if imatrix is not None:
-            from ds4quant.imatrix import importance_for, read_imatrix
+            from ds4quant.calib.imatrix import importance_for, read_imatrix
 
             im = read_imatrix(imatrix)
             for t in self.tensors:

@@ -65,8 +65,8 @@ def synthesize_importance(source: Path, out: Path, seed: int = 0, tokens: int = 
     Deterministic from ``seed`` (see the module doc). imatrix counts are the
     routing counts (tokens that reached each expert), sums = E[x^2] * count.
     """
-    from ds4quant.imatrix import make_imatrix, write_imatrix_gguf
-    from ds4quant.routing import RoutingProfile, write_routing_csv, write_routing_json
+    from ds4quant.calib.imatrix import make_imatrix, write_imatrix_gguf
+    from ds4quant.calib.routing import RoutingProfile, write_routing_csv, write_routing_json
     from ds4quant.sources.official import open_source
 
     with open_source(source) as src:

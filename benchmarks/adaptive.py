@@ -16,7 +16,7 @@ behind ``ds4quant convert``; every run's equivalent command line is printed):
    per expert) and Zipf-like routing counts (exponent 1.1 over a seeded expert
    order; the last-ranked expert of every layer gets no token, so the
    "unreached expert" path runs), written with
-   ``ds4quant.imatrix.write_imatrix_gguf`` and ``ds4quant.routing`` writers;
+   ``ds4quant.calib.imatrix.write_imatrix_gguf`` and ``ds4quant.calib.routing`` writers;
 2. a warm-up conversion of a tiny source (numba code loads, imports), so the
    stage times below are the pipeline's own;
 3. cold run: ``--recipe adaptive --target-bpw B`` (B = the routed-expert bpw

@@ -58,8 +58,8 @@ def make_artifact(work: Path, dims: dict) -> Path:
 
 def placement(art: Path, n: int, work: Path) -> Path:
     from ds4quant.artifact.view import open_artifact
-    from ds4quant.place import artifact_fingerprint
-    from ds4quant.routing import RoutingProfile
+    from ds4quant.deploy.place import artifact_fingerprint
+    from ds4quant.calib.routing import RoutingProfile
     from ds4quant.runtime.placement import write_placement
     from ds4quant.runtime.planning import plan_ranks
 

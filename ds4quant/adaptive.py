@@ -59,7 +59,7 @@ class AdaptiveOptions:
     max_bytes: or a cap on all tensor data plus codebook tables, in bytes;
     lucebox: keep the result loadable by Lucebox at tensor granularity (no
     rocmfp3_mix on gate/up); fit_*: fit_optimized effort per expert;
-    sensitivity: a ``sensitivity.json`` (``ds4quant.sensitivity``) whose
+    sensitivity: a ``sensitivity.json`` (``ds4quant.calib.sensitivity``) whose
     per-tensor KL gains turn the weighted errors into predicted KL before
     allocating (without it every tensor's weighted error counts the same).
     jobs: experts measured at once (None: convert's threads); device: "cpu"
@@ -301,7 +301,7 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
     expert_tensors: (TensorChoice-like with .name/.layer/.surface, members)
     pairs for the routed-expert tensors the allocation decides.
     """
-    from ds4quant.imatrix import importance_for
+    from ds4quant.calib.imatrix import importance_for
 
     t0 = time.perf_counter()
     key_obj = {"v": CACHE_VERSION, "tool": __version__, "source": src.fingerprint(), "imatrix": imatrix_sha,
@@ -472,7 +472,7 @@ def plan_adaptive(src: "Source", plan, members, opts: AdaptiveOptions, imatrix, 
 
     routing = None
     if opts.routing is not None:
-        from ds4quant.routing import read_routing
+        from ds4quant.calib.routing import read_routing
 
         routing = read_routing(opts.routing)
         if routing.counts.shape[0] != src.config.num_hidden_layers:
@@ -506,7 +506,7 @@ def plan_adaptive(src: "Source", plan, members, opts: AdaptiveOptions, imatrix, 
 
     gains = None
     if opts.sensitivity is not None:
-        from ds4quant.sensitivity import read_sensitivity
+        from ds4quant.calib.sensitivity import read_sensitivity
 
         sens = read_sensitivity(opts.sensitivity, fingerprint=src.fingerprint())
         gains = {c.name: sens.gain(c.name) for c, _ in todo}

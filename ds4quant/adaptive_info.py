@@ -112,7 +112,7 @@ def plan_info(todo, meas: Measurements, opts, alloc: Allocation, budget, budget_
                                      "optimized_weighted_error": ours,
                                      "gain_db": 10.0 * float(np.log10(ref / ours)) if ours > 0 and ref > 0 else None}
     if imatrix is not None:
-        from ds4quant.imatrix import importance_for
+        from ds4quant.calib.imatrix import importance_for
 
         unreached = {}
         for c, ms in todo:

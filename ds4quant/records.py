@@ -1,7 +1,7 @@
 """The records ``verify`` returns and the report writer and ``publish`` read.
 
 They live below verify (they import only ``names`` and ``metrics``), so
-``report.py`` and ``publish.py`` read them without importing verify's stages,
+``publish/report.py`` and ``publish/release.py`` read them without importing verify's stages,
 and verify never imports the report writer.
 
     rep = verify("out/tiny-strix")          # a VerifyReport

@@ -3,7 +3,7 @@
 ``RoutingRecorder`` counts, per layer and expert, the routed slots (token x
 top-k slot) of every ``top_k_index`` it is given: the same counts ``ds4quant
 calibrate`` derives from the experts' ``top_k_index`` (so hash layers count
-like scored ones), written with the same writers (``ds4quant.routing``).
+like scored ones), written with the same writers (``ds4quant.calib.routing``).
 It can also keep the first ``keep_samples`` tokens' top-k rows per layer,
 which ``plan_placement(token_topk=...)`` uses for an exact token-resident rate.
 
@@ -43,7 +43,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant.errors import BadInputError, ShapeError
-from ds4quant.routing import RoutingProfile, write_routing_csv, write_routing_json
+from ds4quant.calib.routing import RoutingProfile, write_routing_csv, write_routing_json
 
 __all__ = ["RoutingRecorder", "hook_routers", "through_runtime", "profile_through_runtime", "write_profile",
            "ROUTING_CSV", "ROUTING_JSON"]

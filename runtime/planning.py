@@ -49,7 +49,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ds4quant.errors import BadInputError, BudgetError, ShapeError
-from ds4quant.routing import RoutingProfile
+from ds4quant.calib.routing import RoutingProfile
 
 from .placement import MAX_RANKS, NONE, REPLICATED, STRATEGIES, Placement, RankPlacement, check_owner_name
 

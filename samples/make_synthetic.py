@@ -195,17 +195,15 @@ def make_synthetic(out: "str | os.PathLike", spec: SyntheticSpec, *, workers: Op
 # CLI
 
 
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
-    v = int(float(t) * mult)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return v
+def shard_size(text: str) -> int:
+    """--shard-size: a positive size as ds4quant reads sizes (256M, 1.5G), for argparse."""
+    from ds4quant.errors import Ds4quantError
+    from ds4quant.sizes import parse_size
+
+    try:
+        return parse_size(text, "--shard-size", positive=True)
+    except Ds4quantError as e:
+        raise argparse.ArgumentTypeError(e.one_line()) from None
 
 
 def add_spec_args(ap: argparse.ArgumentParser, default_preset: str) -> None:
@@ -218,7 +216,7 @@ def add_spec_args(ap: argparse.ArgumentParser, default_preset: str) -> None:
     ap.add_argument("--moe-inter", type=int, help="expert intermediate size, multiple of 128")
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--seed", type=int)
-    ap.add_argument("--shard-size", type=parse_size, help="max shard size, e.g. 256M")
+    ap.add_argument("--shard-size", type=shard_size, help="max shard size, e.g. 256M")
 
 
 def spec_from_args(args) -> SyntheticSpec:

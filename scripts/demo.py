@@ -78,7 +78,7 @@ def run(out: Path) -> dict:
     from ds4quant.calibrate import calibrate
     from ds4quant.convert import convert
     from ds4quant.publish import publish
-    from ds4quant.report import write_report
+    from ds4quant.publish.report import write_report
     from ds4quant.verify import verify
 
     out.mkdir(parents=True, exist_ok=True)

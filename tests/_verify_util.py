@@ -186,7 +186,7 @@ def mix_artifact(strix: Path, out: Path, *, loose_gumix: bool = False, lucebox: 
 
 def write_artifact_sums(out: Path) -> None:
     """SHA256SUMS over the manifest's files and manifest.json, as convert writes it last."""
-    from ds4quant.checksums import write_sums
+    from ds4quant.artifact.sums import write_sums
 
     man = read_manifest(out / "manifest.json")
     write_sums(out, names=[f.name for f in man.files] + ["manifest.json"])

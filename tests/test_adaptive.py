@@ -22,10 +22,10 @@ from ds4quant.cli import cli
 from ds4quant.codebooks import check_coverage, from_lucebox, read_table
 from ds4quant.convert import WORK_DIR, convert
 from ds4quant.errors import BadInputError, BudgetError, Ds4quantError
-from ds4quant.imatrix import importance_for, read_imatrix
+from ds4quant.calib.imatrix import importance_for, read_imatrix
 from ds4quant.names import KEY_CODEBOOKS, KEY_GUMIX, KEY_P4MIX
 from ds4quant.names import KEY_EXPERT_IDS_PREFIX as KEY_EXPERT_IDS
-from ds4quant.routing import read_routing
+from ds4quant.calib.routing import read_routing
 from ds4quant.sources.official import open_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,7 +261,7 @@ def test_inspect_shows_the_stored_plan(strix_same_size):
 
 
 def test_experts_calibration_never_reached_get_codes_and_are_listed(tmp_path, cache):
-    from ds4quant.imatrix import make_imatrix, write_imatrix_gguf
+    from ds4quant.calib.imatrix import make_imatrix, write_imatrix_gguf
 
     imx = read_imatrix(IMATRIX)
     entries = {}

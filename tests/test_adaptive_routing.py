@@ -18,7 +18,7 @@ import pytest
 from ds4quant import formats
 from ds4quant.adaptive import AdaptiveOptions
 from ds4quant.convert import convert
-from ds4quant.routing import RoutingProfile, write_routing_json
+from ds4quant.calib.routing import RoutingProfile, write_routing_json
 from ds4quant.sources.official import open_source
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "ds4-tiny"
@@ -87,7 +87,7 @@ def _gains(src) -> dict[tuple[int, str], np.ndarray]:
 
 def _plan(tmp: Path, tag: str, counts: np.ndarray) -> dict[str, str]:
     prof = tmp / f"{tag}.csv"
-    from ds4quant.routing import write_routing_csv
+    from ds4quant.calib.routing import write_routing_csv
 
     write_routing_csv(prof, RoutingProfile(N_LAYER, N_EXPERT, 4, counts))
     opts = AdaptiveOptions(target_bpw=3.0, candidates=("rocmfp2", "rocmfp3"), granularity="tensor",

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from ds4quant.artifact import read_gguf_set, sha256_file
-from ds4quant.checksums import read_sums
+from ds4quant.artifact.sums import read_sums
 from ds4quant.cli import cli
 from ds4quant.convert import WORK_DIR, convert
 from ds4quant.convert.outdir import LOCK_NAME, OutLock
@@ -158,7 +158,7 @@ def killed_at_sums(src, tmp_path_factory):
         raise _Kill()
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("ds4quant.checksums.write_sums", kill)
+        m.setattr("ds4quant.artifact.sums.write_sums", kill)
         with pytest.raises(_Kill):
             convert(src, out, "rocmfp2-strix", name="tiny")
     assert (out / "manifest.json").is_file() and not (out / "SHA256SUMS").exists()

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ds4quant.artifact import FileEntry, GGUFWriter, Manifest, read_gguf_set, read_manifest, tensor_entries
 from ds4quant.artifact import write_manifest
-from ds4quant.checksums import read_sums
+from ds4quant.artifact.sums import read_sums
 from ds4quant.cli import cli
 from ds4quant.codebooks import CodebookEntry, CodebookTable, write_table
 from ds4quant.codebooks.dmix import DmixEntry, read_dmix, write_dmix
@@ -30,8 +30,8 @@ from ds4quant.codebooks.p4mix import read_p4mix, write_p4mix
 from ds4quant.codebooks.routed import MixEntry
 from ds4quant.codebooks.table import read_table
 from ds4quant.errors import Ds4quantError
-from ds4quant.imatrix import make_imatrix, read_imatrix, write_imatrix_dat, write_imatrix_gguf
-from ds4quant.inspection import inspect_artifact
+from ds4quant.calib.imatrix import make_imatrix, read_imatrix, write_imatrix_dat, write_imatrix_gguf
+from ds4quant.inspect import inspect_artifact
 from ds4quant.sources.official import open_source
 from ds4quant.sources.safetensors_file import SafetensorsFile
 from ds4quant.verify import verify

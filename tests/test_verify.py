@@ -18,7 +18,7 @@ from ds4quant.artifact import read_gguf_set, read_manifest
 from ds4quant.cli import cli
 from ds4quant.codebooks import read_table, write_table
 from ds4quant.errors import BadInputError, CorruptDataError, Ds4quantError
-from ds4quant.report import PLOT_BITS, PLOT_ERROR, PLOT_HIST, RUNTIME_BEGIN, RUNTIME_END, check_report_dir, write_report
+from ds4quant.publish.report import PLOT_BITS, PLOT_ERROR, PLOT_HIST, RUNTIME_BEGIN, RUNTIME_END, check_report_dir, write_report
 from ds4quant.sources.official import open_source
 from ds4quant.verify import QUALITY_FLOORS_DB, verify
 from tests._verify_util import MIX_IDS, SAMPLE, flip, gguf_of, mix_artifact, rewrite, strix_artifact
@@ -364,7 +364,7 @@ def test_threshold_overrides_the_floor_table(arts):
 
 
 def test_importance_weighted_error_with_an_imatrix(arts, tmp_path):
-    from ds4quant.imatrix import make_imatrix, write_imatrix_gguf
+    from ds4quant.calib.imatrix import make_imatrix, write_imatrix_gguf
 
     strix, _ = arts
     rng = np.random.default_rng(0)

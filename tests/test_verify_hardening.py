@@ -62,7 +62,7 @@ def test_unfinished_folders_fail_naming_the_file(strix, tmp_path):
     (c / tmp).write_bytes(b"partial")
     (c / "stray.bin").write_bytes(b"x")
     # even listed in SHA256SUMS (as the old convert did), an unlisted artifact file is not blessed
-    from ds4quant.checksums import write_sums
+    from ds4quant.artifact.sums import write_sums
 
     write_sums(c)
     files = sorted(x.file for x in _fails(verify(c), "complete"))

@@ -34,16 +34,14 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import numpy as np
-
 from ds4quant import __version__
 from ds4quant.adaptive import AdaptiveOptions, Books
 from ds4quant.artifact import sha256_file, write_manifest
 from ds4quant.convert.assemble import assemble, codebook_table, manifest
 from ds4quant.convert.encode import mxfp4_payload, run_encode
-from ds4quant.convert.plan import fit_fixed_mix_books, parse_size, plan_fingerprint, tensor_specs
+from ds4quant.convert.plan import fit_fixed_mix_books, plan_fingerprint, tensor_specs
 from ds4quant.convert.outdir import WORK_DIR, OutLock, check_no_overlap, clear_for_force
-from ds4quant.convert.report import ConvertReport, TensorResult
+from ds4quant.convert.report import ConvertReport, TensorResult, build_report
 from ds4quant.convert.tokenizer import tokenizer_kvs
 from ds4quant.convert.resume import (
     FIXED,
@@ -61,13 +59,14 @@ from ds4quant.errors import BadInputError, Ds4quantError, OutputError
 from ds4quant.formats import get_qtype, numba_threads
 from ds4quant.progress import ProgressEvent, ProgressFn
 from ds4quant.recipes import Override, Recipe, get_recipe, plan_tensors
+from ds4quant.sizes import parse_size
 from ds4quant.sources.naming import deepseek4_kvs
 
 MANIFEST = "manifest.json"
 
 __all__ = [
     "FIXED", "MANIFEST", "MAY_CHANGE", "WORK_DIR",
-    "ConvertReport", "ProgressEvent", "ProgressFn", "TensorResult", "convert", "mxfp4_payload", "parse_size",
+    "ConvertReport", "ProgressEvent", "ProgressFn", "TensorResult", "convert", "mxfp4_payload",
 ]
 
 
@@ -81,7 +80,7 @@ def convert(
     tensor_types: Sequence[str] = (),
     dense_qtype: Optional[str] = None,
     name: Optional[str] = None,
-    split_max_size: Optional[str] = None,
+    split_max_size: "str | int | None" = None,
     adaptive: Optional[AdaptiveOptions] = None,
     loose_sidecars: bool = False,
     resume: bool = False,
@@ -114,7 +113,7 @@ def convert(
     elif adaptive is not None and (adaptive.target_bpw is not None or adaptive.max_bytes is not None):
         raise BadInputError(f"--target-bpw/--max-bytes only apply to --recipe adaptive, not {rec.name}")
     overrides = [Override.parse(t) for t in tensor_types]
-    split_bytes = parse_size(split_max_size)
+    split_bytes = None if split_max_size is None else parse_size(split_max_size, "--split-max-size", positive=True)
     if threads is not None and threads < 1:
         raise BadInputError(f"must be >= 1, got {threads}", where="--threads")
 
@@ -122,7 +121,7 @@ def convert(
     try:
         imx = imx_sha = None
         if imatrix is not None:
-            from ds4quant.imatrix import read_imatrix
+            from ds4quant.calib.imatrix import read_imatrix
 
             imx = read_imatrix(imatrix)
             imx_sha = sha256_file(imatrix)
@@ -253,7 +252,7 @@ class _Job:
             man = manifest(out, files, self.src, rec, plan, results, self.overrides, self.imatrix, self.imx_sha,
                            self.command, self.source_fp, runtimes, adaptive_info, table, file_sha)
             write_manifest(out / MANIFEST, man)
-            from ds4quant.checksums import write_sums
+            from ds4quant.artifact.sums import write_sums
 
             # a folder with SHA256SUMS and no work folder is complete; the sums list the artifact's
             # own files only (never a stale temp file or the lock)
@@ -263,28 +262,5 @@ class _Job:
         except OSError as e:
             raise fs_error(e, out, work, created_out) from None
 
-        return _report(out, files, plan, results, cb_bytes, rec, self.source_fp, runtimes, adaptive_info, t_start,
-                       oversize)
-
-
-def _report(out, files, plan, results, cb_bytes, rec, source_fp, runtimes, adaptive_info, t_start,
-            oversize=()) -> ConvertReport:
-    expert_bytes = sum(r.nbytes for r, c in zip(results, plan) if c.tensor_class == "routed_expert")
-    expert_weights = sum(int(np.prod(c.shape)) for c in plan if c.tensor_class == "routed_expert")
-    return ConvertReport(
-        artifact=out,
-        files=tuple(files),
-        bytes=sum(p.stat().st_size for p in files),
-        plan=tuple(plan),
-        results=tuple(results),
-        expert_bytes=expert_bytes,
-        expert_weights=expert_weights,
-        codebook_bytes=cb_bytes,
-        seconds=time.perf_counter() - t_start,
-        recipe=rec.to_json(),
-        source_fingerprint=source_fp,
-        runtimes=runtimes,
-        reused=sum(1 for r in results if r.reused),
-        adaptive=adaptive_info,
-        oversize_splits=tuple(oversize),
-    )
+        return build_report(out, files, plan, results, cb_bytes, rec, self.source_fp, runtimes, adaptive_info,
+                            t_start, oversize)

@@ -76,7 +76,7 @@ def members_of(choice: TensorChoice, members: dict) -> tuple[Mapped, ...]:
 def importance(imatrix, name: str, expert: Optional[int], cols: int) -> Optional[np.ndarray]:
     if imatrix is None:
         return None
-    from ds4quant.imatrix import importance_for
+    from ds4quant.calib.imatrix import importance_for
 
     return importance_for(imatrix, name, expert, cols=cols)
 
@@ -102,22 +102,3 @@ def fit_fixed_mix_books(plan, members, src: Source, imx, books: Books) -> None:
             b, _ = fit_reference([x], qt.codebook_levels, imp)
             books.put(c.base, m.expert, qt.name, b, 1)
             src.release(m.name)
-
-
-def parse_size(text: Optional[str], where: str = "--split-max-size") -> Optional[int]:
-    """``512M`` / ``50G`` / ``1024`` -> bytes (None passes through)."""
-    if text is None:
-        return None
-    t = str(text).strip().upper().removesuffix("B")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
-    try:
-        v = int(float(t) * mult)
-    except ValueError:
-        raise BadInputError(f"bad size {text!r}", where=where, hint="e.g. 512M or 50G") from None
-    if v <= 0:
-        raise BadInputError(f"size must be positive, got {text!r}", where=where)
-    return v

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -128,3 +129,28 @@ class ConvertReport:
             "plan": [c.to_json() for c in self.plan],
             "oversize_splits": [{"file": f, "bytes": b, "tensor": t} for f, b, t in self.oversize_splits],
         }
+
+
+def build_report(out: Path, files, plan, results, cb_bytes: int, rec, source_fp: str, runtimes, adaptive_info,
+                 t_start: float, oversize=()) -> ConvertReport:
+    """The ConvertReport of a finished run (a fresh one, or one ``--resume`` recognised);
+    ``seconds`` counts from ``t_start`` (``time.perf_counter``)."""
+    expert_bytes = sum(r.nbytes for r, c in zip(results, plan) if c.tensor_class == "routed_expert")
+    expert_weights = sum(int(np.prod(c.shape)) for c in plan if c.tensor_class == "routed_expert")
+    return ConvertReport(
+        artifact=out,
+        files=tuple(files),
+        bytes=sum(p.stat().st_size for p in files),
+        plan=tuple(plan),
+        results=tuple(results),
+        expert_bytes=expert_bytes,
+        expert_weights=expert_weights,
+        codebook_bytes=cb_bytes,
+        seconds=time.perf_counter() - t_start,
+        recipe=rec.to_json(),
+        source_fingerprint=source_fp,
+        runtimes=runtimes,
+        reused=sum(1 for r in results if r.reused),
+        adaptive=adaptive_info,
+        oversize_splits=tuple(oversize),
+    )

@@ -193,7 +193,7 @@ def finished_report(out: Path, art_name: str, src, rec, plan, options, overrides
     records this run's source, version, recipe, overrides, imatrix and plan, and report
     it as is (every tensor reused); otherwise refuse, naming what differs."""
     from ds4quant.artifact import read_manifest
-    from ds4quant.convert.report import TensorResult
+    from ds4quant.convert.report import TensorResult, build_report
 
     man = read_manifest(out / MANIFEST_NAME)
     r = man.to_json()["recipe"]  # plain JSON values, as the plan's to_json gives
@@ -220,8 +220,6 @@ def finished_report(out: Path, art_name: str, src, rec, plan, options, overrides
                                   + "; ".join(diff), where=str(out), hint="start over with --force")
     for p in stale_temp_files(out, art_name):
         p.unlink()
-    from ds4quant.convert import _report
-
     entries = {t.name: t for t in man.tensors}
     results = []
     for c in plan:
@@ -238,8 +236,8 @@ def finished_report(out: Path, art_name: str, src, rec, plan, options, overrides
 
         g = read_gguf_set(out / ggufs[0])
         cb = len(g.blob(KEY_CODEBOOKS)) if KEY_CODEBOOKS in g.kv else 0
-    return _report(out, files, plan, results, cb, rec, source_fp, tuple(r.get("runtimes") or ()), adaptive_info,
-                   t_start)
+    return build_report(out, files, plan, results, cb, rec, source_fp, tuple(r.get("runtimes") or ()), adaptive_info,
+                        t_start)
 
 
 def fs_error(e: OSError, out: Path, work: Path, created_out: bool) -> OutputError:

@@ -4,7 +4,7 @@
 release folder (the same plus ``SHA256SUMS``, model card and report), or a
 bare ``.gguf`` (structure checks only), and returns a ``VerifyReport``
 (``ds4quant.records``). Writing the human report is the caller's
-(``ds4quant.report.write_report``; the CLI and ``publish`` do it).
+(``ds4quant.publish.report.write_report``; the CLI and ``publish`` do it).
 
 Two kinds of failure, kept apart on purpose:
 

@@ -88,7 +88,7 @@ def _from_source(ctx: Context) -> None:
     try:
         imx = None
         if ctx.options.imatrix is not None:
-            from ds4quant.imatrix import read_imatrix
+            from ds4quant.calib.imatrix import read_imatrix
 
             imx = read_imatrix(ctx.options.imatrix)
         fp = src.fingerprint()
@@ -280,6 +280,6 @@ def _measure(v, src, imx, name: str, info, base: str, members, stack, entry) -> 
 def _importance(imx, base: str, expert: Optional[int], cols: int) -> Optional[np.ndarray]:
     if imx is None:
         return None
-    from ds4quant.imatrix import importance_for
+    from ds4quant.calib.imatrix import importance_for
 
     return importance_for(imx, base, expert, cols=cols)

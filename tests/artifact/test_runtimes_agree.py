@@ -18,7 +18,7 @@ from gguf import GGUFValueType as VT
 from ds4quant import names
 from ds4quant.artifact.view import open_artifact
 from ds4quant.cli import cli
-from ds4quant.inspection import inspect_artifact
+from ds4quant.inspect import inspect_artifact
 from ds4quant.publish import model_card
 from ds4quant.verify import verify
 from tests._verify_util import rewrite

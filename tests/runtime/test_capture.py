@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ds4quant.errors import BadInputError, ShapeError
-from ds4quant.routing import read_routing, write_routing_csv, write_routing_json
+from ds4quant.calib.routing import read_routing, write_routing_csv, write_routing_json
 from ds4quant.runtime.capture import RoutingRecorder, hook_routers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_router_hooks_reproduce_the_shipped_routing_csv():
     try:
         from ds4quant.runtime.reference import load_reference as _load  # once the loader moved there
     except ImportError:
-        from ds4quant.calibrate import _load_model as _load
+        from ds4quant.calibrate.stage import _load_model as _load
     from ds4quant.calibrate import read_tokens
 
     want = read_routing(ROOT / "samples/ds4-tiny-calib/routing.csv")

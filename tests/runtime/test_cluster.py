@@ -26,8 +26,8 @@ from ds4quant.artifact import read_gguf_set  # noqa: E402
 from ds4quant.artifact.view import open_artifact  # noqa: E402
 from ds4quant.convert import convert  # noqa: E402
 from ds4quant.names import PROJS, parse_stack  # noqa: E402
-from ds4quant.place import artifact_fingerprint  # noqa: E402
-from ds4quant.routing import read_routing  # noqa: E402
+from ds4quant.deploy.place import artifact_fingerprint  # noqa: E402
+from ds4quant.calib.routing import read_routing  # noqa: E402
 from ds4quant.runtime.cluster import FAULT_ENV, ClusterError, run_cluster_jobs, run_cluster_layers  # noqa: E402
 from ds4quant.runtime.placement import write_placement  # noqa: E402
 from ds4quant.runtime.planning import plan_ranks  # noqa: E402

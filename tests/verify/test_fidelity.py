@@ -125,7 +125,7 @@ def test_damaged_artifact_is_worse_and_names_its_layers(mx, fast_rep, tmp_path):
     clean = max(err[L] for L in err if L not in (exp_layer, dense_layer))
     assert err[exp_layer] > 100 * clean and err[dense_layer] > 100 * clean
     assert not rep.ok  # the manifest hashes catch the edit too
-    from ds4quant.report import fidelity_section
+    from ds4quant.publish.report import fidelity_section
 
     md = fidelity_section(rep, {})
     assert f"| {exp_layer} | {err[exp_layer]:.3e}" in md
@@ -157,7 +157,7 @@ def test_protocol_refused_without_task_or_tokenizer(tmp_path):
 
 
 def test_report_and_card_carry_the_fidelity_section(fast_rep, tmp_path):
-    from ds4quant.report import PLOT_FIDELITY, write_report
+    from ds4quant.publish.report import PLOT_FIDELITY, write_report
 
     md = write_report(fast_rep, tmp_path / "r").read_text()
     assert "KL mean / p99" in md and ("**60/60**" in md or "**59/60**" in md)

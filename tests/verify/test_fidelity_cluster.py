@@ -43,7 +43,7 @@ def tokens(tmp_path_factory):
 
 def _rank_placement(art: Path, n: int, out: Path, artifact=None, replicate_hot: int = 2) -> Path:
     from ds4quant.artifact.view import open_artifact
-    from ds4quant.routing import RoutingProfile
+    from ds4quant.calib.routing import RoutingProfile
     from ds4quant.runtime.placement import write_placement
     from ds4quant.runtime.planning import plan_ranks
 

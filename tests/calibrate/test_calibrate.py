@@ -22,11 +22,12 @@ transformers = pytest.importorskip("transformers")
 
 from click.testing import CliRunner  # noqa: E402
 
-from ds4quant.calibrate import calibrate, expert_rows, read_tokens  # noqa: E402
+from ds4quant.calib.imatrix import importance_for, read_imatrix  # noqa: E402
+from ds4quant.calib.routing import read_routing_csv, read_routing_json  # noqa: E402
+from ds4quant.calibrate import calibrate, read_tokens  # noqa: E402
 from ds4quant.cli import cli  # noqa: E402
 from ds4quant.errors import BadInputError  # noqa: E402
-from ds4quant.imatrix import importance_for, read_imatrix  # noqa: E402
-from ds4quant.routing import read_routing_csv, read_routing_json  # noqa: E402
+from ds4quant.runtime.reference import expert_rows  # noqa: E402
 
 TINY = {
     "vocab_size": 512, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 4,
@@ -379,7 +380,7 @@ def test_bad_arguments_refused(ckpt, tokens_file, tmp_path):
 # --------------------------------------------------------------------------
 # the shipped sample (samples/ds4-tiny-calib, made by samples/ds4-tiny-calib/README.md)
 
-SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 
 
 @pytest.mark.skipif(not (SAMPLES / "ds4-tiny-calib" / "routing.csv").exists(), reason="samples/ds4-tiny-calib absent")

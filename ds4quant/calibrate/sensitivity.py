@@ -21,8 +21,8 @@ errors of independent perturbations add to second order, so
 ``sum_t gain_t * error_t`` predicts the KL of a whole plan, which is what the
 allocator then minimises.
 
-Files: ``sensitivity.json`` beside the imatrix (``ds4quant calibrate`` writes
-it; ``convert --sensitivity`` reads it). Deterministic: the noise comes from
+The file is ``ds4quant.calib.sensitivity``'s (``sensitivity.json`` beside the
+imatrix; ``convert --sensitivity`` reads it). Deterministic: the noise comes from
 ``numpy.random.default_rng`` seeded by the tensor name, the model runs on one
 torch thread, sequences one at a time, sums in float64 in a fixed order.
 """
@@ -30,62 +30,23 @@ torch thread, sequences one at a time, sums in float64 in a fixed order.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
-from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-from ds4quant.errors import BadInputError, CorruptDataError
+from ds4quant.calib.sensitivity import Sensitivity
+from ds4quant.errors import BadInputError
+from ds4quant.names import stack_name
 
-__all__ = ["Sensitivity", "measure_sensitivity", "read_sensitivity", "write_sensitivity",
-           "SENSITIVITY_FILE", "REL_STD"]
+__all__ = ["measure_sensitivity", "REL_STD"]
 
-SENSITIVITY_FILE = "sensitivity.json"
-SCHEMA = "ds4quant.sensitivity"
-VERSION = 1
 # The noise level relative to each expert matrix's RMS: rocmfp2's relative
 # error on the shipped samples (SQNR about 10 dB). Sensitivity is measured
 # where the plans that need it live, not in the small-noise limit.
 REL_STD = 0.3
 SURFACES = ("gate", "up", "down")
-
-
-@dataclass(frozen=True)
-class Sensitivity:
-    """gains: tensor name -> KL nats per token per unit of weighted error.
-    kl / weighted_error: the measured pair behind each gain."""
-
-    gains: Mapping[str, float]
-    kl: Mapping[str, float]
-    weighted_error: Mapping[str, float]
-    fingerprint: Optional[str]
-    tokens_sha256: Optional[str]
-    sequences: int
-    tokens: int
-    rel_std: float
-    path: Optional[str] = None
-
-    def gain(self, tensor: str) -> float:
-        """The tensor's gain; a tensor the file does not cover is an error naming both."""
-        try:
-            return self.gains[tensor]
-        except KeyError:
-            raise BadInputError(f"the sensitivity file has no gain for {tensor}",
-                                where=self.path or SENSITIVITY_FILE) from None
-
-    def to_json(self) -> dict:
-        return {
-            "schema": SCHEMA, "version": VERSION,
-            "source_fingerprint": self.fingerprint, "tokens_sha256": self.tokens_sha256,
-            "sequences": self.sequences, "tokens": self.tokens, "rel_std": self.rel_std,
-            "tensors": {t: {"gain": self.gains[t], "kl": self.kl[t], "weighted_error": self.weighted_error[t]}
-                        for t in sorted(self.gains)},
-        }
 
 
 def _seed(tensor: str) -> int:
@@ -111,8 +72,7 @@ def measure_sensitivity(model, seqs: Sequence[Sequence[int]], imatrix, counts: n
     import torch
 
     from ds4quant.adaptive import expert_weights
-    from ds4quant.calibrate import expert_tensor
-    from ds4quant.imatrix import importance_for
+    from ds4quant.calib.imatrix import importance_for
     from ds4quant.runtime.reference import moe_blocks
 
     if not seqs:
@@ -128,7 +88,7 @@ def measure_sensitivity(model, seqs: Sequence[Sequence[int]], imatrix, counts: n
         ex = block.experts
         inter = ex.gate_up_proj.shape[1] // 2
         for surface in SURFACES:
-            name = expert_tensor(layer, surface)
+            name = stack_name(layer, surface)
             param = ex.down_proj if surface == "down" else ex.gate_up_proj
             rows = slice(None) if surface == "down" else (slice(0, inter) if surface == "gate" else slice(inter, None))
             w = param.data[:, rows, :]
@@ -163,64 +123,3 @@ def measure_sensitivity(model, seqs: Sequence[Sequence[int]], imatrix, counts: n
         raise BadInputError("the model has no routed-expert layers", where="sensitivity")
     return Sensitivity(MappingProxyType(gains), MappingProxyType(kls), MappingProxyType(errs), fingerprint,
                        tokens_sha256, len(seqs), n_tok, float(rel_std))
-
-
-def write_sensitivity(path: "str | os.PathLike[str]", s: Sensitivity) -> Path:
-    from ds4quant.artifact.atomic import atomic_write_json
-
-    return atomic_write_json(Path(path), s.to_json())
-
-
-def _number(v, what: str, where: str, positive: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
-        raise CorruptDataError(f"{what} must be a finite {'positive' if positive else 'non-negative'} number, "
-                               f"got {v!r}", where=where)
-    return float(v)
-
-
-def read_sensitivity(path: "str | os.PathLike[str]", *, fingerprint: Optional[str] = None) -> Sensitivity:
-    """Read and validate a sensitivity file; ``fingerprint``, when given, must
-    equal the source fingerprint the file was measured on."""
-    where = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInputError(f"cannot read the sensitivity file: {e}", where=where) from None
-
-    def refuse(c):
-        raise ValueError(f"{c} is not a number")
-
-    try:
-        obj = json.loads(text, parse_constant=refuse)
-    except ValueError as e:
-        raise CorruptDataError(f"not valid JSON: {e}", where=where) from None
-    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
-        raise CorruptDataError(f"not a ds4quant sensitivity file (schema {SCHEMA!r} missing)", where=where)
-    if obj.get("version") != VERSION:
-        raise CorruptDataError(f"sensitivity file version {obj.get('version')!r}; this tool reads {VERSION}",
-                               where=where)
-    stored = obj.get("source_fingerprint")
-    if fingerprint is not None and stored is not None and stored != fingerprint:
-        raise BadInputError(f"the sensitivity file was measured on another source (fingerprint {str(stored)[:12]}, "
-                            f"this source {fingerprint[:12]})", where=where)
-    tensors = obj.get("tensors")
-    if not isinstance(tensors, dict) or not tensors:
-        raise CorruptDataError("no tensors", where=where)
-    gains, kls, errs = {}, {}, {}
-    from ds4quant.names import parse_stack
-
-    for name, rec in tensors.items():
-        if parse_stack(name) is None:
-            raise CorruptDataError(f"{name!r} is not a routed-expert tensor name", where=where)
-        if not isinstance(rec, dict):
-            raise CorruptDataError(f"{name}: entry is not an object", where=where)
-        gains[name] = _number(rec.get("gain"), f"{name}: gain", where, positive=True)
-        kls[name] = _number(rec.get("kl"), f"{name}: kl", where)
-        errs[name] = _number(rec.get("weighted_error"), f"{name}: weighted_error", where, positive=True)
-    seqs_n, toks = obj.get("sequences"), obj.get("tokens")
-    for v, what in ((seqs_n, "sequences"), (toks, "tokens")):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise CorruptDataError(f"{what} must be an int >= 1, got {v!r}", where=where)
-    rel = _number(obj.get("rel_std"), "rel_std", where, positive=True)
-    return Sensitivity(MappingProxyType(gains), MappingProxyType(kls), MappingProxyType(errs), stored,
-                       obj.get("tokens_sha256"), seqs_n, toks, rel, path=where)

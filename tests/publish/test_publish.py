@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from ds4quant.artifact import read_gguf_set
-from ds4quant.checksums import SUMS_NAME, read_sums
+from ds4quant.artifact.sums import SUMS_NAME, read_sums
 from ds4quant.cli import cli
 from ds4quant.publish import HubError, UnsoundArtifactError, publish, runtimes
 from ds4quant.verify import verify

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ds4quant.errors import BadInputError, ShapeError
-from ds4quant.imatrix import (
+from ds4quant.calib.imatrix import (
     importance_for,
     make_imatrix,
     read_imatrix,

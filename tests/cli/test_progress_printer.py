@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ds4quant.cli_support import progress_printer
+from ds4quant.cli.output import progress_printer
 from ds4quant.progress import Meter
 
 

@@ -33,6 +33,7 @@ from ds4quant.errors import BadInputError
 from ds4quant.metrics import ErrorFigures
 from ds4quant.records import SURFACES, GroupRecord, VerifyReport
 
+REPORT_DIR = "report"  # the report's folder inside a release (publish)
 REPORT_MD = "report.md"
 REPORT_JSON = "verify.json"
 PLOT_ERROR = "error_per_layer.png"
@@ -237,7 +238,7 @@ def plot_fidelity_per_layer(rep: VerifyReport) -> Optional[bytes]:
 # markdown
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     def cell(s: str) -> str:
         return str(s).replace("|", "\\|").replace("\n", " ")
 
@@ -300,15 +301,15 @@ def fidelity_section(rep: VerifyReport, plots: dict, plot_prefix: str = "") -> O
     if ec:
         rows.append(["exact-copy protocol", f"**{ec['passes']}/{ec['trials']}** (task `{ec['task']}`; the source "
                                             f"{ec['reference_passes']}/{ec['trials']})"])
-    L += _table(["", ""], rows) + [""]
+    L += md_table(["", ""], rows) + [""]
     if PLOT_FIDELITY in plots:
         L += [f"![MoE output error per layer]({plot_prefix}{plots[PLOT_FIDELITY]})", ""]
-    L += _table(["layer", "MoE rel. error (local)", "MoE rel. error (propagated)"],
+    L += md_table(["layer", "MoE rel. error (local)", "MoE rel. error (propagated)"],
                 [[str(r["layer"]), fmt_num(r["moe_rel_error"], ".3e"), fmt_num(r["moe_rel_error_propagated"], ".3e")]
                  for r in f["layers"]]) + [""]
     if ec and ec["failed"]:
         L += [f"Failed exact-copy trials ({len(ec['failed'])}):", ""]
-        L += _table(["identifier", "repeat", "expected", "got"],
+        L += md_table(["identifier", "repeat", "expected", "got"],
                     [[f"`{x['identifier']}`", str(x["repeat"]), f"`{x['expected']}`", f"`{x['got']}`"]
                      for x in ec["failed"][:20]]) + [""]
         if len(ec["failed"]) > 20:
@@ -340,11 +341,11 @@ def render_markdown(rep: VerifyReport, plots: dict, runtime_section: Optional[st
         rows.append(["min cosine / max abs error", f"{s['min_cosine']:.6f} / {fmt_num(s['max_abs_error'], '.4g')}"])
     if rep.codebook_tables:
         rows.append(["codebook tables", ", ".join(f"`{t}`" for t in rep.codebook_tables)])
-    L += _table(["", ""], rows) + [""]
+    L += md_table(["", ""], rows) + [""]
 
     L += ["## Checks", ""]
     checks = sorted(rep.checks, key=lambda c: c.ok)
-    L += _table(["check", "result", "where", "detail"],
+    L += md_table(["check", "result", "where", "detail"],
                 [[c.name, "ok" if c.ok else "**FAIL**", " / ".join(f"`{w}`" for w in (c.file, c.tensor) if w) or "-",
                   c.detail] for c in checks]) + [""]
 
@@ -352,7 +353,7 @@ def render_markdown(rep: VerifyReport, plots: dict, runtime_section: Optional[st
     if PLOT_ERROR in plots:
         L += [f"![error per layer and surface]({plots[PLOT_ERROR]})", ""]
     header, frows = fidelity_rows(rep)
-    L += _table(header, frows) + [""]
+    L += md_table(header, frows) + [""]
     L += ["## Bits per weight", ""]
     if PLOT_BITS in plots:
         L += [f"![bits per weight, layer x surface]({plots[PLOT_BITS]})", ""]
@@ -362,7 +363,7 @@ def render_markdown(rep: VerifyReport, plots: dict, runtime_section: Optional[st
         d[0] += 1
         d[1] += t.bytes
         d[2] += t.n_weights
-    L += _table(["qtype", "tensors", "bytes", "bpw"],
+    L += md_table(["qtype", "tensors", "bytes", "bpw"],
                 [[q, str(d[0]), f"{d[1]:,}", f"{8 * d[1] / d[2]:.3f}"] for q, d in sorted(totals.items())]) + [""]
 
     L += ["## Error distribution", ""]
@@ -373,7 +374,7 @@ def render_markdown(rep: VerifyReport, plots: dict, runtime_section: Optional[st
     if lossy:
         worst = sorted(lossy, key=lambda t: (t.errors.sqnr_db, t.name))[:10]
         L += ["Lowest SQNR tensors:", ""]
-        L += _table(["tensor", "qtype", "SQNR dB", "floor dB", "flagged"],
+        L += md_table(["tensor", "qtype", "SQNR dB", "floor dB", "flagged"],
                     [[f"`{t.name}`", t.qtype, fmt_db(t.errors.sqnr_db), fmt_num(t.floor_db, "g"),
                       "**yes**" if t.flagged else "no"] for t in worst]) + [""]
     else:

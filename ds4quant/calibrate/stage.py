@@ -373,7 +373,7 @@ class CalibrationReport:
 
 
 def _build_imatrix(tot: _Totals, n_layer: int, seq_lens: Sequence[int], dataset: str):
-    from ds4quant.imatrix import make_imatrix
+    from ds4quant.calib.imatrix import make_imatrix
 
     sums: dict[str, tuple[Any, Any]] = {}
     for layer in range(n_layer):
@@ -416,7 +416,7 @@ def calibrate(
     bytes do not depend on it. progress gets a ProgressEvent (stage
     "calibrate", unit "sequence", detail ``tokens``: tokens done) after each
     sequence. sensitivity_seqs: the first this many sequences also measure
-    each routed-expert tensor's KL gain (``ds4quant.sensitivity``;
+    each routed-expert tensor's KL gain (``ds4quant.calibrate.sensitivity``;
     ``sensitivity.json``, which ``convert --sensitivity`` reads); 0 skips it.
     ``out_dir`` is created if its parent exists; every file in it is
     replaced atomically.
@@ -424,8 +424,8 @@ def calibrate(
         rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "calib")
     """
     from ds4quant.artifact.atomic import atomic_write_json
-    from ds4quant.imatrix import write_imatrix_gguf, write_imatrix_lucebox
-    from ds4quant.routing import RoutingProfile, write_routing_csv, write_routing_json
+    from ds4quant.calib.imatrix import write_imatrix_gguf, write_imatrix_lucebox
+    from ds4quant.calib.routing import RoutingProfile, write_routing_csv, write_routing_json
     from ds4quant.sources import open_official_source
     from ds4quant.sources.config import HASH_MOE
 
@@ -522,7 +522,8 @@ def calibrate(
     files = {"imatrix": IMATRIX_FILE, "imatrix_lucebox": IMATRIX_LUCEBOX_FILE, "routing_csv": ROUTING_CSV,
              "routing_json": ROUTING_JSON}
     if sensitivity_seqs:
-        from ds4quant.sensitivity import SENSITIVITY_FILE, measure_sensitivity, write_sensitivity
+        from ds4quant.calib.sensitivity import SENSITIVITY_FILE, write_sensitivity
+        from ds4quant.calibrate.sensitivity import measure_sensitivity
 
         t1 = time.monotonic()
         with torch_threads(1):

@@ -9,28 +9,23 @@ and a routing profile (Lucebox hotness CSV or ds4quant JSON), plans with
     p, rep = place("out/tiny", "calib/routing.csv", ranks=2, strategy="balanced", replicate_hot=1)
 
 ``place_from_bytes`` is the same without an artifact (expert bytes given).
-Sizes: ``parse_size`` takes 1024, 512K, 512M, 50G, 1.5T (binary units; a
-trailing B or iB is allowed). It is a separate copy of convert's parser
-(``convert._parse_size``), stricter: exact decimal arithmetic, 0 allowed,
-negative and > 2^62 refused.
+Owner budgets are sizes (``ds4quant.sizes.parse_size``: 1024, 512M, 50G; 0
+allowed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
 from ds4quant.errors import BadInputError, BudgetError, ShapeError
-from ds4quant.routing import RoutingProfile, read_routing
+from ds4quant.calib.routing import RoutingProfile, read_routing
 from ds4quant.runtime.placement import Placement, check_owner_name, read_placement, write_placement
 from ds4quant.runtime.planning import (
-    MAX_BUDGET,
     check_plan_options,
     check_rank_options,
     PlacementReport,
@@ -40,34 +35,11 @@ from ds4quant.runtime.planning import (
     plan_ranks,
     rank_report,
 )
+from ds4quant.sizes import parse_size
 
-__all__ = ["place", "place_from_bytes", "check_placement", "parse_size", "parse_owner", "artifact_fingerprint"]
-
-_SIZE_RE = re.compile(r"([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([KMGT]?)(I?B)?")
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+__all__ = ["place", "place_from_bytes", "check_placement", "parse_owner", "artifact_fingerprint"]
 
 OwnerSpec = Union[str, tuple]
-
-
-def parse_size(text: Any, where: str = "size") -> int:
-    """Bytes from '1024', '512M', '50G', '1.5T' (binary units; B/iB suffix optional)."""
-    if isinstance(text, bool):
-        raise BadInputError(f"bad size {text!r}", where=where)
-    if isinstance(text, (int, np.integer)):
-        v = int(text)
-    else:
-        t = str(text).strip().upper()
-        m = _SIZE_RE.fullmatch(t) if len(t) <= 40 else None
-        if m is None:
-            raise BadInputError(f"bad size {text!r}", where=where, hint="e.g. 1024, 512M or 50G")
-        v = int(Fraction(m.group(2)) * _UNITS[m.group(3)])  # floor of exact bytes
-        if m.group(1) == "-" and v:
-            v = -v
-    if v < 0:
-        raise BudgetError(f"size must not be negative, got {text!r}", where=where)
-    if v > MAX_BUDGET:
-        raise BudgetError(f"size {text!r} is larger than 2^62 bytes", where=where)
-    return v
 
 
 def parse_owner(spec: OwnerSpec) -> tuple[str, Optional[int]]:

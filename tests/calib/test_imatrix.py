@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ds4quant.errors import BadInputError, CorruptDataError, Ds4quantError, ShapeError, UnsupportedFormatError
-from ds4quant.imatrix import (
+from ds4quant.calib.imatrix import (
     Imatrix,
     importance_for,
     make_imatrix,

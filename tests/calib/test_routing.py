@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ds4quant.errors import BadInputError, CorruptDataError, Ds4quantError, ShapeError, UnsupportedFormatError
-from ds4quant.routing import (
+from ds4quant.calib.routing import (
     CSV_FORMAT_LINE,
     RoutingProfile,
     read_routing,

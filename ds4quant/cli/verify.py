@@ -1,0 +1,114 @@
+"""``ds4quant verify``: is an artifact sound, and (with --source, --fidelity) how faithful."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ds4quant.cli.group import cli
+from ds4quant.cli.options import (
+    PATH,
+    fidelity_option,
+    imatrix_option,
+    json_option,
+    mode_option,
+    protocol_option,
+    source_option,
+    variant_107_option,
+)
+from ds4quant.cli.output import emit_json, verify_progress
+
+
+@cli.command("verify")
+@click.argument("artifact", type=PATH)
+@source_option(help="The checkpoint folder (or GGUF) it was made from: decode every tensor and compare.")
+@imatrix_option(help="Importance matrix for the importance-weighted error (needs --source).")
+@click.option("--report", "report_dir", default=None, type=PATH,
+              help="Write report.md and PNG plots into this folder.")
+@click.option("--threshold-db", type=float, default=None,
+              help="Flag lossy tensors below this SQNR (default: a floor per qtype).")
+@variant_107_option()
+@fidelity_option(help="Run the model through the bundled runtime against the transformers reference (needs --source): "
+                      "KL, top-1, PPL ratio, MoE error per layer, response and MoE-output hashes.")
+@click.option("--placement", "placements", multiple=True, type=PATH,
+              help="Placement file for --fidelity (default: one CPU owner); a cluster placement (place --ranks N) "
+                   "runs the experts on N gloo ranks of this host; give it twice to compare two placements.")
+@mode_option(help="Runtime numeric mode for --fidelity (exact: the bitwise identity definition, slower).")
+@click.option("--tokens", "tokens_file", default=None, type=PATH,
+              help="Evaluation token ids for --fidelity (one sequence per line, or a JSON list of lists).")
+@click.option("--text", "text_file", default=None, type=PATH,
+              help="Evaluation text for --fidelity (UTF-8; blank-line-separated documents, the source's tokenizer).")
+@protocol_option(help="Also run the exact-copy protocol (20 identifiers x 3 contexts; needs the source's "
+                      "tokenizer.json and task.json).")
+@json_option(help="Print one JSON object {ok, checks, tensors, summary[, fidelity]}.")
+def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, fidelity, placements, mode,
+               tokens_file, text_file, protocol, as_json):
+    """Check that an artifact (or release folder, or bare .gguf) is sound:
+    types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
+    file hashes against manifest.json (and SHA256SUMS). With --source, decode
+    every tensor and report its error against the source.
+
+    Exit status: 0 sound, 1 a check failed, 2 unusable input.
+
+    \b
+    Examples:
+      ds4quant verify out/tiny-strix
+      ds4quant verify out/tiny-strix --source samples/ds4-tiny --report out/tiny-strix-report
+      ds4quant verify release/ --json
+      ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --protocol exact-copy
+      ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --mode exact \\
+          --placement a.json --placement b.json
+      ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --mode exact \\
+          --placement cluster.json     # ds4quant place --ranks 2: two gloo ranks
+    """
+    from ds4quant.verify import verify
+
+    if report_dir is not None:
+        from ds4quant.publish.report import check_report_dir
+
+        check_report_dir(report_dir, artifact)
+    progress = verify_progress(source is not None and not as_json and sys.stderr.isatty())
+    rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
+                 progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
+                 text=text_file, protocol=protocol)
+    report_path = None
+    if report_dir is not None:
+        from ds4quant.publish.report import write_report
+
+        report_path = write_report(rep, report_dir)
+    if as_json:
+        emit_json(rep.to_json())
+    else:
+        s = rep.summary
+        click.echo(f"verify {s['artifact']} ({s['kind']}): {len(rep.files)} file(s), {s['n_tensors']} tensors, "
+                   f"{s['tensor_bytes']:,} tensor bytes")
+        for c in rep.checks:
+            click.echo(f"  {'ok  ' if c.ok else 'FAIL'} {c.one_line()}")
+        if s["bpw_experts"] is not None:
+            line = f"routed experts: {s['bpw_experts']:.4f} bpw"
+            if s["expert_sqnr_db"] is not None:
+                line += f", SQNR {s['expert_sqnr_db']:.2f} dB, rel MSE {s['expert_rel_mse']:.4g}"
+            if s["expert_weighted_rel_error"] is not None:
+                line += f", weighted rel error {s['expert_weighted_rel_error']:.4g}"
+            if s["numbers_from"]:
+                line += f" ({'decoded vs source' if s['numbers_from'] == 'source' else 'convert-time, from manifest.json'})"
+            click.echo(line)
+        f = rep.fidelity
+        if f.get("measured"):
+            line = (f"fidelity ({f['mode']} mode, {f['eval_tokens']} tokens): KL mean {f['kl_mean']:.4g} "
+                    f"p99 {f['kl_p99']:.4g}, top-1 {100 * f['top1']:.2f}%, PPL ratio {f['ppl_ratio']:.4f}, "
+                    f"response {f['response_sha256'][:16]}")
+            if f.get("exact_copy"):
+                line += f", exact copy {f['exact_copy']['passes']}/{f['exact_copy']['trials']}"
+            click.echo(line)
+            for c in f.get("cluster") or ():
+                click.echo(f"cluster: {c['n_ranks']} ranks started once in {c['start_s']:.1f} s, {c['calls']} layer "
+                           f"calls, {c['call_ms_median']:.1f} ms median; expert bytes read per rank "
+                           f"{[r['expert_bytes_read'] for r in c['ranks']]}")
+        if report_path is not None:
+            click.echo(f"report: {report_path}")
+        n_bad = len(rep.failed)
+        click.echo("sound" if rep.ok else f"NOT SOUND: {n_bad} check(s) failed")
+    if not rep.ok:
+        click.get_current_context().exit(1)

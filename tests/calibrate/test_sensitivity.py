@@ -1,0 +1,88 @@
+"""The calibrate stage's sensitivity pass: gains for every routed tensor, deterministic,
+the model restored, and convert finding the file beside the imatrix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4quant.calib.sensitivity import read_sensitivity
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "samples" / "ds4-tiny"
+TOKENS = ROOT / "samples" / "tokens.txt"
+
+
+@pytest.fixture(scope="module")
+def tiny_calib(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from ds4quant.calibrate import calibrate
+
+    out = tmp_path_factory.mktemp("calib")
+    rep = calibrate(SAMPLE, TOKENS, out, sensitivity_seqs=2)
+    return rep, out
+
+
+def test_calibrate_writes_gains_for_every_routed_tensor(tiny_calib):
+    from ds4quant.sources import open_official_source
+
+    rep, out = tiny_calib
+    assert rep.files["sensitivity"] == "sensitivity.json"
+    with open_official_source(SAMPLE, "test") as src:
+        fp, n_layer = src.fingerprint(), src.config.num_hidden_layers
+    s = read_sensitivity(out / "sensitivity.json", fingerprint=fp)
+    assert set(s.gains) == {f"blk.{i}.ffn_{p}_exps.weight" for i in range(n_layer) for p in ("gate", "up", "down")}
+    assert all(np.isfinite(g) and g > 0 for g in s.gains.values())
+    assert s.sequences == 2 and rep.sha256["sensitivity.json"]
+
+
+def test_sensitivity_is_deterministic_and_restores_the_model(tiny_calib, tmp_path):
+    from ds4quant.calibrate import calibrate
+
+    _, out = tiny_calib
+    calibrate(SAMPLE, TOKENS, tmp_path / "again", sensitivity_seqs=2)
+    assert (tmp_path / "again" / "sensitivity.json").read_bytes() == (out / "sensitivity.json").read_bytes()
+    # the imatrix does not depend on whether the sensitivity pass ran
+    calibrate(SAMPLE, TOKENS, tmp_path / "none", sensitivity_seqs=0)
+    assert not (tmp_path / "none" / "sensitivity.json").exists()
+    assert (tmp_path / "none" / "imatrix.gguf").read_bytes() == (out / "imatrix.gguf").read_bytes()
+
+
+def test_measure_restores_weights():
+    torch = pytest.importorskip("torch")
+    from ds4quant.calibrate import calibrate  # noqa: F401  (the reference stack is importable)
+    from ds4quant.runtime.reference import load_reference
+    from ds4quant.calibrate.sensitivity import measure_sensitivity
+
+    model = load_reference(SAMPLE, threads=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    measure_sensitivity(model, [[0, 5, 9, 3, 7, 11]], None, None)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_convert_uses_the_calibrate_runs_own_sensitivity_beside_the_imatrix(tiny_calib, tmp_path):
+    """`calibrate --out C` then `convert --imatrix C/imatrix.gguf`: the adaptive recipe allocates
+    by C/sensitivity.json unless told `--sensitivity none`; the same bytes as naming it."""
+    from click.testing import CliRunner
+
+    from ds4quant.cli import cli
+
+    _, calib = tiny_calib
+    base = ["--recipe", "adaptive", "--target-bpw", "2.8", "--imatrix", str(calib / "imatrix.gguf"),
+            "--candidates", "rocmfp2,rocmfp3,rocmfp4", "--fit-effort", "1,0,64", "--threads", "1",
+            "--cache-dir", str(tmp_path / "cache"), "--json"]
+    runs = {}
+    for name, extra in (("auto", []), ("named", ["--sensitivity", str(calib / "sensitivity.json")]),
+                        ("none", ["--sensitivity", "none"])):
+        r = CliRunner().invoke(cli, ["convert", str(SAMPLE), str(tmp_path / name), *base, *extra])
+        assert r.exit_code == 0, r.output
+        j = json.loads(r.output)
+        runs[name] = (j["adaptive"], next((tmp_path / name).glob("*.gguf")).read_bytes())
+    assert runs["auto"][0]["objective"].startswith("predicted KL")
+    assert runs["auto"][0]["options"]["sensitivity"] == str(calib / "sensitivity.json")
+    assert runs["none"][0]["objective"] == "weighted error" and runs["none"][0]["options"]["sensitivity"] is None
+    assert runs["auto"][1] == runs["named"][1]
