@@ -109,7 +109,7 @@ def verify(
     progress: called with one dict per decoded tensor (index, total, name, qtype, sqnr_db, seconds).
     fidelity: measure the model through the runtime (needs ``source``) on ``placements`` (up to two
     placement files or mappings; none: one CPU owner; a file that records ranks runs that many gloo
-    ranks, ``runtime.cluster_group``) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
+    ranks, ``runtime.cluster.group``) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
     file) or ``text`` (UTF-8 file) or the built-in documents; ``protocol="exact-copy"`` adds the
     exact-copy protocol. Figures go to ``rep.fidelity`` (see ``ds4quant.verify.fidelity``).
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.

@@ -233,7 +233,7 @@ def runtime_for(view, placement, mode: str):
     records ranks, a ``RankGroup`` of that many gloo ranks over the same
     artifact (they check its fingerprint against this view's)."""
     from ds4quant import runtime
-    from ds4quant.runtime.cluster_group import RankGroup, is_rank_placement
+    from ds4quant.runtime.cluster.group import RankGroup, is_rank_placement
 
     if placement is not None and is_rank_placement(placement):
         return RankGroup(view.layout.path, placement, mode=mode, expect_fingerprint=view.fingerprint())
@@ -241,7 +241,7 @@ def runtime_for(view, placement, mode: str):
 
 
 def placement_label(placement) -> str:
-    from ds4quant.runtime.cluster_group import is_rank_placement
+    from ds4quant.runtime.cluster.group import is_rank_placement
     from ds4quant.runtime.placement import read_placement
 
     if placement is None:

@@ -19,7 +19,7 @@ runtime on the given placement (default: one CPU owner) in the given mode
 
 A placement that records ranks (``ds4quant place --ranks N``) runs the
 candidate's routed experts on N gloo ranks on this host
-(``runtime.cluster_group.RankGroup``: started once per placement, serving every
+(``runtime.cluster.group.RankGroup``: started once per placement, serving every
 layer call of the run; rank start-up and per-call timings go to
 ``cluster``); exact mode gives the single-process bytes there too.
 

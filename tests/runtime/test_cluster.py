@@ -365,7 +365,7 @@ def test_cli_run_starts_torchrun_and_writes_the_result(arts, inputs, tmp_path):
 
 
 # --------------------------------------------------------------------------
-# the persistent rank group (runtime.cluster_group): started once, serving calls
+# the persistent rank group (runtime.cluster.group): started once, serving calls
 
 
 def _shm() -> set[str]:
@@ -374,7 +374,7 @@ def _shm() -> set[str]:
 
 @pytest.mark.parametrize("n", [4])  # 2 ranks: tests/verify/test_fidelity_cluster.py, through a whole model
 def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, tmp_path, own_tmp, n):
-    from ds4quant.runtime.cluster_group import RankGroup
+    from ds4quant.runtime.cluster.group import RankGroup
     from ds4quant.runtime.placement import read_placement
 
     x, tok = inputs
@@ -418,7 +418,7 @@ def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, t
 
 
 def test_rank_group_refuses_an_artifact_other_than_the_callers(arts, tmp_path, own_tmp):
-    from ds4quant.runtime.cluster_group import RankGroup
+    from ds4quant.runtime.cluster.group import RankGroup
 
     pname = _placements(arts["strix"], 2, tmp_path, owner="cpu")["uniform"]
     with pytest.raises(ClusterError) as ei:
@@ -435,7 +435,7 @@ def test_rank_group_ends_by_itself_when_its_caller_dies(arts, tmp_path, own_tmp)
     import sys
 
     pname = _placements(arts["strix"], 2, tmp_path, owner="cpu")["uniform"]
-    code = ("import sys, time\nfrom ds4quant.runtime.cluster_group import RankGroup\n"
+    code = ("import sys, time\nfrom ds4quant.runtime.cluster.group import RankGroup\n"
             "g = RankGroup(sys.argv[1], sys.argv[2], timeout_s=10)\n"
             "print(g._tmp, flush=True)\ntime.sleep(600)\n")
     home = subprocess.Popen([sys.executable, "-c", code, str(arts["strix"]), str(pname)], stdout=subprocess.PIPE,

@@ -1,5 +1,5 @@
 """verify --fidelity --placement cluster.json: the candidate's routed experts on
-gloo ranks (runtime.cluster_group), started once per run; exact mode gives the
+gloo ranks (runtime.cluster.group), started once per run; exact mode gives the
 single-process hashes; a bad cluster placement or a dead rank is one line and
 exit 2 with no process, temporary folder or shared memory left behind.
 

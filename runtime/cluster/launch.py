@@ -14,7 +14,7 @@ or, started by torchrun (one process per rank; rank 0 writes RESULT.json)::
 placement is a rank placement (``ds4quant place --ranks N [--strategy
 uniform|balanced] [--replicate-hot K]``); each rank loads only its own and the
 replicated experts (``Placement.for_rank``; the rest ``none``: hot-only
-storage, cold owner None). What a rank does: ``runtime.cluster_rank``.
+storage, cold owner None). What a rank does: ``runtime.cluster.rank``.
 
 Exact mode: per-slot expert outputs are all_gathered (every rank needs the
 layer output, and tokens are not sharded, so each rank's slots go to every
@@ -48,7 +48,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant.errors import BadInputError, Ds4quantError
-from ds4quant.runtime.cluster_rank import FAULT_ENV, ClusterError
+from ds4quant.runtime.cluster.rank import FAULT_ENV, ClusterError
 
 __all__ = ["ClusterError", "ClusterRun", "run_cluster_layers", "run_cluster_jobs", "launch", "main", "FAULT_ENV"]
 
@@ -387,7 +387,7 @@ def result_lines(run: ClusterRun) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from ds4quant.runtime.cluster_rank import rank_entry
+    from ds4quant.runtime.cluster.rank import rank_entry
 
     args = _parser().parse_args(argv)
     if args.rank_spec:

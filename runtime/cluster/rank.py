@@ -557,8 +557,8 @@ def serve(spec: dict) -> int:
     try:
         from ds4quant.artifact.view import open_artifact
 
-        if spec.get("serve"):  # a persistent group serving layer calls (runtime.cluster_group)
-            from ds4quant.runtime.cluster_group import serve_calls
+        if spec.get("serve"):  # a persistent group serving layer calls (runtime.cluster.group)
+            from ds4quant.runtime.cluster.group import serve_calls
 
             return serve_calls(g, spec, dog)
         out_dir = Path(spec["out_dir"])

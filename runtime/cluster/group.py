@@ -1,6 +1,6 @@
 """A persistent rank group: N ranks started once, serving every layer call.
 
-    from ds4quant.runtime.cluster_group import RankGroup
+    from ds4quant.runtime.cluster.group import RankGroup
     with RankGroup("out/art", "cluster.json", mode="exact") as grp:   # starts the ranks, waits for them
         model.model.layers[L].mlp.experts = grp.experts(L)             # transformers' experts call
         y = grp.run_layer(L, hidden, top_k_index, top_k_weights).out   # f32 [T, H]
@@ -50,7 +50,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant.errors import BadInputError, Ds4quantError
-from ds4quant.runtime.cluster_rank import ClusterError
+from ds4quant.runtime.cluster.rank import ClusterError
 
 __all__ = ["RankGroup", "ClusterCall", "serve_calls", "is_rank_placement"]
 
@@ -185,7 +185,7 @@ class RankGroup:
 
     # -- start-up -------------------------------------------------------
     def _start(self, artifact, placement, startup_s, env, threads, owners, expect_fingerprint) -> None:
-        from ds4quant.runtime.cluster import start_ranks
+        from ds4quant.runtime.cluster.launch import start_ranks
 
         t0 = time.perf_counter()
         token = secrets.token_hex(16)  # proves the connecting process read our spec file
@@ -310,7 +310,7 @@ class RankGroup:
                 self._wire.send({"op": "stop"})
             except OSError:
                 pass
-        from ds4quant.runtime.cluster import grace_s
+        from ds4quant.runtime.cluster.launch import grace_s
 
         until = time.monotonic() + grace_s(self.timeout_s)
         while any(p.poll() is None for p in self._procs) and time.monotonic() < until:
@@ -318,7 +318,7 @@ class RankGroup:
         self._teardown()
 
     def _teardown(self) -> None:
-        from ds4quant.runtime.cluster import _kill
+        from ds4quant.runtime.cluster.launch import _kill
 
         self._closed = True
         if self._wire is not None:
@@ -328,13 +328,13 @@ class RankGroup:
 
     def _fail(self, reason: Optional[str]):
         """End every rank and raise one ClusterError naming each one's part."""
-        from ds4quant.runtime.cluster import failure_lines, grace_s
+        from ds4quant.runtime.cluster.launch import failure_lines, grace_s
 
         until = time.monotonic() + grace_s(self.timeout_s)
         while any(p.poll() is None for p in self._procs) and time.monotonic() < until:
             time.sleep(0.05)
         hung = [i for i, p in enumerate(self._procs) if p.poll() is None]
-        from ds4quant.runtime.cluster import _kill
+        from ds4quant.runtime.cluster.launch import _kill
 
         _kill(self._procs)
         lines = failure_lines(self._tmp, self._procs, self._errs, hung, self.launcher)
@@ -363,7 +363,7 @@ def serve_calls(g, spec: dict, dog) -> int:
     raised on every rank (rank 0 sends it to the home first)."""
     import torch
 
-    from ds4quant.runtime.cluster_rank import open_shard
+    from ds4quant.runtime.cluster.rank import open_shard
 
     job = spec["jobs"][0]
     mode = job.get("mode", "exact")
@@ -427,7 +427,7 @@ def _serve_one(g, shard, wire, msg, L: int, T: int, K: int, H: int, mode: str) -
     """One call on this rank: receive it, compute this rank's slots, exchange; rank 0 combines and replies."""
     import torch
 
-    from ds4quant.runtime.cluster_rank import inject_fault, my_slots
+    from ds4quant.runtime.cluster.rank import inject_fault, my_slots
     from ds4quant.runtime.execute import combine
 
     rank, n = g.rank, g.size

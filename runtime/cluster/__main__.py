@@ -1,0 +1,5 @@
+import sys
+
+from ds4quant.runtime.cluster.launch import main
+
+sys.exit(main())
