@@ -97,11 +97,12 @@ def bench_group(art: Path, plc: Path, n: int, batches, repeat: int, timeout: flo
 
     import torch
 
-    from ds4quant.runtime.cluster.group import RankGroup
+    from ds4quant import runtime
+    from ds4quant.runtime.cluster import ClusterOptions
 
     rows = []
     t0 = time.perf_counter()
-    with RankGroup(art, plc, mode="exact", timeout_s=timeout, threads=None) as grp:
+    with runtime.load(art, plc, "exact", cluster=ClusterOptions(timeout_s=timeout, threads=None)) as grp:
         start = time.perf_counter() - t0
         from ds4quant.artifact.view import open_artifact
 

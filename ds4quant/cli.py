@@ -17,6 +17,7 @@ import click
 from ds4quant import __version__
 from ds4quant.cli_support import eta_text, parse_fit_effort, progress_printer, sensitivity_file, size_cell, verify_progress
 from ds4quant.errors import Ds4quantError
+from ds4quant.runtime.mode import Mode
 
 
 class _Group(click.Group):
@@ -257,7 +258,7 @@ def inspect_cmd(artifact, variant_107, as_json):
 @click.option("--placement", "placements", multiple=True, type=click.Path(path_type=str),
               help="Placement file for --fidelity (default: one CPU owner); a cluster placement (place --ranks N) "
                    "runs the experts on N gloo ranks of this host; give it twice to compare two placements.")
-@click.option("--mode", type=click.Choice(["exact", "fast"]), default="fast", show_default=True,
+@click.option("--mode", type=click.Choice([m.value for m in Mode]), default="fast", show_default=True,
               help="Runtime numeric mode for --fidelity (exact: the bitwise identity definition, slower).")
 @click.option("--tokens", "tokens_file", default=None, type=click.Path(path_type=str),
               help="Evaluation token ids for --fidelity (one sequence per line, or a JSON list of lists).")
@@ -320,14 +321,15 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
                 line += f" ({'decoded vs source' if s['numbers_from'] == 'source' else 'convert-time, from manifest.json'})"
             click.echo(line)
         f = rep.fidelity
-        if f.get("measured"):
-            line = (f"fidelity ({f['mode']} mode, {f['eval_tokens']} tokens): KL mean {f['kl_mean']:.4g} "
-                    f"p99 {f['kl_p99']:.4g}, top-1 {100 * f['top1']:.2f}%, PPL ratio {f['ppl_ratio']:.4f}, "
-                    f"response {f['response_sha256'][:16]}")
-            if f.get("exact_copy"):
-                line += f", exact copy {f['exact_copy']['passes']}/{f['exact_copy']['trials']}"
+        if f.measured:
+            m = f.logits
+            line = (f"fidelity ({f.mode} mode, {f.eval_tokens} tokens): KL mean {m.kl_mean:.4g} "
+                    f"p99 {m.kl_p99:.4g}, top-1 {100 * m.top1:.2f}%, PPL ratio {m.ppl_ratio:.4f}, "
+                    f"response {f.response_sha256[:16]}")
+            if f.exact_copy:
+                line += f", exact copy {f.exact_copy.passes}/{f.exact_copy.trials}"
             click.echo(line)
-            for c in f.get("cluster") or ():
+            for c in f.cluster:
                 click.echo(f"cluster: {c['n_ranks']} ranks started once in {c['start_s']:.1f} s, {c['calls']} layer "
                            f"calls, {c['call_ms_median']:.1f} ms median; expert bytes read per rank "
                            f"{[r['expert_bytes_read'] for r in c['ranks']]}")
@@ -353,7 +355,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
                    "the model card carries the figures.")
 @click.option("--protocol", type=click.Choice(["exact-copy"]), default=None,
               help="With --fidelity: run this protocol too.")
-@click.option("--mode", type=click.Choice(["exact", "fast"]), default="fast", show_default=True,
+@click.option("--mode", type=click.Choice([m.value for m in Mode]), default="fast", show_default=True,
               help="With --fidelity: the runtime's mode.")
 @click.option("--force", is_flag=True, help="Replace a non-empty OUTDIR.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -445,7 +447,7 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, sensitiv
 @click.option("--tokens", type=int, default=1, show_default=True, help="Seeded synthetic tokens per layer.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--layers", default=None, metavar="L1,L2,...", help="MoE layers to run (default: all).")
-@click.option("--mode", type=click.Choice(["exact", "fast"]), default="exact", show_default=True)
+@click.option("--mode", type=click.Choice([m.value for m in Mode]), default="exact", show_default=True)
 @click.option("--owner", "owners", multiple=True, metavar="NAME",
               help="Local owner(s) of each rank, {local_rank} substituted (default: the placement's).")
 @click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True)

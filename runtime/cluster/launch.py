@@ -1,33 +1,12 @@
-"""Expert-parallel cluster on torch.distributed: N ranks give the single-process bytes.
+"""Starting, watching and ending the rank processes of a cluster.
 
-    from ds4quant.runtime.cluster import run_cluster_layers
-    run = run_cluster_layers("out/art", "cluster.json", tokens=8, n_ranks=2)   # gloo on localhost
-    run.sha256[2], run.outputs[2]          # layer 2's MoE output: sha256, float32 [T, H]
-    run.ranks[1]["expert_bytes_read"]      # what rank 1 read (its share: run.ranks[1]["share_bytes"])
-
-or, started by torchrun (one process per rank; rank 0 writes RESULT.json)::
-
-    torchrun --nproc-per-node 2 -m ds4quant.runtime.cluster ART --placement cluster.json \
-        --tokens 8 --out RESULT.json
-
-``ds4quant run ART --ranks N --placement P`` starts torchrun itself. The
-placement is a rank placement (``ds4quant place --ranks N [--strategy
-uniform|balanced] [--replicate-hot K]``); each rank loads only its own and the
-replicated experts (``Placement.for_rank``; the rest ``none``: hot-only
-storage, cold owner None). What a rank does: ``runtime.cluster.rank``.
-
-Exact mode: per-slot expert outputs are all_gathered (every rank needs the
-layer output, and tokens are not sharded, so each rank's slots go to every
-rank: all_gather, not all_to_all) and every rank combines all slots in
-canonical order with ``execute.combine``; never per-rank partial sums, so the
-bytes equal one process's for any N, strategy or replication. Fast mode
-all_reduces per-rank partial sums (its distance from exact is measured by
-the benchmark and the tests).
-
-The launcher (``launch``) starts the ranks as child processes in their own
-sessions with stderr to files in one temporary folder, waits with a
-deadline, kills by pid whatever outlives a failed peer by a grace period,
-and removes the folder; gloo uses TCP on localhost (no shared memory).
+``start_ranks`` starts one process per rank (or one torchrun) in its own
+session with stderr to a file in one temporary folder; ``launch`` runs a
+spec's jobs to the end under a deadline; a failed rank's peers get
+``grace_s`` to report their own error, then whatever is left is killed by
+pid (``kill_ranks``: only the processes this launcher started) and
+``failure_lines`` names each rank's part in one line. gloo uses TCP on
+localhost (no shared memory).
 """
 
 from __future__ import annotations
@@ -41,52 +20,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from ds4quant.errors import BadInputError, Ds4quantError
-from ds4quant.runtime.cluster.rank import FAULT_ENV, ClusterError
 
-__all__ = ["ClusterError", "ClusterRun", "run_cluster_layers", "run_cluster_jobs", "launch", "main", "FAULT_ENV"]
+__all__ = ["ClusterError", "LAUNCHERS", "NCCL_ENV", "start_ranks", "kill_ranks", "grace_s", "failure_lines", "launch"]
 
-MODES = ("exact", "fast")
 LAUNCHERS = ("spawn", "torchrun")
 # NVLink SHARP multicast stays off on every rank (device notes: it needs a
 # fabric set-up these hosts do not have, and hangs NCCL init without it)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
 
-@dataclass(frozen=True)
-class ClusterRun:
-    """One job's result: per-layer MoE outputs (float32 [T, H]) and sha256,
-    and each rank's report (experts held, bytes read/resident, per-layer
-    timings: route, compute, exchange, combine)."""
-
-    n_ranks: int
-    mode: str
-    outputs: Mapping[int, np.ndarray]
-    sha256: Mapping[int, str]
-    ranks: tuple[dict, ...]
-    wall_s: float = 0.0
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    def to_json(self) -> dict:
-        """Without the outputs (they go to an .npz)."""
-        return {"n_ranks": self.n_ranks, "mode": self.mode, "wall_s": self.wall_s,
-                "fingerprint": self.ranks[0]["fingerprint"], "placement_sha256": self.ranks[0]["placement_sha256"],
-                "layers": [{"layer": L, "sha256": self.sha256[L],
-                            **{k: max(r["layers"][i][k] for r in self.ranks)
-                               for k in ("total_s", "route_s", "compute_s", "exchange_s", "combine_s")}}
-                           for i, L in enumerate(sorted(self.sha256))],
-                "ranks": [{k: v for k, v in r.items() if k != "holdings"} for r in self.ranks],
-                "notes": list(self.notes)}
-
-
-# --------------------------------------------------------------------------
-# launching
+class ClusterError(Ds4quantError):
+    """A cluster run failed: a rank's error, a peer that died or hung, a mismatch."""
 
 
 def _free_port() -> int:
@@ -117,7 +67,7 @@ def _rank_env(rank: int, n: int, port: int, threads: int, extra: Optional[Mappin
     return env
 
 
-def _kill(procs) -> None:
+def kill_ranks(procs) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -176,7 +126,7 @@ def start_ranks(tmp: Path, spec: dict, n_ranks: int, *, launcher: str = "spawn",
                 procs.append(subprocess.Popen(trun, env=tenv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                               stderr=fe, start_new_session=True))
     except BaseException:
-        _kill(procs)
+        kill_ranks(procs)
         raise
     return procs, errs
 
@@ -241,7 +191,7 @@ def launch(spec: dict, n_ranks: int, *, inputs: Optional[Mapping[str, np.ndarray
                 break
             time.sleep(0.05)
         hung = [i for i, p in enumerate(procs) if p.poll() is None]
-        _kill(procs)
+        kill_ranks(procs)
         if any(p.returncode != 0 for p in procs):
             lines = failure_lines(tmp, procs, errs, hung, launcher)
             raise ClusterError(f"cluster of {n_ranks} ranks failed: " + "; ".join(lines))
@@ -253,174 +203,5 @@ def launch(spec: dict, n_ranks: int, *, inputs: Optional[Mapping[str, np.ndarray
             out.append({"ranks": rep["ranks"], "outputs": outputs})
         return out
     finally:
-        _kill(procs)
+        kill_ranks(procs)
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------
-# the public functions
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise BadInputError(f"must be one of {', '.join(MODES)}, got {mode!r}", where="--mode")
-
-
-def _inputs(hidden_by_layer, tokens, token_ids, routing, seed) -> tuple[dict, Optional[dict]]:
-    """(spec fields, npz arrays)."""
-    if hidden_by_layer is None:
-        if tokens is None:
-            raise BadInputError("give hidden_by_layer (with token_ids) or tokens (a count)")
-        if not isinstance(tokens, int) or not 1 <= tokens <= 1 << 20:
-            raise BadInputError(f"must be a token count in 1..2^20, got {tokens!r}", where="--tokens")
-        if routing:
-            raise BadInputError("routing needs explicit hidden_by_layer")
-        return {"tokens": tokens, "seed": int(seed)}, None
-    arrays: dict[str, np.ndarray] = {}
-    if isinstance(hidden_by_layer, Mapping):
-        for L, x in hidden_by_layer.items():
-            arrays[f"hidden_{int(L)}"] = _np32(x)
-        T = next(iter(arrays.values())).shape[0]
-    else:
-        arrays["hidden"] = _np32(hidden_by_layer)
-        T = arrays["hidden"].shape[0]
-    arrays["token_ids"] = (np.zeros(T, np.int64) if token_ids is None
-                           else np.asarray(_np(token_ids), dtype=np.int64).reshape(-1))
-    for L, (idx, w) in (routing or {}).items():
-        arrays[f"idx_{int(L)}"] = np.asarray(_np(idx), dtype=np.int64)
-        arrays[f"w_{int(L)}"] = _np32(w)
-    return {}, arrays
-
-
-def _np(x) -> np.ndarray:
-    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
-
-
-def _np32(x) -> np.ndarray:
-    a = np.ascontiguousarray(_np(x), dtype=np.float32)
-    if a.ndim != 2:
-        raise BadInputError(f"hidden must be [T, H], got shape {a.shape}")
-    return a
-
-
-def run_cluster_jobs(jobs: Sequence[Mapping[str, Any]], n_ranks: int, hidden_by_layer=None, tokens=None, *,
-                     token_ids=None, routing=None, seed: int = 0, timeout_s: float = 60, backend: str = "gloo",
-                     launcher: str = "spawn", env: Optional[Mapping[str, str]] = None,
-                     threads: Optional[int] = None, rank_jobs=None) -> list[ClusterRun]:
-    """Several jobs ({artifact, placement, mode, layers, owners, holdings}) in
-    one process group (one start-up for many placements); see run_cluster_layers."""
-    if backend not in ("gloo", "nccl"):
-        raise BadInputError(f"must be gloo or nccl, got {backend!r}", where="--backend")
-    clean = []
-    for job in jobs:
-        mode = job.get("mode", "exact")
-        _check_mode(mode)
-        clean.append({"artifact": str(job["artifact"]), "placement": str(job["placement"]), "mode": mode,
-                      "layers": list(job["layers"]) if job.get("layers") else None,
-                      "owners": list(job["owners"]) if job.get("owners") else None,
-                      "holdings": bool(job.get("holdings")), "route": job.get("route", "broadcast")})
-    fields, arrays = _inputs(hidden_by_layer, tokens, token_ids, routing, seed)
-    t0 = time.perf_counter()
-    res = launch({"jobs": clean, "backend": backend, **fields}, n_ranks, inputs=arrays, timeout_s=timeout_s,
-                 launcher=launcher, env=env, threads=threads, rank_jobs=rank_jobs)
-    wall = time.perf_counter() - t0
-    runs = []
-    for job, r in zip(clean, res):
-        ranks = tuple(r["ranks"])
-        sha = {int(t["layer"]): t["sha256"] for t in ranks[0]["layers"]}
-        runs.append(ClusterRun(n_ranks, job["mode"], r["outputs"], sha, ranks, wall_s=wall))
-    return runs
-
-
-def run_cluster_layers(artifact, placement, hidden_by_layer=None, tokens=None, n_ranks: int = 2,
-                       mode: str = "exact", timeout_s: float = 60, **kw) -> ClusterRun:
-    """The MoE layers of ``artifact`` on ``n_ranks`` ranks of rank placement
-    ``placement`` (a file): per-layer outputs, sha256 and rank reports.
-
-    hidden_by_layer: {layer: f32 [T, H]} or one [T, H] for every layer (with
-    ``token_ids`` [T] for the hash layers; ``routing`` {layer: (idx, w)}
-    overrides the router, else rank 0 routes and broadcasts); or ``tokens``: a count of seeded synthetic
-    tokens. kw: layers, owners (local owner names per rank, ``{local_rank}``
-    substituted, e.g. ["cuda:{local_rank}"] or ["torch-cpu:0", "cpu:1"]),
-    backend (gloo | nccl), launcher (spawn | torchrun), seed, env, threads,
-    holdings (report digests of every held expert). This is what verify's
-    fidelity stage calls for ``--placement cluster.json``."""
-    job_keys = ("layers", "owners", "holdings", "route")
-    job = {"artifact": artifact, "placement": placement, "mode": mode, **{k: kw.pop(k) for k in job_keys if k in kw}}
-    return run_cluster_jobs([job], n_ranks, hidden_by_layer, tokens, timeout_s=timeout_s, **kw)[0]
-
-
-# --------------------------------------------------------------------------
-# `python -m ds4quant.runtime.cluster` (under torchrun, or a rank of launch)
-
-
-def _parser():
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m ds4quant.runtime.cluster",
-                                 description="One rank of an expert-parallel cluster (start with torchrun).")
-    ap.add_argument("artifact", nargs="?")
-    ap.add_argument("--placement")
-    ap.add_argument("--tokens", type=int, default=1, help="seeded synthetic tokens (hidden ~ N(0, 1))")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layers", default=None, help="comma-separated layers (default all)")
-    ap.add_argument("--mode", default="exact", choices=MODES)
-    ap.add_argument("--owner", action="append", default=None, help="local owner name(s); {local_rank} substituted")
-    ap.add_argument("--backend", default=None, choices=("gloo", "nccl"), help="default: nccl for cuda owners")
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--out", default=None, help="rank 0 writes the result JSON here")
-    ap.add_argument("--outputs", default=None, help="rank 0 writes the outputs (.npz) here")
-    ap.add_argument("--rank-spec", default=None, help=argparse.SUPPRESS)
-    return ap
-
-
-def result_lines(run: ClusterRun) -> list[str]:
-    j = run.to_json()
-    lines = [f"{run.n_ranks} ranks, {run.mode} mode, placement {j['placement_sha256'][:16]}"]
-    for lay in j["layers"]:
-        lines.append(f"layer {lay['layer']}: sha256 {lay['sha256']}  {1e3 * lay['total_s']:.2f} ms "
-                     f"(exchange {1e3 * lay['exchange_s']:.2f} ms)")
-    for r in j["ranks"]:
-        lines.append(f"rank {r['rank']}: read {r['expert_bytes_read']:,} expert bytes (share {r['share_bytes']:,}) "
-                     f"+ {r['dense_bytes_read']:,} dense; resident {sum(r['resident_bytes'].values()):,}")
-    return lines
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    from ds4quant.runtime.cluster.rank import rank_entry
-
-    args = _parser().parse_args(argv)
-    if args.rank_spec:
-        return rank_entry(args.rank_spec)
-    if not args.artifact or not args.placement:
-        _parser().error("ARTIFACT and --placement are required")
-    backend = args.backend or ("nccl" if any(o.startswith("cuda") for o in args.owner or ()) else "gloo")
-    tmp = Path(tempfile.mkdtemp(prefix="ds4q-cluster-"))
-    try:
-        job = {"artifact": args.artifact, "placement": args.placement, "mode": args.mode, "owners": args.owner,
-               "layers": [int(x) for x in args.layers.split(",")] if args.layers else None}
-        spec = {"jobs": [job], "backend": backend, "tokens": args.tokens, "seed": args.seed,
-                "timeout_s": args.timeout, "out_dir": str(tmp)}
-        (tmp / "spec.json").write_text(json.dumps(spec))
-        rc = rank_entry(str(tmp / "spec.json"))
-        if rc == 0 and int(os.environ.get("RANK", "0")) == 0:
-            rep = json.loads((tmp / "job0.json").read_text())["ranks"]
-            with np.load(tmp / "job0.npz", allow_pickle=False) as z:
-                outputs = {int(k.split("_")[1]): np.array(z[k]) for k in z.files}
-            run = ClusterRun(len(rep), args.mode, outputs, {int(t["layer"]): t["sha256"] for t in rep[0]["layers"]},
-                             tuple(rep))
-            if args.out:
-                Path(args.out).write_text(json.dumps(run.to_json(), indent=1) + "\n")
-            if args.outputs:
-                shutil.copyfile(tmp / "job0.npz", args.outputs)
-            print("\n".join(result_lines(run)))
-        return rc
-    except Ds4quantError as e:
-        sys.stderr.write(f"ds4quant: error: {e.one_line()}\n")
-        return e.exit_code
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,6 +13,7 @@ from ds4quant import formats
 from ds4quant.formats import numba_threads
 from ds4quant.formats._components import row_kind, row_lut
 from ds4quant.runtime import fast as Fm
+from ds4quant.runtime.jit import jit_call
 from tests.runtime import _synth as S
 
 NAMES = ["rocmfp2", "rocmfp2_s40", "rocmfp3", "rocmfp4", "rocmfp2_mix", "rocmfp3_mix", "rocmfp2_affine", "q8_0",
@@ -69,7 +70,7 @@ def test_lane_kernel_bits_follow_their_stated_order(name):
         assert bits in (2, 3)
         x = S.tokens(2, seed=9)
         got = np.empty((2, data.shape[0]), np.float32)
-        Fm._slp(Fm.lane_matmul_nb, kind, p0, bits, data, cols, row_lut(name, books, mode), mode, x, got)
+        jit_call(Fm.lane_matmul_nb, kind, p0, bits, data, cols, row_lut(name, books, mode), mode, x, got)
         kw = dict(codebooks=books, modes=mode) if books is not None else {}
         comp = formats.components(name, data, cols, **kw)
         lev = comp.levels[np.repeat(comp.table, 16, axis=1), comp.codes].astype(np.float32)
