@@ -178,6 +178,8 @@ class Placement:
         for L in range(n_layer):
             table: list[Optional[str]] = [None] * n_expert
             for owner, ids in rows[L].items():
+                if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                    raise BadInputError(f"placement: layer {L} {owner} must list expert ids, got {ids!r}"[:200])
                 for e in ids:
                     if not _is_int(e) or not 0 <= e < n_expert:
                         raise BadInputError(f"placement: layer {L} expert {e!r} outside 0..{n_expert - 1}")
