@@ -6,6 +6,9 @@ and verify never imports the report writer.
 
     rep = verify("out/tiny-strix")          # a VerifyReport
     rep.ok, rep.failed, rep.summary, rep.runtimes
+    f = rep.fidelity                        # a FidelityReport (measured with fidelity=True)
+    f.logits.kl_mean, f.layers[0].local, f.exact_copy, f.runs[0].response_sha256
+    FidelityReport.from_json(f.to_json(seconds=True)) == f
 """
 
 from __future__ import annotations

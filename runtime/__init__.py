@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # values from here without paying for numpy and the artifact reader.
 _FACE = {
     "Executor": "ds4quant.runtime.executor",
+    "Runtime": "ds4quant.runtime.in_process",
     "OwnerName": "ds4quant.runtime.owners.kinds",
     "OwnerKind": "ds4quant.runtime.owners.kinds",
     "make_owner": "ds4quant.runtime.owners.kinds",
