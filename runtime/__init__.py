@@ -24,6 +24,7 @@ from ds4quant.errors import BadInputError
 from ds4quant.runtime.mode import Mode
 
 if TYPE_CHECKING:
+    from ds4quant.runtime.cluster.group import ClusterOptions
     from ds4quant.runtime.executor import Executor
 
 # The public face, imported on first use: ``ds4quant --help`` takes ``Mode``'s
@@ -56,7 +57,7 @@ def __dir__() -> list[str]:
 
 def load(artifact, placement: Any = None, mode: "Mode | str" = Mode.EXACT,
          owners: Optional[Mapping[str, object]] = None, recorder=None, overlap: bool = False,
-         cluster: Optional[Any] = None) -> "Executor":
+         cluster: "Optional[ClusterOptions]" = None) -> "Executor":
     """Load ``artifact`` (folder, .gguf, first split, or an open view) onto ``placement``.
 
     placement: None (one CPU owner, ``cpu:0``), a placement file path, a
