@@ -87,7 +87,7 @@ def start_ranks(tmp: Path, spec: dict, n_ranks: int, *, launcher: str = "spawn",
                 ) -> tuple[list[subprocess.Popen], list[Path]]:
     """Write ``spec`` to ``tmp`` and start the ranks (``launcher``: one child per
     rank, or one torchrun); returns (processes, stderr files). Each process is
-    in its own session, so ``stop_ranks`` can end exactly what this started."""
+    in its own session, so ``kill_ranks`` can end exactly what this started."""
     if not isinstance(n_ranks, int) or not 1 <= n_ranks <= 256:
         raise BadInputError(f"must be an integer in 1..256, got {n_ranks!r}", where="--ranks")
     if launcher not in LAUNCHERS:
