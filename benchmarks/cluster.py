@@ -19,7 +19,7 @@ exact at each point and its relative distance from exact is printed.
 All ranks share one host's cores here: with N ranks on C cores each rank
 gets C // N threads, so this measures the protocol, not N machines.
 
-The second table is the persistent rank group (``runtime.cluster_group``,
+The second table is the persistent rank group (``runtime.cluster.group``,
 what ``verify --fidelity --placement cluster.json`` uses): the ranks' start-up
 (imports, rendezvous, loading the shards) paid once, then the median wall
 time of one layer call as the caller sees it (hidden and routing to rank 0,
@@ -97,11 +97,12 @@ def bench_group(art: Path, plc: Path, n: int, batches, repeat: int, timeout: flo
 
     import torch
 
-    from ds4quant.runtime.cluster_group import RankGroup
+    from ds4quant import runtime
+    from ds4quant.runtime.cluster import ClusterOptions
 
     rows = []
     t0 = time.perf_counter()
-    with RankGroup(art, plc, mode="exact", timeout_s=timeout, threads=None) as grp:
+    with runtime.load(art, plc, "exact", cluster=ClusterOptions(timeout_s=timeout, threads=None)) as grp:
         start = time.perf_counter() - t0
         from ds4quant.artifact.view import open_artifact
 

@@ -193,13 +193,10 @@ def bench_artifact(art: Path, owner: str, batches: list[int], repeat: int) -> di
 
 
 def _header(art):
-    from ds4quant.runtime import _open_view
+    from ds4quant.artifact.view import open_artifact
 
-    view, _ = _open_view(art)
-    try:
+    with open_artifact(art) as view:
         return view.header
-    finally:
-        view.close()
 
 
 def _placements(n_layer: int, n_expert: int, owner: str) -> dict:

@@ -294,7 +294,7 @@ def main(argv=None) -> int:
 
             root = Path(__file__).resolve().parents[1]
             env = {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-            colds.append(("worker:1", lambda: WorkerOwner("worker:1", owner="cuda", device=a.device, env=env,
+            colds.append(("worker:1", lambda: WorkerOwner("worker:1", owner=a.device, env=env,
                                                           timeout_s=120.0)))
         colds.append(("torch-cpu:1", lambda: TorchOwner("cpu", identity="torch-cpu:1", torch_decode=True)))
         for name, make in colds:

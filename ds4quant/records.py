@@ -1,11 +1,14 @@
 """The records ``verify`` returns and the report writer and ``publish`` read.
 
-They live below verify (they import only ``names`` and ``metrics``), so
+They live below verify (they import only ``errors``, ``names`` and ``metrics``), so
 ``publish/report.py`` and ``publish/release.py`` read them without importing verify's stages,
 and verify never imports the report writer.
 
     rep = verify("out/tiny-strix")          # a VerifyReport
     rep.ok, rep.failed, rep.summary, rep.runtimes
+    f = rep.fidelity                        # a FidelityReport (measured with fidelity=True)
+    f.logits.kl_mean, f.layers[0].local, f.exact_copy, f.runs[0].response_sha256
+    FidelityReport.from_json(f.to_json(seconds=True)) == f
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
+from ds4quant.errors import CorruptDataError
 from ds4quant.metrics import ErrorFigures, finite_or_none
 from ds4quant.names import EXPERT_GROUPS, GROUPS, MANIFEST_NAME
 
@@ -135,6 +139,218 @@ def group_records(records: Sequence[TensorRecord]) -> tuple[GroupRecord, ...]:
     return tuple(out)
 
 
+# --------------------------------------------------------------------------
+# fidelity through the runtime (verify --fidelity)
+
+
+_NUM = (int, float)
+_WHERE = "fidelity record"
+
+
+def _need(obj: Any, key: str, kind, where: str = _WHERE):
+    """obj[key] of type ``kind`` (a type or a tuple; bool is never an int here) from a
+    fidelity record's JSON, else a one-line CorruptDataError naming the key."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    v = obj.get(key) if isinstance(obj, Mapping) else None
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        names_ = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise CorruptDataError(f"{key} is {v!r}, not {names_}"[:200], where=where)
+    return v
+
+
+@dataclass(frozen=True)
+class MoeLayerError:
+    """One MoE block's relative error of its output against the reference.
+
+    local: the candidate block fed the reference's own block input (what this
+    layer adds by itself); propagated: inside the candidate's own run."""
+
+    layer: int
+    local: float
+    propagated: float
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "moe_rel_error": self.local, "moe_rel_error_propagated": self.propagated}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "MoeLayerError":
+        return cls(_need(obj, "layer", int), float(_need(obj, "moe_rel_error", _NUM)),
+                   float(_need(obj, "moe_rel_error_propagated", _NUM)))
+
+
+@dataclass(frozen=True)
+class LogitFigures:
+    """Candidate vs reference next-token distributions: KL(ref || cand) mean and
+    p99 in nats, top-1 agreement (share), perplexity ratio (candidate / reference)."""
+
+    kl_mean: float
+    kl_p99: float
+    top1: float
+    ppl_ratio: float
+
+    def to_json(self) -> dict:
+        return {"kl_mean": self.kl_mean, "kl_p99": self.kl_p99, "top1": self.top1, "ppl_ratio": self.ppl_ratio}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "LogitFigures":
+        return cls(*(float(_need(obj, k, _NUM)) for k in ("kl_mean", "kl_p99", "top1", "ppl_ratio")))
+
+
+@dataclass(frozen=True)
+class ExactCopyScore:
+    """The exact-copy protocol on the candidate (passes of trials, the failed
+    trials as the protocol reports them) beside the source's own passes."""
+
+    passes: int
+    trials: int
+    failed: tuple[Mapping[str, Any], ...]
+    task: str
+    reference_passes: int
+
+    def to_json(self) -> dict:
+        return {"passes": self.passes, "trials": self.trials, "failed": [dict(f) for f in self.failed],
+                "task": self.task, "reference_passes": self.reference_passes}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ExactCopyScore":
+        failed = _need(obj, "failed", list)
+        return cls(_need(obj, "passes", int), _need(obj, "trials", int),
+                   tuple(MappingProxyType(dict(f)) for f in failed), _need(obj, "task", str),
+                   _need(obj, "reference_passes", int))
+
+
+@dataclass(frozen=True)
+class PlacementRun:
+    """One placement the candidate ran on: its label, the sha256 over every layer's
+    routed-experts output in call order, and the greedy response's sha256."""
+
+    label: str
+    moe_output_sha256: str
+    response_sha256: str
+
+
+@dataclass(frozen=True)
+class FidelityReport:
+    """What verify's fidelity stage measured (``verify/fidelity.py`` says how).
+
+    Unmeasured: ``requested``/``measured`` False and ``detail`` saying why.
+    Measured: mode ("exact" or "fast"), the evaluation set (``eval``, its
+    tokenizer, ``eval_tokens`` positions), ``runs`` (the first placement, and a
+    second one compared with it), logit figures, per-layer MoE errors (first
+    placement), the greedy response of the first placement, the reference's
+    response hash, the exact-copy score when the protocol ran, and ``cluster``:
+    the figures of every run on cluster ranks (the executor's ``stats()``).
+
+    ``to_json()`` is the ``"fidelity"`` object of ``verify --json``.
+    """
+
+    requested: bool = False
+    measured: bool = False
+    detail: Optional[str] = None
+    mode: Optional[str] = None
+    tokenizer: Optional[str] = None
+    eval: Optional[str] = None
+    eval_tokens: int = 0
+    runs: tuple[PlacementRun, ...] = ()
+    logits: Optional[LogitFigures] = None
+    layers: tuple[MoeLayerError, ...] = ()
+    response_token_ids: tuple[int, ...] = ()
+    reference_response_sha256: Optional[str] = None
+    exact_copy: Optional[ExactCopyScore] = None
+    cluster: tuple[Mapping[str, Any], ...] = ()
+    seconds: float = 0.0
+
+    @classmethod
+    def not_measured(cls, detail: str, requested: bool = False) -> "FidelityReport":
+        return cls(requested=requested, measured=False, detail=detail)
+
+    # derived figures (what the JSON also spells out)
+    @property
+    def placements(self) -> tuple[str, ...]:
+        return tuple(r.label for r in self.runs)
+
+    @property
+    def response_sha256(self) -> Optional[str]:
+        return self.runs[0].response_sha256 if self.runs else None
+
+    @property
+    def response_matches_reference(self) -> bool:
+        return bool(self.runs) and self.runs[0].response_sha256 == self.reference_response_sha256
+
+    @property
+    def moe_output_sha256(self) -> Optional[str]:
+        """The first placement's routed-output hash in exact mode (fast mode's is not an identity)."""
+        return self.runs[0].moe_output_sha256 if self.runs and self.mode == "exact" else None
+
+    @property
+    def second(self) -> Optional[PlacementRun]:
+        return self.runs[1] if len(self.runs) > 1 else None
+
+    @property
+    def identical(self) -> Optional[bool]:
+        """Whether the second placement gave the first's routed output and response (None without one)."""
+        s = self.second
+        if s is None:
+            return None
+        first = self.runs[0]
+        return s.moe_output_sha256 == first.moe_output_sha256 and s.response_sha256 == first.response_sha256
+
+    def to_json(self, seconds: bool = False) -> dict:
+        """The ``verify --json`` object; ``seconds`` adds the stage's wall time (left out
+        there: same input, same JSON)."""
+        if not self.measured:
+            return {"requested": self.requested, "measured": False, "detail": self.detail}
+        first = self.runs[0]
+        out = {"requested": self.requested, "measured": True, "mode": self.mode, "tokenizer": self.tokenizer,
+               "eval": self.eval, "eval_tokens": self.eval_tokens, "placements": list(self.placements),
+               **self.logits.to_json(), "layers": [r.to_json() for r in self.layers],
+               "response_token_ids": list(self.response_token_ids), "response_sha256": first.response_sha256,
+               "reference_response_sha256": self.reference_response_sha256,
+               "response_matches_reference": self.response_matches_reference,
+               "moe_output_sha256": self.moe_output_sha256,
+               "fast_moe_output_sha256": first.moe_output_sha256 if self.mode == "fast" else None,
+               "exact_copy": None if self.exact_copy is None else self.exact_copy.to_json()}
+        if self.cluster:
+            out["cluster"] = [dict(c) for c in self.cluster]
+        s = self.second
+        if s is not None:
+            out["second_placement"] = {"moe_output_sha256": s.moe_output_sha256,
+                                       "response_sha256": s.response_sha256, "identical": self.identical}
+        if seconds:
+            out["seconds"] = self.seconds
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "FidelityReport":
+        """The record ``to_json`` wrote (a refusal names the first bad field)."""
+        if not _need(obj, "measured", bool):
+            return cls(_need(obj, "requested", bool), False, _need(obj, "detail", (str, type(None))))
+        mode = _need(obj, "mode", str)
+        if mode not in ("exact", "fast"):
+            raise CorruptDataError(f"mode is {mode!r}, not exact or fast", where=_WHERE)
+        labels = [str(x) for x in _need(obj, "placements", list)]
+        hashes = [(_need(obj, "moe_output_sha256" if mode == "exact" else "fast_moe_output_sha256", str),
+                   _need(obj, "response_sha256", str))]
+        if "second_placement" in obj:
+            sp = _need(obj, "second_placement", dict)
+            hashes.append((_need(sp, "moe_output_sha256", str), _need(sp, "response_sha256", str)))
+        if len(labels) != len(hashes):
+            raise CorruptDataError(f"placements names {len(labels)} placements for {len(hashes)} runs", where=_WHERE)
+        ec = obj.get("exact_copy")
+        return cls(
+            requested=_need(obj, "requested", bool), measured=True, mode=mode,
+            tokenizer=_need(obj, "tokenizer", str), eval=_need(obj, "eval", str),
+            eval_tokens=_need(obj, "eval_tokens", int),
+            runs=tuple(PlacementRun(lab, moe, resp) for lab, (moe, resp) in zip(labels, hashes)),
+            logits=LogitFigures.from_json(obj),
+            layers=tuple(MoeLayerError.from_json(r) for r in _need(obj, "layers", list)),
+            response_token_ids=tuple(int(t) for t in _need(obj, "response_token_ids", list)),
+            reference_response_sha256=_need(obj, "reference_response_sha256", str),
+            exact_copy=None if ec is None else ExactCopyScore.from_json(ec),
+            cluster=tuple(MappingProxyType(dict(c)) for c in _need(obj, "cluster", list)) if "cluster" in obj else (),
+            seconds=float(obj.get("seconds", 0.0)))
+
+
 @dataclass(frozen=True)
 class VerifyReport:
     """What verify found. ``ok`` is True when every check passed.
@@ -143,7 +359,7 @@ class VerifyReport:
     loose sidecars; numbers_from: "source", "manifest" or None.
     runtimes: which runtimes can load it, from its contents (``ArtifactView.runtimes``);
     stored_runtimes: what its ``ds4quant.runtimes`` key says (None without the key).
-    fidelity: what the fidelity stage recorded ({"requested": False, ...} until the runtime measures it).
+    fidelity: what the fidelity stage recorded (a ``FidelityReport``; ``measured`` once the runtime ran).
     """
 
     artifact: Path
@@ -160,7 +376,7 @@ class VerifyReport:
     lucebox_mix: bool = False  # every resident MIX tensor has valid books in the Lucebox blobs
     runtimes: tuple[str, ...] = ()
     stored_runtimes: Optional[tuple[str, ...]] = None
-    fidelity: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({"requested": False}))
+    fidelity: FidelityReport = field(default_factory=FidelityReport)
     seconds: float = 0.0
 
     @property
@@ -223,7 +439,6 @@ class VerifyReport:
         """The ``--json`` object: ok, checks, tensors, summary (no timings: same input, same JSON)."""
         out = {"ok": self.ok, "checks": [c.to_json() for c in self.checks],
                "tensors": [t.to_json() for t in self.tensors], "summary": self.summary}
-        if self.fidelity.get("measured"):
-            # seconds are left out: same input, same JSON
-            out["fidelity"] = {k: v for k, v in self.fidelity.items() if k != "seconds"}
+        if self.fidelity.measured:
+            out["fidelity"] = self.fidelity.to_json()  # without its seconds: same input, same JSON
         return out

@@ -80,7 +80,8 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 from ds4quant.errors import BadInputError
 from ds4quant.runtime.exact_wide import fallback_rows_nb
-from ds4quant.runtime.fast import _parallel, _slp, decode_row_fast
+from ds4quant.runtime.fast import decode_row_fast, decode_tile
+from ds4quant.runtime.jit import jit_call, parallel, readonly
 
 BLOCK = 32
 LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
@@ -349,7 +350,7 @@ def exact_matmul_nb(kind, p0, p1, data, cols, lut, mode, a, whi, wlo, tok_hi, to
                     out[t, j] = np.float32(_dot_f64(w, a, t, cols) + 0.0)  # + 0.0: -0.0 -> +0.0
 
 
-# Serial twins for one thread or small products (fast.PARALLEL_MIN_WORK): the same
+# Serial twins for one thread or small products (jit.PARALLEL_MIN_WORK): the same
 # per-output code, and any order of the exact sum is the same sum, so the same bytes.
 row_spans_serial = numba.njit(cache=True, nogil=True)(row_spans_nb.py_func)
 exact_matmul_serial = numba.njit(cache=True, nogil=True)(exact_matmul_nb.py_func)
@@ -388,14 +389,6 @@ def swiglu_nb(g, u, limit, out):
 # drivers
 
 
-def readonly(a: np.ndarray, dtype=None) -> np.ndarray:
-    """A read-only C-contiguous view: one numba signature for memmaps, copies
-    and views alike (each distinct signature costs a compile)."""
-    v = np.ascontiguousarray(a, dtype=dtype).view()
-    v.setflags(write=False)
-    return v
-
-
 def quantize_rows(x: np.ndarray, what: str = "activations"):
     """Q of float32 x (T, cols): (a float64 (T, cols), s int64 (T, nb), ahi, alo)."""
     x = readonly(x, np.float32)
@@ -422,7 +415,7 @@ def row_spans(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: np.
     wlo = np.empty(rows, np.int32)
     bad = np.zeros(rows, np.uint8)
     if rows:
-        _slp(row_spans_nb if _parallel(rows * cols) else row_spans_serial, kind, p0, p1, data, cols, lut, mode,
+        jit_call(row_spans_nb if parallel(rows * cols) else row_spans_serial, kind, p0, p1, data, cols, lut, mode,
              whi, wlo, bad)
     for v in (whi, wlo, bad):
         v.setflags(write=False)
@@ -457,11 +450,9 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
         raise BadInputError(f"exact mode: weight row {int(np.argmax(bad))} has a NaN or Inf value", where=what)
     log2c = int(math.ceil(math.log2(cols)))
     if T < GEMM_MIN_TOKENS:
-        _slp(exact_matmul_nb if _parallel(rows * cols * T) else exact_matmul_serial, kind, p0, p1, data, cols,
+        jit_call(exact_matmul_nb if parallel(rows * cols * T) else exact_matmul_serial, kind, p0, p1, data, cols,
              lut, mode, a, whi, wlo, hi, lo, log2c, out, flags)
     else:
-        from ds4quant.runtime.fast import decode_tile
-
         tile = max(8, min(rows, _TILE_BYTES // (4 * cols)))
         scratch = np.empty((tile, cols), np.float32)
         span_t = (hi - lo + log2c)[:, None]
@@ -476,7 +467,7 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
             flags[:, r0:r1] = over
     if flags.any():  # rare: adversarial exponent spreads; the wide accumulator, exactly
         qi = np.rint(np.ldexp(a, -np.repeat(s, BLOCK, axis=1))).astype(np.int64)
-        _slp(fallback_rows_nb, kind, p0, p1, data, cols, lut, mode, qi, readonly(s, np.int64), flags, out)
+        jit_call(fallback_rows_nb, kind, p0, p1, data, cols, lut, mode, qi, readonly(s, np.int64), flags, out)
     return out
 
 

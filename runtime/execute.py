@@ -25,6 +25,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant.errors import BadInputError, ShapeError
+from ds4quant.runtime.mode import Mode
 
 NONE = "none"
 
@@ -94,7 +95,7 @@ def _submit_order(names: Sequence[str], home: str) -> list[str]:
 
 
 def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[str, object],
-              table: Sequence[str], mode: str, pool: Optional[Executor] = None, *,
+              table: Sequence[str], mode: Mode, pool: Optional[Executor] = None, *,
               home: Optional[str] = None, shared=None, overlap: bool = False,
               timings: Optional[list] = None) -> LayerResult:
     """Run one layer's routed experts.

@@ -19,7 +19,8 @@ def _module_base():
 
 
 class RuntimeExperts(_module_base()):
-    """Routed experts of one layer of a loaded ``Runtime`` (no parameters of its own)."""
+    """Routed experts of one layer of a loaded ``Executor``, in process or on cluster ranks (no
+    parameters of its own)."""
 
     def __init__(self, runtime, layer: int):
         super().__init__()

@@ -20,14 +20,12 @@ and the lanes are summed in a fixed tree, so a GEMV row's result does not
 depend on the thread count or the batch (each output is computed by one
 thread alone); the BLAS path is as deterministic as BLAS for a given thread
 count. The lane kernels are
-compiled with LLVM's SLP vectoriser on (``_slp``), which numba leaves off by
+compiled with LLVM's SLP vectoriser on (``jit.jit_call``), which numba leaves off by
 default; it packs independent scalar operations and cannot change a bit.
 Fast mode's distance from exact mode is reported by the callers.
 """
 
 from __future__ import annotations
-
-import threading
 
 import numba
 import numpy as np
@@ -35,44 +33,10 @@ import numpy as np
 from ds4quant.formats import _scale_search as _ss
 from ds4quant.formats._components import K_MIX, K_SCALE, UE4M3, decode_row_nb
 from ds4quant.formats._components import _chunk_nb as _chunk  # chunk c of a block's code stream
+from ds4quant.runtime.jit import jit_call, parallel, readonly
 
 TILE_BYTES = 4 << 20  # decoded tile for the BLAS path: a few MiB of float32 (L3 resident)
 LANE_MIN_TOKENS = 4  # lane families: the GEMV costs one pass per token; BLAS tiles win from about 4 (DS4 shapes)
-
-# ---------------------------------------------------------------- compile with SLP
-
-_SLP_LOCK = threading.Lock()
-_SLP_DONE: set = set()
-
-
-def _arg_key(a):
-    # what numba's typing of an argument depends on, without numba.typeof (whose
-    # Python-level cost, ~100 us per array, would dominate a batch-1 call)
-    if isinstance(a, np.ndarray):
-        f = a.flags
-        return (a.dtype.str, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
-    return type(a)
-
-
-def _slp(fn, *args):
-    """Call ``fn(*args)``, compiling it for these argument types with LLVM's
-    SLP vectoriser on the first time (numba.core.config.SLP_VECTORIZE is read
-    at each compilation; cache=True keeps the vectorised code)."""
-    key = (fn, tuple(_arg_key(a) for a in args))
-    if key not in _SLP_DONE:
-        from numba.core import config
-
-        with _SLP_LOCK:
-            if key not in _SLP_DONE:
-                old = config.SLP_VECTORIZE
-                config.SLP_VECTORIZE = 1
-                try:
-                    fn.compile(tuple(numba.typeof(a) for a in args))
-                finally:
-                    config.SLP_VECTORIZE = old
-                _SLP_DONE.add(key)
-    return fn(*args)
-
 
 # ---------------------------------------------------------------- lane families
 
@@ -210,26 +174,19 @@ def decode_tile_nb(kind, p0, p1, data, r0, r1, cols, lut, mode, out):
 # 2048 x 4096, one thread).
 lane_matmul_serial = numba.njit(cache=True, nogil=True)(lane_matmul_nb.py_func)
 decode_tile_serial = numba.njit(cache=True, nogil=True)(decode_tile_nb.py_func)
-PARALLEL_MIN_WORK = 1 << 21  # weights x tokens from which the parallel kernels pay off
-
-
-def _parallel(work: int) -> bool:
-    return work >= PARALLEL_MIN_WORK
 
 
 def decode_tile(kind: int, p0: int, p1: int, data: np.ndarray, r0: int, r1: int, cols: int, lut: np.ndarray,
                 mode: int, out: np.ndarray) -> None:
     """``decode_tile_nb`` compiled with the SLP vectoriser (bitwise ``formats.decode``)."""
-    fn = decode_tile_nb if _parallel((r1 - r0) * cols) else decode_tile_serial
-    _slp(fn, kind, p0, p1, data, r0, r1, cols, lut, mode, out)
+    fn = decode_tile_nb if parallel((r1 - r0) * cols) else decode_tile_serial
+    jit_call(fn, kind, p0, p1, data, r0, r1, cols, lut, mode, out)
 
 
 def _ro(a: np.ndarray, dtype) -> np.ndarray:
-    """``exact.readonly`` unless ``a`` already is one (the owner caches its operands read-only)."""
+    """``jit.readonly`` unless ``a`` already is one (the owner caches its operands read-only)."""
     if a.dtype == dtype and not a.flags.writeable and a.flags.c_contiguous:
         return a
-    from ds4quant.runtime.exact import readonly
-
     return readonly(a, dtype)
 
 
@@ -244,8 +201,8 @@ def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: n
         return out
     bits = lane_bits(kind, p0, p1)
     if bits and T < LANE_MIN_TOKENS:
-        fn = lane_matmul_nb if _parallel(rows * cols * T) else lane_matmul_serial
-        _slp(fn, kind, p0, bits, data, cols, lut, mode, _ro(x, np.float32), out)
+        fn = lane_matmul_nb if parallel(rows * cols * T) else lane_matmul_serial
+        jit_call(fn, kind, p0, bits, data, cols, lut, mode, _ro(x, np.float32), out)
         return out
     tile = max(8, min(rows, TILE_BYTES // (4 * cols)))
     scratch = np.empty((tile, cols), np.float32)
@@ -255,12 +212,3 @@ def fast_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: n
         decode_tile(kind, p0, p1, data, r0, r1, cols, lut, mode, w)
         np.matmul(x, w.T, out=out[:, r0:r1])
     return out
-
-
-def swiglu_fast(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
-    """float32 clamped SwiGLU with numpy's exp (fast mode only)."""
-    L = np.float32(limit)
-    gc = np.minimum(g, L)
-    uc = np.clip(u, -L, L)
-    with np.errstate(over="ignore"):
-        return (gc / (np.float32(1.0) + np.exp(-gc)) * uc).astype(np.float32)

@@ -36,6 +36,8 @@ from concurrent.futures import wait as _wait
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from ds4quant.runtime.mode import Mode
+
 
 class Readiness:
     """A single-shot readiness signal: the first ``fire`` or ``fail`` wins."""
@@ -110,7 +112,7 @@ def overlap_stats(a: BranchTiming, b: BranchTiming) -> OverlapStats:
     return OverlapStats(both / slow if slow > 0 else 0.0, abs(a.start - b.start), (a.busy, b.busy))
 
 
-def run_staged(owner, layer: int, x, expert_ids, mode: str, ready: Readiness):
+def run_staged(owner, layer: int, x, expert_ids, mode: Mode, ready: Readiness):
     """One branch through the owner contract's staged call: owners with
     ``run_slots_staged`` fire ``ready`` themselves; the rest have their input
     (a private copy of the rows) when they start."""

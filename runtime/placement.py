@@ -41,12 +41,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ds4quant.artifact.atomic import atomic_write_bytes, json_bytes
 from ds4quant.errors import BadInputError, CorruptDataError, IntegrityError, UnsupportedFormatError
+from ds4quant.runtime.owners.kinds import OWNER_NAMES, OwnerName
 
 __all__ = [
     "SCHEMA",
@@ -59,7 +60,7 @@ __all__ = [
     "read_placement",
     "write_placement",
     "placement_for_one_owner",
-    "check_owner_name",
+    "as_placement",
 ]
 
 SCHEMA = "ds4quant.placement"
@@ -76,25 +77,11 @@ MAX_RANKS = 4096
 MAX_OWNERS = 64
 MAX_FILE_BYTES = 64 << 20
 
-# PLAN.md owner names: cpu, cpu:N, cuda:N, hip:N, torch-cpu:N, worker:N; and
-# worker:N/OWNER, a worker process hosting that (non-worker) owner, e.g.
-# worker:1/cuda:0: the second vendor's runtime in a child process.
-_NUM = r"(?:0|[1-9][0-9]{0,3})"
-_INNER = rf"(?:cpu|(?:cpu|cuda|hip|torch-cpu):{_NUM})"
-_OWNER_RE = re.compile(rf"(?:{_INNER}|worker:{_NUM}(?:/{_INNER})?)")
-OWNER_NAMES = "cpu, cpu:N, cuda:N, hip:N, torch-cpu:N, worker:N or worker:N/OWNER"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def check_owner_name(name: Any, where: Optional[str] = None) -> str:
-    """``name`` if it is an owner name of the runtime contract, else BadInputError."""
-    if not isinstance(name, str) or not _OWNER_RE.fullmatch(name):
-        raise BadInputError(f"unknown owner name {name!r}; expected {OWNER_NAMES}", where=where)
-    return name
 
 
 def _canonical(obj: Any) -> bytes:
@@ -160,6 +147,52 @@ class Placement:
         }
         return _from_content(obj, "placement")
 
+    @classmethod
+    def from_mapping(cls, layers: Mapping[Any, Mapping[str, Sequence[int]]], n_layer: int, n_expert: int,
+                     n_expert_used: int = 1, artifact: Optional[str] = None) -> "Placement":
+        """The placement a mapping {layer: {owner name or ``none``: expert ids}}
+        spells for a model of ``n_layer`` x ``n_expert``: every layer listed once
+        (JSON's string keys too), every expert of a layer in exactly one list.
+        Owners keep their first appearance's order. A defect is one BadInputError
+        line naming the layer and expert.
+
+            Placement.from_mapping({0: {"cpu:0": (0, 1), "torch-cpu:1": (2, 3)}}, n_layer=1, n_expert=4)
+        """
+        if not isinstance(layers, Mapping):
+            raise BadInputError(f"placement must be a mapping {{layer: {{owner: expert ids}}}}, got "
+                                f"{type(layers).__name__}")
+        rows: dict[int, Mapping] = {}
+        for key, spec in layers.items():
+            L = _layer_key(key, n_layer)
+            if L in rows:
+                raise BadInputError(f"placement lists layer {L} twice")
+            if not isinstance(spec, Mapping):
+                raise BadInputError(f"placement: layer {L} must map owner names to expert ids, got {spec!r}"[:200])
+            rows[L] = spec
+        gap = [L for L in range(n_layer) if L not in rows]
+        if gap:
+            raise BadInputError(f"placement has no layer {gap[0]}" + (f" (nor {gap[1:8]})" if len(gap) > 1 else ""))
+        owners = list(dict.fromkeys(str(OwnerName.parse(o, where=f"placement layer {L}"))
+                                    for L in range(n_layer) for o in rows[L] if o != NONE))
+        experts, none = [], []
+        for L in range(n_layer):
+            table: list[Optional[str]] = [None] * n_expert
+            for owner, ids in rows[L].items():
+                if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                    raise BadInputError(f"placement: layer {L} {owner} must list expert ids, got {ids!r}"[:200])
+                for e in ids:
+                    if not _is_int(e) or not 0 <= e < n_expert:
+                        raise BadInputError(f"placement: layer {L} expert {e!r} outside 0..{n_expert - 1}")
+                    if table[e] is not None:
+                        raise BadInputError(f"placement: layer {L} expert {e} placed on {table[e]} and {owner}")
+                    table[e] = owner
+            if None in table:
+                raise BadInputError(f"placement: layer {L} experts {[e for e, t in enumerate(table) if t is None]} "
+                                    "are placed nowhere (use 'none' for experts held elsewhere)")
+            experts.append([[e for e, t in enumerate(table) if t == o] for o in owners])
+            none.append([e for e, t in enumerate(table) if t == NONE])
+        return cls.build(n_layer, n_expert, n_expert_used, owners, experts, none, artifact=artifact)
+
     # ------------------------------------------------------------------
     def content_json(self) -> dict:
         """Every field but the hash, in file form."""
@@ -192,6 +225,11 @@ class Placement:
         for i, ids in enumerate(self.experts[L]):
             out[list(ids)] = i
         return out
+
+    def owner_names(self, layer: int) -> tuple[str, ...]:
+        """The owner name of each expert of ``layer`` (``none``: held outside this process)."""
+        idx = self.owner_of(layer)
+        return tuple(NONE if i < 0 else self.owners[int(i)] for i in idx)
 
     def experts_of(self, owner: str, layer: int) -> tuple[int, ...]:
         """Ascending global ids ``owner`` holds in ``layer`` (() for an owner not in the placement)."""
@@ -259,7 +297,7 @@ class Placement:
         rk = self._need_ranks()
         if not _is_int(rank) or not 0 <= rank < rk.n_ranks:
             raise BadInputError(f"rank must be in 0..{rk.n_ranks - 1}, got {rank!r}")
-        name = check_owner_name(owner if owner is not None else self.owners[0])
+        name = str(OwnerName.parse(owner if owner is not None else self.owners[0]))
         mine, rest = [], []
         for L in range(self.n_layer):
             row = rk.owner[L]
@@ -267,6 +305,14 @@ class Placement:
             rest.append([e for e in range(self.n_expert) if row[e] not in (rank, REPLICATED)])
         return Placement.build(self.n_layer, self.n_expert, self.n_expert_used, [name], mine, rest,
                                artifact=self.artifact)
+
+
+def _layer_key(key: Any, n_layer: int) -> int:
+    """A mapping's layer key (an int, or its decimal text as JSON keys are) in 0..n_layer-1."""
+    L = int(key) if _is_int(key) else (int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None)
+    if L is None or not 0 <= L < n_layer:
+        raise BadInputError(f"placement names layer {key!r}; the artifact has layers 0..{n_layer - 1}")
+    return L
 
 
 # --------------------------------------------------------------------------
@@ -308,8 +354,10 @@ def _from_content(obj: Any, where: str, stored_hash: Optional[str] = None) -> Pl
     if not isinstance(owners, list) or not 1 <= len(owners) <= MAX_OWNERS:
         raise fail(f"owners must be a list of 1..{MAX_OWNERS} owner names")
     for o in owners:
-        if not isinstance(o, str) or not _OWNER_RE.fullmatch(o):
-            raise fail(f"unknown owner name {o!r} (expected {OWNER_NAMES})")
+        try:
+            OwnerName.parse(o)
+        except BadInputError:
+            raise fail(f"unknown owner name {o!r} (expected {OWNER_NAMES})") from None
     if len(set(owners)) != len(owners):
         raise fail(f"owner names repeat: {owners}")
     layers = obj["layers"]
@@ -449,9 +497,31 @@ def write_placement(path: "str | os.PathLike[str]", p: Placement) -> Path:
     return atomic_write_bytes(path, json_bytes(p.to_json()))
 
 
+def as_placement(placement: Any, view) -> Placement:
+    """The one door from what a caller names to the Placement run on the artifact
+    ``view``: None (every expert on one CPU owner, ``cpu:0``), a placement file
+    (``read_placement``), a mapping (``Placement.from_mapping``) or a Placement.
+    A file or Placement planned for another shape, or for another artifact when
+    both fingerprints are known, is refused in one line naming it."""
+    h = view.header
+    used = h.n_expert_used or 1
+    if placement is None:
+        return placement_for_one_owner(h.n_layer, h.n_expert, "cpu:0", used)
+    if isinstance(placement, Mapping):
+        return Placement.from_mapping(placement, h.n_layer, h.n_expert, used)
+    if isinstance(placement, (str, os.PathLike)):
+        plc, where = read_placement(placement), str(placement)
+    elif isinstance(placement, Placement):
+        plc, where = placement, "placement"
+    else:
+        raise BadInputError(f"placement must be None, a path, a mapping or a Placement, got {type(placement).__name__}")
+    plc.check_matches(h.n_layer, h.n_expert, view.fingerprint(), where=where)
+    return plc
+
+
 def placement_for_one_owner(n_layer: int, n_expert: int, owner: str = "cpu", n_expert_used: int = 1,
                             artifact: Optional[str] = None) -> Placement:
     """Every expert of every layer on ``owner`` (the default of ``runtime.load``)."""
-    check_owner_name(owner)
+    OwnerName.parse(owner)
     return Placement.build(n_layer, n_expert, n_expert_used, [owner],
                            [[list(range(n_expert))] for _ in range(n_layer)], artifact=artifact)

@@ -51,7 +51,8 @@ import numpy as np
 from ds4quant.errors import BadInputError, BudgetError, ShapeError
 from ds4quant.calib.routing import RoutingProfile
 
-from .placement import MAX_RANKS, NONE, REPLICATED, STRATEGIES, Placement, RankPlacement, check_owner_name
+from .owners.kinds import OwnerName
+from .placement import MAX_RANKS, NONE, REPLICATED, STRATEGIES, Placement, RankPlacement
 
 __all__ = ["PlacementReport", "RankReport", "plan_placement", "plan_ranks", "rank_report", "placement_report",
            "check_plan_options", "check_rank_options", "plan_for_rank"]
@@ -153,7 +154,7 @@ def _check_owners(owners: Sequence) -> tuple[list[str], list[Optional[int]]]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise BadInputError(f"owner must be (name, budget_bytes), got {item!r}", where="--owner")
         name, budget = item
-        check_owner_name(name, where="--owner")
+        OwnerName.parse(name, where="--owner")
         if name in names:
             raise BadInputError(f"owner {name} given twice", where="--owner")
         if budget is not None and (not _is_int(budget) or budget < 0 or budget > MAX_BUDGET):
@@ -368,7 +369,7 @@ def check_rank_options(profile: RoutingProfile, n_ranks: int, strategy: str = "u
     E = profile.n_expert
     if not _is_int(replicate_hot) or not 0 <= replicate_hot <= E:
         raise BadInputError(f"must be an integer in 0..n_expert ({E}), got {replicate_hot!r}", where="--replicate-hot")
-    check_owner_name(owner, where="--owner")
+    OwnerName.parse(owner, where="--owner")
 
 
 def plan_ranks(profile: RoutingProfile, n_ranks: int, strategy: str = "uniform", replicate_hot: int = 0,

@@ -120,11 +120,12 @@ def run(out: Path) -> dict:
         ver_s = time.perf_counter() - t0
         write_report(v, report_dir)
         f, j = v.fidelity, rep.to_json()
-        ec = f.get("exact_copy") or {}
+        ec = f.exact_copy
         rows.append({
             "artifact": label, "path": str(rep.artifact), "bpw_experts": rep.bpw_experts, "bytes": rep.bytes,
-            "weighted_sqnr_db": j["expert_weighted_sqnr_db"], "kl_mean": f["kl_mean"], "top1": f["top1"],
-            "exact_copy": f"{ec.get('passes')}/{ec.get('trials')}", "reference_exact_copy": ec.get("reference_passes"),
+            "weighted_sqnr_db": j["expert_weighted_sqnr_db"], "kl_mean": f.logits.kl_mean, "top1": f.logits.top1,
+            "exact_copy": f"{ec.passes}/{ec.trials}" if ec else "None/None",
+            "reference_exact_copy": ec.reference_passes if ec else None,
             "convert_seconds": conv_s, "verify_seconds": ver_s, "verify_ok": v.ok,
             "failed_checks": [c.one_line() for c in v.failed], "report": str(report_dir / "report.md"),
             "runtimes": list(rep.runtimes),

@@ -13,8 +13,9 @@ from typing import Optional
 
 import click
 
+from ds4quant.runtime.mode import Mode
+
 PATH = click.Path(path_type=str)
-MODES = ("exact", "fast")
 PROTOCOLS = ("exact-copy",)
 
 
@@ -82,7 +83,7 @@ def json_option(help: str = "Print one JSON object."):
 
 
 def mode_option(default: str = "fast", help: Optional[str] = None):
-    return click.option("--mode", type=click.Choice(list(MODES)), default=default, show_default=True, help=help)
+    return click.option("--mode", type=click.Choice([m.value for m in Mode]), default=default, show_default=True, help=help)
 
 
 def variant_107_option():

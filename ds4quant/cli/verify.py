@@ -95,14 +95,15 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
                 line += f" ({'decoded vs source' if s['numbers_from'] == 'source' else 'convert-time, from manifest.json'})"
             click.echo(line)
         f = rep.fidelity
-        if f.get("measured"):
-            line = (f"fidelity ({f['mode']} mode, {f['eval_tokens']} tokens): KL mean {f['kl_mean']:.4g} "
-                    f"p99 {f['kl_p99']:.4g}, top-1 {100 * f['top1']:.2f}%, PPL ratio {f['ppl_ratio']:.4f}, "
-                    f"response {f['response_sha256'][:16]}")
-            if f.get("exact_copy"):
-                line += f", exact copy {f['exact_copy']['passes']}/{f['exact_copy']['trials']}"
+        if f.measured:
+            m = f.logits
+            line = (f"fidelity ({f.mode} mode, {f.eval_tokens} tokens): KL mean {m.kl_mean:.4g} "
+                    f"p99 {m.kl_p99:.4g}, top-1 {100 * m.top1:.2f}%, PPL ratio {m.ppl_ratio:.4f}, "
+                    f"response {f.response_sha256[:16]}")
+            if f.exact_copy:
+                line += f", exact copy {f.exact_copy.passes}/{f.exact_copy.trials}"
             click.echo(line)
-            for c in f.get("cluster") or ():
+            for c in f.cluster:
                 click.echo(f"cluster: {c['n_ranks']} ranks started once in {c['start_s']:.1f} s, {c['calls']} layer "
                            f"calls, {c['call_ms_median']:.1f} ms median; expert bytes read per rank "
                            f"{[r['expert_bytes_read'] for r in c['ranks']]}")

@@ -24,7 +24,8 @@ import numpy as np
 
 from ds4quant.errors import BadInputError, BudgetError, ShapeError
 from ds4quant.calib.routing import RoutingProfile, read_routing
-from ds4quant.runtime.placement import Placement, check_owner_name, read_placement, write_placement
+from ds4quant.runtime.owners.kinds import OwnerName
+from ds4quant.runtime.placement import Placement, read_placement, write_placement
 from ds4quant.runtime.planning import (
     check_plan_options,
     check_rank_options,
@@ -47,13 +48,13 @@ def parse_owner(spec: OwnerSpec) -> tuple[str, Optional[int]]:
     a (name, budget) pair passes through checked."""
     if isinstance(spec, (tuple, list)) and len(spec) == 2:
         name, budget = spec
-        check_owner_name(name, where="--owner")
+        OwnerName.parse(name, where="--owner")
         return name, None if budget is None else parse_size(budget, f"--owner {name}")
     if not isinstance(spec, str):
         raise BadInputError(f"expected NAME=BYTES, got {spec!r}", where="--owner")
     name, eq, size = spec.partition("=")
     name = name.strip()
-    check_owner_name(name, where="--owner")
+    OwnerName.parse(name, where="--owner")
     return name, parse_size(size, f"--owner {name}") if eq else None
 
 

@@ -211,23 +211,22 @@ def plot_fidelity_per_layer(rep: VerifyReport) -> Optional[bytes]:
     """MoE output relative error per layer (log scale); None without fidelity figures."""
     import matplotlib
 
-    rows = (rep.fidelity or {}).get("layers") or []
+    rows = rep.fidelity.layers
     if not rows:
         return None
     floor = 1e-12  # an exact layer (error 0) is drawn at the floor of the log axis
     with matplotlib.rc_context(_RC):
         fig = _figure()
         ax = fig.add_subplot(1, 1, 1)
-        xs = [r["layer"] for r in rows]
-        ax.plot(xs, [max(floor, r["moe_rel_error"]) for r in rows], marker="o", label="local (reference input)")
-        ax.plot(xs, [max(floor, r["moe_rel_error_propagated"]) for r in rows], marker="s",
-                label="propagated (candidate run)")
+        xs = [r.layer for r in rows]
+        ax.plot(xs, [max(floor, r.local) for r in rows], marker="o", label="local (reference input)")
+        ax.plot(xs, [max(floor, r.propagated) for r in rows], marker="s", label="propagated (candidate run)")
         ax.set_yscale("log")
         ax.set_xticks(xs)
         ax.set_xlabel("layer")
         ax.set_ylabel("MoE output relative error (lower is better)")
         f = rep.fidelity
-        ax.set_title(f"MoE output vs reference ({f.get('mode')} mode; KL mean {f.get('kl_mean', float('nan')):.3g})")
+        ax.set_title(f"MoE output vs reference ({f.mode} mode; KL mean {f.logits.kl_mean:.3g})")
         ax.grid(True, alpha=0.3)
         ax.legend(loc="best", fontsize=8)
         fig.tight_layout()
@@ -279,41 +278,39 @@ def fidelity_rows(rep: VerifyReport) -> tuple[list[str], list[list[str]]]:
 
 def fidelity_section(rep: VerifyReport, plots: dict, plot_prefix: str = "") -> Optional[str]:
     """Markdown of the measured fidelity figures (None when not measured)."""
-    f = rep.fidelity or {}
-    if not f.get("measured"):
+    f = rep.fidelity
+    if not f.measured:
         return None
-    L = [f"Measured by `verify --fidelity` in **{f['mode']}** mode on placement(s) "
-         f"{', '.join(f'`{p}`' for p in f['placements'])}: the transformers reference over the source against the "
+    m, ec, sp = f.logits, f.exact_copy, f.second
+    L = [f"Measured by `verify --fidelity` in **{f.mode}** mode on placement(s) "
+         f"{', '.join(f'`{p}`' for p in f.placements)}: the transformers reference over the source against the "
          f"same model with every dense tensor from the artifact and the runtime's routed experts; "
-         f"{f['eval_tokens']} evaluation tokens ({f['eval']}; tokenizer: {f['tokenizer']}).", ""]
-    rows = [["KL mean / p99 (nats)", f"{fmt_num(f['kl_mean'], '.4g')} / {fmt_num(f['kl_p99'], '.4g')}"],
-            ["top-1 agreement", f"{100 * f['top1']:.2f}%"],
-            ["perplexity ratio (candidate / reference)", fmt_num(f["ppl_ratio"], ".5f")],
-            ["greedy response sha256", f"`{f['response_sha256']}`" +
-             (" (= reference)" if f.get("response_matches_reference") else " (differs from the reference)")]]
-    if f.get("moe_output_sha256"):
-        rows.append(["MoE output sha256 (exact mode)", f"`{f['moe_output_sha256']}`"])
-    sp = f.get("second_placement")
+         f"{f.eval_tokens} evaluation tokens ({f.eval}; tokenizer: {f.tokenizer}).", ""]
+    rows = [["KL mean / p99 (nats)", f"{fmt_num(m.kl_mean, '.4g')} / {fmt_num(m.kl_p99, '.4g')}"],
+            ["top-1 agreement", f"{100 * m.top1:.2f}%"],
+            ["perplexity ratio (candidate / reference)", fmt_num(m.ppl_ratio, ".5f")],
+            ["greedy response sha256", f"`{f.response_sha256}`" +
+             (" (= reference)" if f.response_matches_reference else " (differs from the reference)")]]
+    if f.moe_output_sha256:
+        rows.append(["MoE output sha256 (exact mode)", f"`{f.moe_output_sha256}`"])
     if sp:
-        rows.append(["second placement", ("identical" if sp["identical"] else "**different**") +
-                     f" (MoE `{sp['moe_output_sha256'][:16]}`, response `{sp['response_sha256'][:16]}`)"])
-    ec = f.get("exact_copy")
+        rows.append(["second placement", ("identical" if f.identical else "**different**") +
+                     f" (MoE `{sp.moe_output_sha256[:16]}`, response `{sp.response_sha256[:16]}`)"])
     if ec:
-        rows.append(["exact-copy protocol", f"**{ec['passes']}/{ec['trials']}** (task `{ec['task']}`; the source "
-                                            f"{ec['reference_passes']}/{ec['trials']})"])
+        rows.append(["exact-copy protocol", f"**{ec.passes}/{ec.trials}** (task `{ec.task}`; the source "
+                                            f"{ec.reference_passes}/{ec.trials})"])
     L += md_table(["", ""], rows) + [""]
     if PLOT_FIDELITY in plots:
         L += [f"![MoE output error per layer]({plot_prefix}{plots[PLOT_FIDELITY]})", ""]
     L += md_table(["layer", "MoE rel. error (local)", "MoE rel. error (propagated)"],
-                [[str(r["layer"]), fmt_num(r["moe_rel_error"], ".3e"), fmt_num(r["moe_rel_error_propagated"], ".3e")]
-                 for r in f["layers"]]) + [""]
-    if ec and ec["failed"]:
-        L += [f"Failed exact-copy trials ({len(ec['failed'])}):", ""]
+                [[str(r.layer), fmt_num(r.local, ".3e"), fmt_num(r.propagated, ".3e")] for r in f.layers]) + [""]
+    if ec and ec.failed:
+        L += [f"Failed exact-copy trials ({len(ec.failed)}):", ""]
         L += md_table(["identifier", "repeat", "expected", "got"],
                     [[f"`{x['identifier']}`", str(x["repeat"]), f"`{x['expected']}`", f"`{x['got']}`"]
-                     for x in ec["failed"][:20]]) + [""]
-        if len(ec["failed"]) > 20:
-            L += [f"(and {len(ec['failed']) - 20} more in verify.json)", ""]
+                     for x in ec.failed[:20]]) + [""]
+        if len(ec.failed) > 20:
+            L += [f"(and {len(ec.failed) - 20} more in verify.json)", ""]
     return "\n".join(L).rstrip("\n")
 
 

@@ -108,10 +108,10 @@ def verify(
     threshold_db: one SQNR floor for every lossy tensor instead of the table.
     progress: called with one dict per decoded tensor (index, total, name, qtype, sqnr_db, seconds).
     fidelity: measure the model through the runtime (needs ``source``) on ``placements`` (up to two
-    placement files or mappings; none: one CPU owner; a file that records ranks runs that many gloo
-    ranks, ``runtime.cluster_group``) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
+    placement files, mappings or Placements; none: one CPU owner; one that records ranks runs that many
+    gloo ranks: ``runtime.load`` decides) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
     file) or ``text`` (UTF-8 file) or the built-in documents; ``protocol="exact-copy"`` adds the
-    exact-copy protocol. Figures go to ``rep.fidelity`` (see ``ds4quant.verify.fidelity``).
+    exact-copy protocol. Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
     from ds4quant.artifact.tags import check_variant_107
@@ -125,13 +125,12 @@ def verify(
         raise BadInputError("an importance matrix weights the error against the source; pass the source too",
                             where="--imatrix", hint="add --source SRC")
     if fidelity:
-        from ds4quant.runtime.owners.base import MODES
+        from ds4quant.runtime import Mode
 
         if source is None:
             raise BadInputError("fidelity compares the artifact with its source model", where="--fidelity",
                                 hint="add --source SRC")
-        if mode not in MODES:
-            raise BadInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}", where="--mode")
+        mode = Mode.parse(mode, where="--mode")
         if tokens is not None and text is not None:
             raise BadInputError("give --tokens or --text, not both", where="--tokens")
     elif placements or tokens is not None or text is not None or protocol is not None:
@@ -142,14 +141,15 @@ def verify(
         raise BadInputError(f"no {MANIFEST} in the folder", where=str(lay.path),
                             hint="pass the .gguf file itself for structure checks only")
     view = ArtifactView(lay, variant_107)
+    runs = ()
+    if fidelity:
+        from ds4quant.verify.fidelity import placement_runs
+
+        runs = placement_runs(view, tuple(placements))  # a placement for another artifact fails here, early
     ctx = Context(view, Options(None if source is None else Path(source), None if imatrix is None else Path(imatrix),
-                                threshold_db, progress, bool(fidelity), tuple(placements), mode,
+                                threshold_db, progress, bool(fidelity), runs, mode,
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
                                 protocol))
-    if fidelity:
-        from ds4quant.verify.fidelity import check_placements
-
-        check_placements(view, tuple(placements))
     for stage in STAGES:
         stage(ctx)
     return _report(ctx, time.perf_counter() - t0)
@@ -173,7 +173,7 @@ def _report(ctx: Context, seconds: float) -> VerifyReport:
     return VerifyReport(v.layout.path, v.kind, tuple(v.gguf_paths) + tuple(v.sidecars), tuple(ctx.checks),
                         tuple(records), group_records(records), ctx.numbers_from, v.manifest, MappingProxyType(kv),
                         fp, tuple(v.codebook_tables), v.lucebox_books, v.runtimes, v.stored_runtimes,
-                        MappingProxyType(dict(ctx.fidelity)), seconds)
+                        ctx.fidelity, seconds)
 
 
 def _kv_plain(kv) -> Any:

@@ -5,9 +5,9 @@
 - candidate: the same architecture with every dense parameter and buffer
   overwritten by the artifact's decoded tensor (``view.dense``, GGUF name ->
   official name -> transformers name through ``sources.naming``) and every
-  layer's routed experts swapped for the runtime's experts module over the
-  artifact (``runtime.load(...).experts(L)``). A wrong dense conversion is
-  therefore caught as well as a wrong expert.
+  layer's routed experts swapped for the executor's experts module over the
+  artifact (``runtime.load(...).experts(L)``, in process or on cluster ranks
+  alike). A wrong dense conversion is therefore caught as well as a wrong expert.
 
 torch and transformers are imported inside the functions.
 """
@@ -214,7 +214,7 @@ def local_moe_error(cand, ref_trace: MoeTrace, cand_layers) -> dict[int, float]:
 
 
 def swap_all(model, rt) -> Any:
-    """Every MoE layer's routed experts -> the runtime's; returns the old modules."""
+    """Every MoE layer's routed experts -> the executor's; returns the old modules."""
     from ds4quant.runtime.reference import moe_blocks, swap_experts
 
     return {i: swap_experts(model, i, rt.experts(i)) for i, _ in moe_blocks(model)}
@@ -227,30 +227,16 @@ def restore(model, old: dict) -> None:
         swap_experts(model, i, m)
 
 
-def runtime_for(view, placement, mode: str):
-    """What runs one placement's routed experts (a context manager with
-    ``experts(L)``): ``runtime.load`` in this process, or, for a placement that
-    records ranks, a ``RankGroup`` of that many gloo ranks over the same
-    artifact (they check its fingerprint against this view's)."""
-    from ds4quant import runtime
-    from ds4quant.runtime.cluster_group import RankGroup, is_rank_placement
+def placement_label(given, plc) -> str:
+    """How the figures name the placement ``given`` (what the caller passed; ``plc``
+    the Placement it names): its file, else "placement"; with the gloo ranks a rank
+    placement runs on, or "cpu:0 (one CPU owner)" when none was given."""
+    from os import PathLike
 
-    if placement is not None and is_rank_placement(placement):
-        return RankGroup(view.layout.path, placement, mode=mode, expect_fingerprint=view.fingerprint())
-    return runtime.load(view, placement, mode=mode)
-
-
-def placement_label(placement) -> str:
-    from ds4quant.runtime.cluster_group import is_rank_placement
-    from ds4quant.runtime.placement import read_placement
-
-    if placement is None:
+    if given is None:
         return "cpu:0 (one CPU owner)"
-    if is_rank_placement(placement):
-        plc = placement if hasattr(placement, "ranks") else read_placement(placement)
-        where = "placement" if hasattr(placement, "ranks") else str(placement)
-        return f"{where} ({plc.ranks.n_ranks} gloo ranks)"
-    return str(placement)
+    where = str(given) if isinstance(given, (str, PathLike)) else "placement"
+    return where if plc.ranks is None else f"{where} ({plc.ranks.n_ranks} gloo ranks)"
 
 
 def source_tokenizer(source) -> Optional[Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ds4quant.artifact.view import ArtifactView, Problem
-from ds4quant.records import Check
+from ds4quant.records import Check, FidelityReport
 
 
 def show_digests(a: str, b: str, least: int = 16) -> tuple[str, str]:
@@ -35,8 +35,8 @@ class Options:
     threshold_db: Optional[float] = None
     progress: Optional[Callable[[dict], None]] = None
     fidelity: bool = False
-    placements: tuple = ()  # placement files (or mappings); empty: one CPU owner
-    mode: str = "fast"
+    placements: tuple = ()  # (label, runtime Placement) per placement the candidate runs on
+    mode: str = "fast"  # a runtime Mode when fidelity is measured
     tokens: Optional[Path] = None
     text: Optional[Path] = None
     protocol: Optional[str] = None
@@ -55,7 +55,7 @@ class Context:
     floors: dict[str, Optional[float]] = field(default_factory=dict)
     numbers_from: Optional[str] = None
     source_fingerprint: Optional[str] = None
-    fidelity: dict[str, Any] = field(default_factory=dict)
+    fidelity: FidelityReport = field(default_factory=FidelityReport)
 
     @property
     def first(self) -> str:

@@ -17,11 +17,13 @@ runtime on the given placement (default: one CPU owner) in the given mode
 - with ``protocol="exact-copy"``: runtime.fidelity's protocol on the candidate
   and on the reference (the source's own score).
 
-A placement that records ranks (``ds4quant place --ranks N``) runs the
-candidate's routed experts on N gloo ranks on this host
-(``runtime.cluster_group.RankGroup``: started once per placement, serving every
-layer call of the run; rank start-up and per-call timings go to
+Each placement runs through ``runtime.load``, whatever it names: a placement
+that records ranks (``ds4quant place --ranks N``) runs the candidate's routed
+experts on N gloo ranks on this host (started once per placement, serving
+every layer call of the run; their start-up and per-call figures go to
 ``cluster``); exact mode gives the single-process bytes there too.
+
+The figures are a ``records.FidelityReport``.
 
 Evaluation set: ``tokens`` (token-id file, ``calibrate.read_tokens`` format),
 ``text`` (a UTF-8 file, one document per blank-line-separated block, through the
@@ -45,14 +47,15 @@ tokenizer.json whenever a source is given (``tokenizer_check``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from ds4quant.errors import BadInputError
+from ds4quant.records import ExactCopyScore, FidelityReport, LogitFigures, MoeLayerError, PlacementRun
 from ds4quant.verify._run import Context
 
 LIMITS = MappingProxyType({"kl_mean": 0.5, "exact_copy_slack": 1})
@@ -68,8 +71,7 @@ def fidelity(ctx: Context) -> None:
     if o.source is not None:
         tokenizer_check(ctx)
     if not o.fidelity:
-        ctx.fidelity = {"requested": False, "measured": False,
-                        "detail": "not requested (verify --source SRC --fidelity measures it)"}
+        ctx.fidelity = FidelityReport.not_measured("not requested (verify --source SRC --fidelity measures it)")
         return
     ctx.fidelity = measure(ctx)
 
@@ -148,11 +150,12 @@ def _tokenizer(source: Path):
     return (fd.as_tokenizer(t), "tokenizer.json") if t is not None else (fd.ByteTokenizer(), "byte ids")
 
 
-def measure(ctx: Context) -> dict:
+def measure(ctx: Context) -> FidelityReport:
     import copy
 
     import torch
 
+    from ds4quant import runtime
     from ds4quant.runtime import fidelity as fd
     from ds4quant.runtime.reference import load_reference, moe_blocks
     from ds4quant.verify import _candidate as C
@@ -169,9 +172,6 @@ def measure(ctx: Context) -> dict:
             raise BadInputError(f"the exact-copy protocol needs the source's {' and '.join(missing)} "
                                 "(a model that was trained to copy, with its task)", where=str(o.source),
                                 hint="drop --protocol, or use a source such as samples/ds4-copy")
-    placements = tuple(o.placements) or (None,)
-    if len(placements) > 2:
-        raise BadInputError("at most two placements (the second is compared with the first)", where="--placement")
     tok, tok_kind = _tokenizer(o.source)
     with C.one_thread():
         ref = load_reference(o.source)
@@ -190,9 +190,6 @@ def measure(ctx: Context) -> dict:
     rows = torch.tensor([p[0] for p in pos], dtype=torch.long)
     cols = torch.tensor([p[1] for p in pos], dtype=torch.long)
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
-    res: dict[str, Any] = {"requested": True, "measured": True, "mode": o.mode, "tokenizer": tok_kind,
-                           "eval": eval_what, "eval_tokens": len(pos),
-                           "placements": [C.placement_label(p) for p in placements]}
     with C.one_thread(), torch.no_grad():
         with C.trace_moe(ref, keep_inputs=True) as rtr:
             ref_logits = C.logits_of(ref, seqs, pad)[rows, cols]
@@ -200,100 +197,88 @@ def measure(ctx: Context) -> dict:
         ref_copy = None
         if o.protocol == "exact-copy":
             ref_copy = fd.exact_copy(ref, tok, task)
-        runs = []
-        for k, plc in enumerate(placements):
-            with C.runtime_for(ctx.view, plc, o.mode) as rt:
+        runs, clusters = [], []
+        first: dict = {}
+        for label, plc in o.placements:
+            with runtime.load(ctx.view, plc, o.mode) as rt:
                 old = C.swap_all(cand, rt)
                 try:
                     with C.trace_moe(cand, routed=True) as ctr:
                         cand_logits = C.logits_of(cand, seqs, pad)[rows, cols]
-                    run = {"moe_output_sha256": C.routed_sha256(ctr.routed),
-                           "response": fd.greedy_response(cand, prompt, RESPONSE_TOKENS, tok.eos_token_id)}
-                    if k == 0:
-                        run["logits"] = cand_logits
-                        run["propagated"] = {L: C.rel_error(rtr.outputs[L], ctr.outputs[L]) for L in layers}
-                        run["local"] = C.local_moe_error(cand, rtr, layers)
+                    resp = fd.greedy_response(cand, prompt, RESPONSE_TOKENS, tok.eos_token_id)
+                    runs.append(PlacementRun(label, C.routed_sha256(ctr.routed), resp.sha256))
+                    if not first:
+                        first = {"logits": cand_logits, "response": resp,
+                                 "propagated": {L: C.rel_error(rtr.outputs[L], ctr.outputs[L]) for L in layers},
+                                 "local": C.local_moe_error(cand, rtr, layers)}
                         if o.protocol == "exact-copy":
-                            run["copy"] = fd.exact_copy(cand, tok, task)
-                    if hasattr(rt, "stats"):  # a rank group: what starting once cost and each call took
-                        run["cluster"] = rt.stats()
-                    runs.append(run)
+                            first["copy"] = fd.exact_copy(cand, tok, task)
+                    if rt.n_ranks:  # cluster ranks: what starting them once cost and each call took
+                        clusters.append(rt.stats())
                 finally:
                     C.restore(cand, old)
-    first = runs[0]
     m = fd.logit_metrics(ref_logits, first["logits"], targets)
-    res.update({
-        "kl_mean": m.kl_mean, "kl_p99": m.kl_p99, "top1": m.top1, "ppl_ratio": m.ppl_ratio,
-        "layers": [{"layer": L, "moe_rel_error": first["local"][L], "moe_rel_error_propagated": first["propagated"][L]}
-                   for L in layers],
-        "response_token_ids": list(first["response"].token_ids), "response_sha256": first["response"].sha256,
-        "reference_response_sha256": ref_resp.sha256,
-        "response_matches_reference": first["response"].sha256 == ref_resp.sha256,
-        "moe_output_sha256": first["moe_output_sha256"] if o.mode == "exact" else None,
-        "fast_moe_output_sha256": first["moe_output_sha256"] if o.mode == "fast" else None,
-        "exact_copy": None,
-    })
+    ec = None
     if "copy" in first:
         c = first["copy"].to_json()
-        res["exact_copy"] = {"passes": c["passes"], "trials": c["trials"], "failed": c["failed"], "task": c["task"],
-                             "reference_passes": ref_copy.passes}
-    clusters = [r["cluster"] for r in runs if "cluster" in r]
-    if clusters:
-        res["cluster"] = clusters
-    if len(runs) == 2:
-        same_moe = runs[0]["moe_output_sha256"] == runs[1]["moe_output_sha256"]
-        same_resp = runs[0]["response"].sha256 == runs[1]["response"].sha256
-        res["second_placement"] = {"moe_output_sha256": runs[1]["moe_output_sha256"],
-                                   "response_sha256": runs[1]["response"].sha256,
-                                   "identical": same_moe and same_resp}
-    _checks(ctx, res)
-    res["seconds"] = time.perf_counter() - t0
-    return res
+        ec = ExactCopyScore(c["passes"], c["trials"], tuple(MappingProxyType(f) for f in c["failed"]), c["task"],
+                            ref_copy.passes)
+    rep = FidelityReport(
+        requested=True, measured=True, mode=o.mode.value, tokenizer=tok_kind, eval=eval_what, eval_tokens=len(pos),
+        runs=tuple(runs), logits=LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio),
+        layers=tuple(MoeLayerError(L, first["local"][L], first["propagated"][L]) for L in layers),
+        response_token_ids=tuple(first["response"].token_ids), reference_response_sha256=ref_resp.sha256,
+        exact_copy=ec, cluster=tuple(clusters))
+    _checks(ctx, rep)
+    return dataclasses.replace(rep, seconds=time.perf_counter() - t0)
 
 
-def check_placements(view, placements) -> None:
-    """Refuse, before anything is measured, a placement file planned for another
-    artifact or shape (a cluster placement too: its ranks would refuse it only
-    after the reference model has run)."""
-    from os import PathLike
+def placement_runs(view, placements) -> tuple:
+    """(label, Placement) per placement the candidate runs on (none given: one CPU
+    owner); each read and checked against ``view`` once, before anything is
+    measured (a cluster placement too: its ranks would refuse it only after the
+    reference model has run)."""
+    from ds4quant.runtime import as_placement
+    from ds4quant.verify._candidate import placement_label
 
-    from ds4quant.runtime.placement import Placement, read_placement
+    given = tuple(placements) or (None,)
+    if len(given) > 2:
+        raise BadInputError("at most two placements (the second is compared with the first)", where="--placement")
+    out = []
+    for p in given:
+        plc = as_placement(p, view)
+        out.append((placement_label(p, plc), plc))
+    return tuple(out)
 
-    h, fp = view.header, view.fingerprint()
-    for p in placements:
-        if isinstance(p, (str, PathLike)):
-            read_placement(p).check_matches(h.n_layer, h.n_expert, fp, where=str(p))
-        elif isinstance(p, Placement):
-            p.check_matches(h.n_layer, h.n_expert, fp, where="placement")
 
-
-def _checks(ctx: Context, res: dict) -> None:
-    kl = res["kl_mean"]
+def _checks(ctx: Context, rep: FidelityReport) -> None:
+    kl, n = rep.logits.kl_mean, rep.eval_tokens
     if not math.isfinite(kl) or kl > LIMITS["kl_mean"]:
-        worst = max(res["layers"], key=lambda r: r["moe_rel_error"]) if res["layers"] else None
-        ctx.fail("fidelity.kl", f"mean KL {kl:.4g} nats over {res['eval_tokens']} tokens exceeds "
-                                f"{LIMITS['kl_mean']:g}" + (f"; worst MoE layer {worst['layer']} (rel. error "
-                                                            f"{worst['moe_rel_error']:.3g})" if worst else ""),
+        worst = max(rep.layers, key=lambda r: r.local) if rep.layers else None
+        ctx.fail("fidelity.kl", f"mean KL {kl:.4g} nats over {n} tokens exceeds "
+                                f"{LIMITS['kl_mean']:g}" + (f"; worst MoE layer {worst.layer} (rel. error "
+                                                            f"{worst.local:.3g})" if worst else ""),
                  ctx.first)
     else:
-        ctx.ok("fidelity.kl", f"mean KL {kl:.4g} nats (p99 {res['kl_p99']:.4g}), top-1 {100 * res['top1']:.2f}% over "
-                              f"{res['eval_tokens']} tokens ({res['mode']} mode); limit {LIMITS['kl_mean']:g}",
-               ctx.first)
-    ec = res["exact_copy"]
+        ctx.ok("fidelity.kl", f"mean KL {kl:.4g} nats (p99 {rep.logits.kl_p99:.4g}), top-1 "
+                              f"{100 * rep.logits.top1:.2f}% over {n} tokens ({rep.mode} mode); limit "
+                              f"{LIMITS['kl_mean']:g}", ctx.first)
+    ec = rep.exact_copy
     if ec is not None:
-        need = ec["reference_passes"] - LIMITS["exact_copy_slack"]
-        text = f"{ec['passes']}/{ec['trials']} exact copies (the source: {ec['reference_passes']}/{ec['trials']})"
-        if ec["passes"] < need:
+        need = ec.reference_passes - LIMITS["exact_copy_slack"]
+        text = f"{ec.passes}/{ec.trials} exact copies (the source: {ec.reference_passes}/{ec.trials})"
+        if ec.passes < need:
             ctx.fail("fidelity.exact_copy", f"{text}; fewer than the source's minus {LIMITS['exact_copy_slack']}",
                      ctx.first)
         else:
             ctx.ok("fidelity.exact_copy", text, ctx.first)
-    sp = res.get("second_placement")
-    if sp is not None and res["mode"] == "exact":
-        if sp["identical"]:
+    sp = rep.second
+    if sp is not None and rep.mode == "exact":
+        if rep.identical:
             ctx.ok("fidelity.identity", "two placements give the same MoE output and response sha256 (exact mode)",
                    ctx.first)
         else:
-            ctx.fail("fidelity.identity", f"placements differ: MoE output {res['moe_output_sha256'][:16]} vs "
-                                          f"{sp['moe_output_sha256'][:16]}, response {res['response_sha256'][:16]} "
-                                          f"vs {sp['response_sha256'][:16]}", ctx.first)
+            first = rep.runs[0]
+            ctx.fail("fidelity.identity", f"placements differ: MoE output {first.moe_output_sha256[:16]} vs "
+                                          f"{sp.moe_output_sha256[:16]}, response {first.response_sha256[:16]} "
+                                          f"vs {sp.response_sha256[:16]}", ctx.first)

@@ -25,7 +25,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-MODES = ("exact", "fast")
+from ds4quant.runtime.mode import Mode
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +62,8 @@ class ExpertStack:
 @runtime_checkable
 class Owner(Protocol):
     """One compute place. ``identity`` is its runtime identity ("cpu:0",
-    "cuda:0", "hip:0", "worker:0/cpu:0"); registry keys include it."""
+    "cuda:0", "hip:0", "worker:0/cpu:0"); registry keys include it. ``owners/kinds.py`` maps
+    each owner name to its owner module's ``owner_for``."""
 
     identity: str
 
@@ -76,12 +77,13 @@ class Owner(Protocol):
     def experts(self, layer: int) -> tuple[int, ...]:
         """Global ids of the experts resident for ``layer`` (gate, up and down)."""
 
-    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
+    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: Mode) -> np.ndarray:
         """Per-slot unweighted expert outputs.
 
         x: float32 (n, hidden), row i routed to global expert expert_ids[i]
         (int64 (n,)); returns float32 (n, hidden). A row of exact mode depends
-        only on x[i] and the expert's weights, never on the other rows.
+        only on x[i] and the expert's weights, never on the other rows. An
+        owner called directly takes the mode's text too (``Mode.parse``).
         """
 
     # Optional (overlapped submission, runtime/overlap.py): an owner that stages

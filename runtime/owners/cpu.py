@@ -33,11 +33,19 @@ from ds4quant.errors import BadInputError, ShapeError
 from ds4quant.formats import QTYPES, numba_threads
 from ds4quant.formats._components import row_kind, row_lut
 from ds4quant.runtime import exact as X
-from ds4quant.runtime.fast import fast_matmul, swiglu_fast
-from ds4quant.runtime.owners.base import MODES, ExpertStack
+from ds4quant.runtime.fast import fast_matmul
+from ds4quant.runtime.jit import readonly
+from ds4quant.runtime.mode import Mode
+from ds4quant.runtime.owners.base import ExpertStack
 from ds4quant.runtime.registry import DecodeTableRegistry
+from ds4quant.runtime.swiglu import swiglu_fast
 
 _PROJS = ("gate", "up", "down")
+
+
+def owner_for(name, *, identity: str, **options) -> "CpuOwner":
+    """The owner of a ``cpu`` / ``cpu:N`` name (``owners/kinds.py``'s registry)."""
+    return CpuOwner(identity=identity, **options)
 
 
 class CpuOwner:
@@ -167,7 +175,7 @@ class CpuOwner:
             lut = row_lut(stack.qtype, all_books[hit[1]], mode)
         else:
             lut, mode = row_lut(stack.qtype), 1
-        return kind, p0, p1, X.readonly(stack.data[hit[1]]), stack.cols, X.readonly(lut, np.float32), mode, stack, hit
+        return kind, p0, p1, readonly(stack.data[hit[1]]), stack.cols, readonly(lut, np.float32), mode, stack, hit
 
     def _row_spans(self, op):
         spans = self._spans.get(op[8])
@@ -175,9 +183,8 @@ class CpuOwner:
             spans = self._spans[op[8]] = X.row_spans(*op[:7])
         return spans
 
-    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
-        if mode not in MODES:
-            raise BadInputError(f"mode must be one of {MODES}, got {mode!r}", where=self.identity)
+    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: Mode) -> np.ndarray:
+        mode = Mode.parse(mode, where=self.identity)
         x = np.ascontiguousarray(x, dtype=np.float32)
         ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
         if x.ndim != 2 or x.shape[0] != ids.shape[0]:
@@ -191,14 +198,14 @@ class CpuOwner:
                                  where=self.identity)
         out = np.empty_like(x)
         with numba_threads(self.threads):
-            quant = X.quantize_rows(x, f"{self.identity} layer {layer} input") if mode == "exact" else None
+            quant = X.quantize_rows(x, f"{self.identity} layer {layer} input") if mode is Mode.EXACT else None
             for e, (g, u, d) in ops.items():
                 rows = np.flatnonzero(ids == e)
                 out[rows] = self._expert(layer, e, g, u, d, x[rows], quant, rows, mode)
         return out
 
     def _expert(self, layer, e, g, u, d, xs, quant, rows, mode):
-        if mode == "fast":
+        if mode is Mode.FAST:
             gv = fast_matmul(*g[:7], xs)
             uv = fast_matmul(*u[:7], xs)
             return fast_matmul(*d[:7], swiglu_fast(gv, uv, self.swiglu_limit))

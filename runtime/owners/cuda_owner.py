@@ -53,11 +53,19 @@ from typing import Optional
 import numpy as np
 
 from ds4quant.errors import BadInputError, MissingDependencyError, ShapeError
-from ds4quant.runtime.owners.base import MODES, ExpertStack
+from ds4quant.runtime.mode import Mode
+from ds4quant.runtime.owners.base import ExpertStack
 from ds4quant.runtime.owners.cuda_exact import ExactKernelsMixin
 from ds4quant.runtime.owners.torch_owner import DEFAULT_SWIGLU_LIMIT, TorchOwner
+from ds4quant.runtime.swiglu import swiglu_fast
 
 PROJS = ("gate", "up", "down")
+
+
+def owner_for(name, *, identity: str, **options) -> "CudaOwner":
+    """The owner of a ``cuda:N`` or ``hip:N`` name (``owners/kinds.py``'s registry):
+    device N (torch names a ROCm device ``cuda`` too)."""
+    return CudaOwner(f"cuda:{name.index or 0}", identity=identity, **options)
 
 
 @dataclass(frozen=True, eq=False)
@@ -240,8 +248,7 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
                 k.linear(fg, xs, gg, pg, g, **kw)
                 k.linear(pu["fmt"], xs, gu, pu, u, **kw)
                 sl = slice(first, first + count)  # this combo's sorted slots
-                gc = torch.clamp(g[sl], max=L)
-                h[sl] = torch.nn.functional.silu(gc) * torch.clamp(u[sl], min=-L, max=L)
+                h[sl] = swiglu_fast(g[sl], u[sl], L)
             k.linear(fd, h, gd, pd, y, **kw)
 
     def fast_device(self, layer: int, xt, expert_ids):
@@ -478,19 +485,18 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
         return pin_y.numpy().copy()
 
     # -- compute ---------------------------------------------------------
-    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
+    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: Mode) -> np.ndarray:
         from ds4quant.runtime.overlap import Readiness
 
         return self.run_slots_staged(layer, x, expert_ids, mode, Readiness())
 
-    def run_slots_staged(self, layer: int, x, expert_ids, mode: str, ready) -> np.ndarray:
+    def run_slots_staged(self, layer: int, x, expert_ids, mode: Mode, ready) -> np.ndarray:
         """run_slots, firing ``ready`` once the input copy is enqueued (runtime/overlap.py)."""
         import torch
 
-        if mode not in MODES:
-            raise BadInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        mode = Mode.parse(mode, where=self.identity)
         ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
-        if mode == "exact":
+        if mode is Mode.EXACT:
             y = self.exact_kernels_call(layer, x, ids, ready)
             if y is not None:
                 return y

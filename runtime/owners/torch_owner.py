@@ -21,9 +21,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ds4quant.errors import BadInputError, ShapeError
-from ds4quant.runtime.owners.base import MODES, ExpertStack
+from ds4quant.runtime.mode import Mode
+from ds4quant.runtime.owners.base import ExpertStack
 
 DEFAULT_SWIGLU_LIMIT = 10.0
+
+
+def owner_for(name, *, identity: str, **options) -> "TorchOwner":
+    """The owner of a ``torch-cpu:N`` name (``owners/kinds.py``'s registry): the CPU device."""
+    return TorchOwner("cpu", identity=identity, **options)
 
 
 def torch_identity(device: str) -> str:
@@ -154,12 +160,12 @@ class TorchOwner:
             self._spans[key] = torch_exact.weight_spans(w)
         return self._spans[key]
 
-    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
+    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: Mode) -> np.ndarray:
         import torch
         from ds4quant.runtime.owners import torch_exact
+        from ds4quant.runtime.swiglu import swiglu_fast
 
-        if mode not in MODES:
-            raise BadInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        mode = Mode.parse(mode, where=self.identity)
         xt = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         xt = xt.to(device=self.device, dtype=torch.float32)
         ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
@@ -171,15 +177,11 @@ class TorchOwner:
                 rows = torch.from_numpy(np.nonzero(ids == e)[0]).to(self.device)
                 wg, wu, wd = (self._decode(layer, p, int(e)) for p in ("gate", "up", "down"))
                 xs = xt.index_select(0, rows)
-                if mode == "exact":
+                if mode is Mode.EXACT:
                     spans = tuple(self._weight_spans(layer, p, int(e), w)
                                   for p, w in zip(("gate", "up", "down"), (wg, wu, wd)))
                     y = torch_exact.expert_exact(wg, wu, wd, xs, self.swiglu_limit, spans)
                 else:
-                    g = xs @ wg.T
-                    u = xs @ wu.T
-                    L = self.swiglu_limit
-                    h = torch.nn.functional.silu(torch.clamp(g, max=L)) * torch.clamp(u, min=-L, max=L)
-                    y = h @ wd.T
+                    y = swiglu_fast(xs @ wg.T, xs @ wu.T, self.swiglu_limit) @ wd.T
                 out.index_copy_(0, rows, y)
         return out.cpu().numpy()

@@ -47,21 +47,15 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ds4quant.errors import BadInputError, ShapeError, WorkerError
 from ds4quant.runtime.arena import Arena, SharedBuffer, send_fd
-from ds4quant.runtime.owners.base import MODES, ExpertStack
-
-# Owner names a worker can host -> "module:Class", imported in the child.
-OWNER_CLASSES = {
-    "cpu": "ds4quant.runtime.owners.cpu:CpuOwner",
-    "torch": "ds4quant.runtime.owners.torch_owner:TorchOwner",
-    # a CUDA/ROCm runtime in the child (the second vendor's owner on a mixed host)
-    "cuda": "ds4quant.runtime.owners.cuda_owner:CudaOwner",
-}
+from ds4quant.runtime.mode import Mode
+from ds4quant.runtime.owners.base import ExpertStack
+from ds4quant.runtime.owners.kinds import OwnerKind, OwnerName, make_owner
 
 PICKLE_PROTOCOL = 5
 MAX_FRAME = 1 << 31
@@ -70,25 +64,48 @@ _CHUNK = 1 << 20
 _ALIGN = 64
 
 
-def owner_class(spec: str):
-    """The owner class for a registry name ("cpu") or a "pkg.mod:Class" path."""
-    path = OWNER_CLASSES.get(spec, spec)
+def owner_for(name: OwnerName, *, identity: str, **options) -> "WorkerOwner":
+    """The owner of a ``worker:N`` (hosting a CPU owner) or ``worker:N/OWNER`` name
+    (``owners/kinds.py``'s registry); options go to the hosted owner."""
+    if name.kind is OwnerKind.WORKER_HOSTED:
+        return WorkerOwner(identity=identity, owner=str(name.hosted), inner_identity=identity, **options)
+    return WorkerOwner(identity=identity, **options)
+
+
+def owner_class(path: str):
+    """The owner class a ``"package.module:Class"`` path names (a plug-in owner a
+    worker hosts, e.g. the tests' fake)."""
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
-        raise BadInputError(
-            f"unknown owner {spec!r}",
-            where="worker owner",
-            hint=f"use one of {sorted(OWNER_CLASSES)} or a 'package.module:Class' path",
-        )
+        raise BadInputError(f"unknown owner {path!r}", where="worker owner",
+                            hint="use an owner name (cpu, cpu:N, torch-cpu:N, cuda:N, hip:N) or a "
+                                 "'package.module:Class' path")
     obj: Any = importlib.import_module(module)
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-def make_owner(spec: str, identity: str, kwargs: dict):
-    """Construct the hosted owner; its identity defaults to ``identity``
-    when the class takes one (e.g. "worker:0/cpu")."""
+def hosted_name(spec: str) -> Optional[OwnerName]:
+    """The owner name ``spec`` spells, or None for a ``"package.module:Class"`` path;
+    a name a worker cannot host (a worker) is refused."""
+    try:
+        name = OwnerName.parse(spec)
+    except BadInputError:
+        return None
+    if not name.kind.hostable:
+        raise BadInputError(f"owner {spec!r} cannot be hosted by a worker process (cpu, cpu:N, torch-cpu:N, "
+                            "cuda:N, hip:N)", where="worker owner")
+    return name
+
+
+def hosted_owner(spec: str, identity: str, kwargs: dict):
+    """Construct the owner a worker hosts, with runtime identity ``identity``: an owner
+    name through the owner-kind registry, or a plug-in class (given ``identity``
+    when its constructor takes one)."""
+    name = hosted_name(spec)
+    if name is not None:
+        return make_owner(name, identity=identity, **kwargs)
     cls = owner_class(spec)
     kwargs = dict(kwargs)
     if "identity" not in kwargs:
@@ -342,7 +359,8 @@ class WorkerOwner:
     """An owner hosted in a child process (see the module docstring).
 
     identity: this owner's runtime identity ("worker:0").
-    owner: the hosted owner, a registry name ("cpu") or "pkg.mod:Class".
+    owner: the hosted owner, an owner name ("cpu", "torch-cpu:0", "cuda:0")
+        or a plug-in's "pkg.mod:Class".
     python: the child's interpreter (default: this one).
     timeout_s: the longest any one call may take before the child is killed.
     start_timeout_s: the same for starting the child and constructing its
@@ -355,7 +373,7 @@ class WorkerOwner:
 
         w = WorkerOwner("worker:0", owner="cpu")
         w.add_stack(stack); y = w.run_slots(3, x, ids, "exact"); w.close()
-        g = WorkerOwner("worker:1", owner="cuda", device="cuda:0",
+        g = WorkerOwner("worker:1", owner="cuda:0",
                         env={"CUDA_VISIBLE_DEVICES": "0"})   # a CudaOwner in the child
     """
 
@@ -373,8 +391,8 @@ class WorkerOwner:
         self._conn = conn
         self._finalizer = weakref.finalize(self, conn.shutdown)
         if inner_identity is None:
-            inner = f"{owner}:0" if owner in OWNER_CLASSES else owner.rpartition(":")[2]
-            inner_identity = f"{identity}/{inner}"
+            name = hosted_name(owner)
+            inner_identity = f"{identity}/{name.identity if name is not None else owner.rpartition(':')[2]}"
         try:
             info = conn.call("init", {"owner": owner, "identity": inner_identity, "kwargs": owner_kwargs},
                              timeout_s=float(start_timeout_s))
@@ -420,18 +438,17 @@ class WorkerOwner:
     def resident_bytes(self) -> int:
         return int(self._call("resident_bytes"))
 
-    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: str) -> np.ndarray:
+    def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: Mode) -> np.ndarray:
         """Per-slot unweighted outputs, float32 (n, hidden); see ``Owner.run_slots``."""
         return self.run_slots_staged(layer, x, expert_ids, mode, None)
 
-    def run_slots_staged(self, layer: int, x, expert_ids, mode: str, ready) -> np.ndarray:
+    def run_slots_staged(self, layer: int, x, expert_ids, mode: Mode, ready) -> np.ndarray:
         """run_slots; ``ready.fire()`` once the rows are in the input arena and the
         request is sent (runtime/overlap.py), before waiting for the child."""
         x = np.asarray(x)
         ids = np.asarray(expert_ids)
         where = f"{self.identity} run_slots layer {layer}"
-        if mode not in MODES:
-            raise BadInputError(f"unknown mode {mode!r}", where=where, hint=f"use one of {MODES}")
+        mode = Mode.parse(mode, where=where)
         if x.dtype != np.float32 or x.ndim != 2:
             raise ShapeError(f"x must be float32 (n, hidden), got {x.dtype} {x.shape}", where=where)
         if ids.ndim != 1 or ids.shape[0] != x.shape[0] or ids.dtype.kind not in "iu":
@@ -446,7 +463,7 @@ class WorkerOwner:
             out = conn.ensure_arena("out", n * hidden * 4)
             inp.array(np.float32, (n, hidden))[...] = x
             inp.array(np.int64, (n,), off)[...] = ids
-            conn.call("run", {"layer": int(layer), "n": n, "hidden": hidden, "mode": mode,
+            conn.call("run", {"layer": int(layer), "n": n, "hidden": hidden, "mode": mode.value,
                               "gen": (conn.arenas["in"].generation, conn.arenas["out"].generation)},
                       sent=None if ready is None else ready.fire)
             return out.array(np.float32, (n, hidden)).copy()
@@ -477,7 +494,7 @@ class CallCost:
 
 
 def measure_call_cost(owner: str, stacks: Sequence[ExpertStack], layer: int, *, books: Sequence[tuple] = (),
-                      batches: Sequence[int] = (1, 64), repeats: int = 30, mode: str = "exact",
+                      batches: Sequence[int] = (1, 64), repeats: int = 30, mode: Mode = Mode.EXACT,
                       seed: int = 0, python: str | None = None, env: dict | None = None,
                       **owner_kwargs) -> tuple[CallCost, ...]:
     """The worker's cost per run_slots call against the same owner in process.
@@ -485,7 +502,7 @@ def measure_call_cost(owner: str, stacks: Sequence[ExpertStack], layer: int, *, 
     stacks: the layer's gate/up/down ExpertStacks; books: (tensor, ids, entry)
     for MIX stacks. x is seeded normal noise, slots cycle over the resident experts.
     """
-    local = make_owner(owner, "bench/local", owner_kwargs)
+    local = hosted_owner(owner, "bench/local", owner_kwargs)
     worker = WorkerOwner("worker:bench", owner=owner, python=python, env=env, **owner_kwargs)
     try:
         for o in (local, worker):

@@ -19,7 +19,7 @@ import numpy as np
 
 from ds4quant.runtime.arena import SharedBuffer, recv_fd
 from ds4quant.runtime.owners.base import ExpertStack
-from ds4quant.runtime.owners.worker import _HEADER, MAX_FRAME, encode_frame, ids_offset, make_owner
+from ds4quant.runtime.owners.worker import _HEADER, MAX_FRAME, encode_frame, hosted_owner, ids_offset
 
 
 class _Server:
@@ -29,7 +29,7 @@ class _Server:
         self.arenas: dict[str, tuple[int, SharedBuffer]] = {}
 
     def init(self, p):
-        self.owner = make_owner(p["owner"], p["identity"], p["kwargs"])
+        self.owner = hosted_owner(p["owner"], p["identity"], p["kwargs"])
         return {"identity": getattr(self.owner, "identity", p["identity"]), "pid": os.getpid(),
                 "python": sys.version.split()[0]}
 

@@ -365,7 +365,8 @@ def test_cli_run_starts_torchrun_and_writes_the_result(arts, inputs, tmp_path):
 
 
 # --------------------------------------------------------------------------
-# the persistent rank group (runtime.cluster_group): started once, serving calls
+# the persistent rank group (runtime.cluster.group): started once, serving calls; the
+# executor runtime.load returns for a rank placement
 
 
 def _shm() -> set[str]:
@@ -374,7 +375,8 @@ def _shm() -> set[str]:
 
 @pytest.mark.parametrize("n", [4])  # 2 ranks: tests/verify/test_fidelity_cluster.py, through a whole model
 def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, tmp_path, own_tmp, n):
-    from ds4quant.runtime.cluster_group import RankGroup
+    from ds4quant.runtime.cluster import ClusterOptions, RankGroup
+    from ds4quant.runtime.executor import Executor
     from ds4quant.runtime.placement import read_placement
 
     x, tok = inputs
@@ -386,8 +388,9 @@ def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, t
     plc = read_placement(pname)
     shm = _shm()
     with open_artifact(art) as v:
-        nb, fp = v.expert_nbytes(), v.fingerprint()
-    with RankGroup(art, pname, mode="exact", timeout_s=TIMEOUT, expect_fingerprint=fp) as grp:
+        nb = v.expert_nbytes()
+    with runtime.load(art, pname, "exact", cluster=ClusterOptions(timeout_s=TIMEOUT)) as grp:
+        assert isinstance(grp, RankGroup) and isinstance(grp, Executor) and grp.n_ranks == n
         pids = [p.pid for p in grp._procs]
         assert len(pids) == n and grp.start_s > 0
         assert sorted(_mine(own_tmp)[0]) == sorted(pids) and len(_mine(own_tmp)[1]) == 1
@@ -405,6 +408,16 @@ def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, t
             assert rep["experts"] == mine
             assert rep["expert_bytes_read"] == share == rep["share_bytes"] < int(nb.sum())
             assert rep["dense_bytes_read"] == 0
+        assert sum(grp.resident_bytes().values()) == sum(sum(r["resident_bytes"].values()) for r in grp.ranks)
+        # the executor interface, as in process: routing and the shared expert at home, the routed
+        # experts on the ranks, and transformers' experts call; exact mode gives the one-process bytes
+        with runtime.load(art, placement={L: {OWNER: tuple(range(E))} for L in range(4)}) as one:
+            assert isinstance(one, Executor) and one.n_ranks == 0
+            L = LAYERS[1]
+            assert sha32(grp.moe(L, x, tok)) == sha32(one.moe(L, x, tok))
+            idx, w = one.route(L, x, tok)
+            assert sha32(grp.experts(L)(x, idx, w)) == sha32(one.experts(L)(x, idx, w))
+            assert one.stats()["calls"] == 2 and grp.stats()["calls"] == 5
     # the combine case: canonical order keeps slot 3 only
     _, res, shared, _, w = ref[COMBINE_LAYER]
     y = res.slots[0]
@@ -418,11 +431,13 @@ def test_rank_group_serves_many_calls_with_the_one_process_bytes(arts, inputs, t
 
 
 def test_rank_group_refuses_an_artifact_other_than_the_callers(arts, tmp_path, own_tmp):
-    from ds4quant.runtime.cluster_group import RankGroup
+    from ds4quant.runtime.cluster import ClusterOptions, RankGroup
+    from ds4quant.runtime.placement import read_placement
 
     pname = _placements(arts["strix"], 2, tmp_path, owner="cpu")["uniform"]
-    with pytest.raises(ClusterError) as ei:
-        RankGroup(arts["strix"], pname, timeout_s=TIMEOUT, expect_fingerprint="sha256:" + "0" * 64)
+    with pytest.raises(ClusterError) as ei, open_artifact(arts["strix"]) as v:
+        RankGroup(v, read_placement(pname), options=ClusterOptions(timeout_s=TIMEOUT),
+                  expect_fingerprint="sha256:" + "0" * 64)
     msg = str(ei.value)
     # both ranks refuse it (each checks its own view), in one line
     assert "\n" not in msg and msg.count("is not the caller's sha256:0000") >= 2, msg
@@ -435,8 +450,8 @@ def test_rank_group_ends_by_itself_when_its_caller_dies(arts, tmp_path, own_tmp)
     import sys
 
     pname = _placements(arts["strix"], 2, tmp_path, owner="cpu")["uniform"]
-    code = ("import sys, time\nfrom ds4quant.runtime.cluster_group import RankGroup\n"
-            "g = RankGroup(sys.argv[1], sys.argv[2], timeout_s=10)\n"
+    code = ("import sys, time\nfrom ds4quant import runtime\nfrom ds4quant.runtime.cluster import ClusterOptions\n"
+            "g = runtime.load(sys.argv[1], sys.argv[2], cluster=ClusterOptions(timeout_s=10))\n"
             "print(g._tmp, flush=True)\ntime.sleep(600)\n")
     home = subprocess.Popen([sys.executable, "-c", code, str(arts["strix"]), str(pname)], stdout=subprocess.PIPE,
                             text=True, start_new_session=True, env={**os.environ, "TMPDIR": str(own_tmp)})

@@ -12,6 +12,7 @@ from ds4quant import formats
 from ds4quant.errors import BadInputError
 from ds4quant.formats._components import row_kind, row_lut
 from ds4quant.runtime import exact as X
+from ds4quant.runtime.jit import readonly
 from tests.runtime import _synth as S
 
 
@@ -197,8 +198,8 @@ def test_fallback_on_an_adversarial_exponent_spread():
     flags = np.zeros((1, 1), np.uint8)
     whi, wlo, bad = X.row_spans(kind, p0, p1, data, 64, row_lut("bf16"), 1)
     assert (whi[0], wlo[0], bad[0]) == (25, 0, 0)  # |w| < 2^25, every w a multiple of 2^0
-    X.exact_matmul_nb(kind, p0, p1, X.readonly(data), 64, row_lut("bf16"), 1,
-                      X.readonly(quant[0]), whi, wlo, quant[2], quant[3], 6, out, flags)
+    X.exact_matmul_nb(kind, p0, p1, readonly(data), 64, row_lut("bf16"), 1,
+                      readonly(quant[0]), whi, wlo, quant[2], quant[3], 6, out, flags)
     assert flags[0, 0] == 1  # the span check refused the float64 path
     got = _matmul("bf16", data, 64, np.zeros((2, 4), np.float32), 1, x)
     assert got[0, 0] == np.float32(2.0**24 + 2)

@@ -13,6 +13,8 @@ from ds4quant import formats
 from ds4quant.formats import numba_threads
 from ds4quant.formats._components import row_kind, row_lut
 from ds4quant.runtime import fast as Fm
+from ds4quant.runtime import jit
+from ds4quant.runtime.jit import jit_call
 from tests.runtime import _synth as S
 
 NAMES = ["rocmfp2", "rocmfp2_s40", "rocmfp3", "rocmfp4", "rocmfp2_mix", "rocmfp3_mix", "rocmfp2_affine", "q8_0",
@@ -69,7 +71,7 @@ def test_lane_kernel_bits_follow_their_stated_order(name):
         assert bits in (2, 3)
         x = S.tokens(2, seed=9)
         got = np.empty((2, data.shape[0]), np.float32)
-        Fm._slp(Fm.lane_matmul_nb, kind, p0, bits, data, cols, row_lut(name, books, mode), mode, x, got)
+        jit_call(Fm.lane_matmul_nb, kind, p0, bits, data, cols, row_lut(name, books, mode), mode, x, got)
         kw = dict(codebooks=books, modes=mode) if books is not None else {}
         comp = formats.components(name, data, cols, **kw)
         lev = comp.levels[np.repeat(comp.table, 16, axis=1), comp.codes].astype(np.float32)
@@ -89,7 +91,7 @@ def test_lane_kernel_bits_follow_their_stated_order(name):
 @pytest.mark.parametrize("tokens", [1, 2, 5, 9])
 @pytest.mark.parametrize("name", ["rocmfp2", "rocmfp3_mix", "rocmfp4"])
 def test_fast_bytes_do_not_depend_on_threads_or_the_batch(name, tokens, monkeypatch):
-    monkeypatch.setattr(Fm, "PARALLEL_MIN_WORK", 0)  # the parallel kernels on 1 and 2 threads
+    monkeypatch.setattr(jit, "PARALLEL_MIN_WORK", 0)  # the parallel kernels on 1 and 2 threads
     cols = 256
     mode, books, data, _ = next(_cases(name, rows=70, cols=cols))
     kind, p0, p1 = row_kind(name)
@@ -99,7 +101,7 @@ def test_fast_bytes_do_not_depend_on_threads_or_the_batch(name, tokens, monkeypa
     for th in (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,):
         with numba_threads(th):
             outs.append(Fm.fast_matmul(kind, p0, p1, data, cols, lut, mode, x))
-    monkeypatch.setattr(Fm, "PARALLEL_MIN_WORK", 1 << 40)  # the serial twins
+    monkeypatch.setattr(jit, "PARALLEL_MIN_WORK", 1 << 40)  # the serial twins
     outs.append(Fm.fast_matmul(kind, p0, p1, data, cols, lut, mode, x))
     assert all(np.array_equal(o.view(np.uint32), outs[0].view(np.uint32)) for o in outs)
     if tokens < Fm.LANE_MIN_TOKENS and Fm.lane_bits(kind, p0, p1):

@@ -71,6 +71,39 @@ def test_round_trip_hash_and_owner_of(tmp_path):
         read_placement(tmp_path / "e.json")
 
 
+def test_a_mapping_is_the_same_placement_as_its_file(tmp_path):
+    """The mapping a caller (or a JSON document) writes and the file ``ds4quant place``
+    writes are one type: equal records, equal hashes, the same owner of every expert."""
+    prof = _profile(3)
+    p, _ = plan_placement(prof, _nbytes(seed=3), [("cuda:0", 6000), ("worker:1/cpu", 6000), ("cpu", None)],
+                          cold="none", min_hot=1)
+    f = read_placement(write_placement(tmp_path / "p.json", p))
+    mapping = {L: {**{o: f.experts_of(o, L) for o in f.owners}, NONE: f.none[L]} for L in range(f.n_layer)}
+    m = Placement.from_mapping(mapping, f.n_layer, f.n_expert, f.n_expert_used)
+    assert m == f and m.content_sha256 == f.content_sha256
+    # JSON's string layer keys, lists, and owners listed in another order per layer
+    as_json = json.loads(json.dumps({str(L): dict(reversed(list(v.items()))) for L, v in mapping.items()}))
+    j = Placement.from_mapping(as_json, f.n_layer, f.n_expert, f.n_expert_used)
+    assert all(j.owner_names(L) == f.owner_names(L) for L in range(f.n_layer))
+    assert j.owner_names(0) == tuple(NONE if i < 0 else f.owners[i] for i in f.owner_of(0))
+
+
+@pytest.mark.parametrize("mapping, says", [
+    ({0: {"cpu:0": (0, 1, 2)}}, "placement has no layer 1"),
+    ({0: {"cpu:0": (0, 1, 2, 3)}, 1: {"cpu:0": (0, 1, 2, 3)}, 2: {"cpu:0": ()}}, "names layer 2"),
+    ({0: {"cpu:0": (0, 1, 2)}, 1: {"cpu:0": (0, 1, 2, 3)}}, "layer 0 experts [3] are placed nowhere"),
+    ({0: {"cpu:0": (0, 1, 2, 3), "cpu:1": (3,)}, 1: {"cpu:0": (0, 1, 2, 3)}}, "expert 3 placed on cpu:0 and cpu:1"),
+    ({0: {"cpu:0": (0, 1, 2, 4)}, 1: {"cpu:0": (0, 1, 2, 3)}}, "expert 4 outside 0..3"),
+    ({0: {"gpu:0": (0, 1, 2, 3)}, 1: {"cpu:0": (0, 1, 2, 3)}}, "unknown owner name 'gpu:0'"),
+    ({"x": {"cpu:0": (0, 1, 2, 3)}}, "names layer 'x'"),
+    ([(0, 1)], "must be a mapping"),
+])
+def test_a_bad_mapping_is_one_line(mapping, says):
+    with pytest.raises(BadInputError) as ei:
+        Placement.from_mapping(mapping, 2, 4)
+    assert says in ei.value.one_line() and "\n" not in ei.value.one_line()
+
+
 def test_one_owner_placement(tmp_path):
     p = placement_for_one_owner(3, 5, owner="torch-cpu:1")
     assert p.owners == ("torch-cpu:1",) and all(p.experts[L][0] == tuple(range(5)) for L in range(3))
@@ -507,16 +540,23 @@ def test_plan_for_rank_places_only_the_ranks_experts():
 
 
 
-def test_runtime_refuses_a_whole_cluster_placement_in_one_process(tiny_artifact, tmp_path):
-    """A placement planned for N ranks, loaded whole in one process, would hold no
-    expert and give every slot as zeros: refused, naming the way to run it."""
+def test_load_takes_a_cluster_placement_to_its_ranks_not_into_one_process(tiny_artifact, tmp_path):
+    """A placement planned for N ranks is the ranks' to run (``runtime.load`` starts them:
+    tests/runtime/test_cluster.py); in-process options on it, or cluster options on a
+    placement without ranks, are refused before anything starts; one rank's part loads
+    in process."""
     from ds4quant import runtime
     from ds4quant.deploy.place import place
+    from ds4quant.runtime.cluster import ClusterOptions
+    from ds4quant.runtime.owners.torch_owner import TorchOwner
 
     plc, _ = place(tiny_artifact, str(SAMPLE_ROUTING), ranks=2, strategy="uniform", out=tmp_path / "c.json")
+    mine = TorchOwner("cpu", identity="torch-cpu:0")
+    with pytest.raises(BadInputError, match="plans 2 ranks: prebuilt owners"):
+        runtime.load(tiny_artifact, placement=tmp_path / "c.json", owners={"torch-cpu:0": mine})
     with pytest.raises(BadInputError, match="plans 2 ranks"):
-        runtime.load(tiny_artifact, placement=tmp_path / "c.json")
-    with pytest.raises(BadInputError, match="plans 2 ranks"):
-        runtime.load(tiny_artifact, placement=plc)
+        runtime.load(tiny_artifact, placement=plc, overlap=True)
+    with pytest.raises(BadInputError, match="cluster options need a placement that records ranks"):
+        runtime.load(tiny_artifact, placement=plc.for_rank(0), cluster=ClusterOptions())
     with runtime.load(tiny_artifact, placement=plc.for_rank(0)) as rt:
-        assert sum(rt.resident_bytes().values()) > 0
+        assert rt.n_ranks == 0 and sum(rt.resident_bytes().values()) > 0

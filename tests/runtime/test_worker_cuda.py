@@ -16,7 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ds4quant.runtime.execute import run_layer  # noqa: E402
-from ds4quant.runtime.owners.worker import OWNER_CLASSES, WorkerOwner, owner_class  # noqa: E402
+from ds4quant.runtime.owners.kinds import OwnerKind, owner_factory  # noqa: E402
+from ds4quant.runtime.owners.worker import WorkerOwner, hosted_name  # noqa: E402
 
 from . import _synth as S  # noqa: E402
 from ._synth import sha32  # noqa: E402
@@ -29,9 +30,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or 
 
 
 def test_cuda_is_a_hostable_owner():
-    from ds4quant.runtime.owners.cuda_owner import CudaOwner
+    from ds4quant.runtime.owners import cuda_owner
 
-    assert "cuda" in OWNER_CLASSES and owner_class("cuda") is CudaOwner
+    assert hosted_name("cuda:0").kind is OwnerKind.CUDA and hosted_name("hip:1").kind is OwnerKind.HIP
+    assert owner_factory(OwnerKind.CUDA) is owner_factory(OwnerKind.HIP) is cuda_owner.owner_for
 
 
 def _fill(owner, qtypes, ids):
@@ -54,7 +56,7 @@ def test_worker_hosted_cuda_owner_gives_in_process_bytes(qtypes):
     from ds4quant.runtime.owners.cuda_owner import CudaOwner
 
     local = _fill(CudaOwner("cuda:0", identity="cuda:0"), qtypes, EXPERTS)
-    w = WorkerOwner("worker:1", owner="cuda", device="cuda:0", env=ENV, timeout_s=120.0)
+    w = WorkerOwner("worker:1", owner="cuda:0", env=ENV, timeout_s=120.0)
     try:
         _fill(w, qtypes, EXPERTS)
         assert w.inner_identity == "worker:1/cuda:0" and w.pid != os.getpid()
@@ -87,7 +89,7 @@ def test_mixed_placement_with_a_cuda_worker_equals_one_process():
     cpu = {"cpu:0": _fill(TorchOwner("cpu", identity="torch-cpu:0", torch_decode=True), q, EXPERTS)}
     ref_cpu = run_layer(LAYER, x, idx, wts, cpu, ["cpu:0"] * 6, "exact")
     assert sha32(ref.out.numpy()) == sha32(ref_cpu.out.numpy())
-    w = WorkerOwner("worker:1", owner="cuda", device="cuda:0", env=ENV, timeout_s=120.0)
+    w = WorkerOwner("worker:1", owner="cuda:0", env=ENV, timeout_s=120.0)
     hot = CudaOwner("cuda:0", identity="cuda:0")
     try:
         _fill(w, q, (0, 2, 4))

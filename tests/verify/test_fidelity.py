@@ -46,13 +46,13 @@ def _checks(rep, prefix="fidelity"):
 
 def test_mxfp4_fast_is_the_source(fast_rep):
     f = fast_rep.fidelity
-    assert f["measured"] and f["mode"] == "fast"
-    assert f["kl_mean"] < 1e-6 and f["kl_p99"] < 1e-6
-    assert f["top1"] == 1.0
-    assert abs(f["ppl_ratio"] - 1.0) < 1e-4
-    assert f["response_matches_reference"]
-    assert [r["layer"] for r in f["layers"]] == [0, 1, 2, 3]
-    assert all(r["moe_rel_error"] < 1e-5 for r in f["layers"])
+    assert f.measured and f.mode == "fast"
+    assert f.logits.kl_mean < 1e-6 and f.logits.kl_p99 < 1e-6
+    assert f.logits.top1 == 1.0
+    assert abs(f.logits.ppl_ratio - 1.0) < 1e-4
+    assert f.response_matches_reference
+    assert [r.layer for r in f.layers] == [0, 1, 2, 3]
+    assert all(r.local < 1e-5 for r in f.layers)
     assert all(c.ok for c in _checks(fast_rep).values()), [c.one_line() for c in fast_rep.failed]
     assert {"fidelity.dense", "fidelity.kl", "fidelity.exact_copy"} <= set(_checks(fast_rep))
     j = fast_rep.to_json()["fidelity"]
@@ -62,23 +62,23 @@ def test_mxfp4_fast_is_the_source(fast_rep):
 
 
 def test_exact_copy_protocol_on_the_lossless_artifact(fast_rep):
-    ec = fast_rep.fidelity["exact_copy"]
-    assert ec["trials"] == 60
-    assert 59 <= ec["passes"] <= 60
-    assert ec["reference_passes"] >= 59
-    assert len(ec["failed"]) == 60 - ec["passes"]
+    ec = fast_rep.fidelity.exact_copy
+    assert ec.trials == 60
+    assert 59 <= ec.passes <= 60
+    assert ec.reference_passes >= 59
+    assert len(ec.failed) == 60 - ec.passes
 
 
 def test_exact_mode_reports_its_own_cost_and_is_placement_independent(exact_rep):
     f = exact_rep.fidelity
     # exact mode's own arithmetic (int8 activations) is not the float reference: shown, not hidden
-    assert 0.0 < f["kl_mean"] < 0.01
-    assert 0.95 <= f["top1"] <= 1.0
-    assert len(f["moe_output_sha256"]) == 64
-    sp = f["second_placement"]
-    assert sp["identical"]
-    assert sp["moe_output_sha256"] == f["moe_output_sha256"]
-    assert sp["response_sha256"] == f["response_sha256"]
+    assert 0.0 < f.logits.kl_mean < 0.01
+    assert 0.95 <= f.logits.top1 <= 1.0
+    assert len(f.moe_output_sha256) == 64
+    sp = f.second
+    assert f.identical
+    assert sp.moe_output_sha256 == f.moe_output_sha256
+    assert sp.response_sha256 == f.response_sha256
     assert _checks(exact_rep)["fidelity.identity"].ok
 
 
@@ -120,8 +120,8 @@ def test_damaged_artifact_is_worse_and_names_its_layers(mx, fast_rep, tmp_path):
     exp_layer, dense_layer = _damage(mx, tmp_path / "bad")
     rep = verify(tmp_path / "bad", source=COPY, fidelity=True, mode="fast")
     f = rep.fidelity
-    assert f["kl_mean"] > 100 * max(fast_rep.fidelity["kl_mean"], 1e-9)
-    err = {r["layer"]: r["moe_rel_error"] for r in f["layers"]}
+    assert f.logits.kl_mean > 100 * max(fast_rep.fidelity.logits.kl_mean, 1e-9)
+    err = {r.layer: r.local for r in f.layers}
     clean = max(err[L] for L in err if L not in (exp_layer, dense_layer))
     assert err[exp_layer] > 100 * clean and err[dense_layer] > 100 * clean
     assert not rep.ok  # the manifest hashes catch the edit too
@@ -174,3 +174,21 @@ def test_cli_refuses_fidelity_options_without_fidelity(mx):
     assert r.exit_code == 2 and "--fidelity" in r.output
     r = CliRunner().invoke(cli, ["verify", str(mx), "--fidelity"])
     assert r.exit_code == 2 and "--source" in r.output
+
+
+def test_verify_json_fidelity_block_keeps_its_keys_and_round_trips(fast_rep, exact_rep):
+    """The "fidelity" object of `verify --json` is a public output: its keys, their order and
+    the mode-dependent hashes as before the record replaced the dict; it reads back as the record."""
+    from ds4quant.records import FidelityReport
+    from tests.test_records import KEYS
+
+    for rep, extra in ((fast_rep, []), (exact_rep, ["second_placement"])):
+        j = rep.to_json()["fidelity"]
+        assert list(j) == KEYS + extra
+        assert FidelityReport.from_json(j).to_json() == j
+        assert j["placements"][0] == "cpu:0 (one CPU owner)"
+    fj, ej = fast_rep.to_json()["fidelity"], exact_rep.to_json()["fidelity"]
+    assert fj["mode"] == "fast" and fj["moe_output_sha256"] is None and len(fj["fast_moe_output_sha256"]) == 64
+    assert ej["mode"] == "exact" and ej["fast_moe_output_sha256"] is None and len(ej["moe_output_sha256"]) == 64
+    assert ej["placements"][1] == "placement" and ej["exact_copy"] is None
+    assert set(fj["exact_copy"]) == {"passes", "trials", "failed", "task", "reference_passes"}

@@ -1,5 +1,5 @@
 """verify --fidelity --placement cluster.json: the candidate's routed experts on
-gloo ranks (runtime.cluster_group), started once per run; exact mode gives the
+gloo ranks (runtime.cluster.group), started once per run; exact mode gives the
 single-process hashes; a bad cluster placement or a dead rank is one line and
 exit 2 with no process, temporary folder or shared memory left behind.
 
@@ -87,17 +87,17 @@ def test_two_ranks_give_the_single_process_hashes(mx, tokens, tmp_path, own_tmp)
     before = _leftovers(own_tmp)
     rep = verify(mx, source=COPY, fidelity=True, mode="exact", tokens=tokens, placements=(None, str(plc)))
     f = rep.fidelity
-    sp = f["second_placement"]
-    assert len(f["moe_output_sha256"]) == 64
-    assert sp["moe_output_sha256"] == f["moe_output_sha256"]
-    assert sp["response_sha256"] == f["response_sha256"]
-    assert sp["identical"]
+    sp = f.second
+    assert len(f.moe_output_sha256) == 64
+    assert sp.moe_output_sha256 == f.moe_output_sha256
+    assert sp.response_sha256 == f.response_sha256
+    assert f.identical
     assert {c.name: c.ok for c in rep.checks}["fidelity.identity"]
-    assert f["placements"][1] == f"{plc} (2 gloo ranks)"
-    (c,) = f["cluster"]
+    assert f.placements[1] == f"{plc} (2 gloo ranks)"
+    (c,) = f.cluster
     # the ranks were started once and served every experts call of the second run: the
     # logits pass and each greedy step call all 4 MoE layers
-    assert c["n_ranks"] == 2 and c["calls"] == 4 * (1 + len(f["response_token_ids"])) > 40, c["calls"]
+    assert c["n_ranks"] == 2 and c["calls"] == 4 * (1 + len(f.response_token_ids)) > 40, c["calls"]
     assert c["start_s"] > 0 and c["call_ms_median"] > 0
     from ds4quant.artifact.view import open_artifact
     from ds4quant.runtime.placement import read_placement
@@ -122,9 +122,9 @@ def test_fast_mode_through_two_ranks_answers_like_one_process(mx, tokens, tmp_pa
     before = _leftovers(own_tmp)
     rep = verify(mx, source=COPY, fidelity=True, mode="fast", tokens=tokens, placements=(None, str(plc)))
     f = rep.fidelity
-    assert f["kl_mean"] < 1e-6 and f["top1"] == 1.0
-    assert f["second_placement"]["response_sha256"] == f["response_sha256"]
-    (c,) = f["cluster"]
+    assert f.logits.kl_mean < 1e-6 and f.logits.top1 == 1.0
+    assert f.second.response_sha256 == f.response_sha256
+    (c,) = f.cluster
     assert c["n_ranks"] == 2 and c["calls"] > 40
     assert _leftovers(own_tmp) == before
 

@@ -21,33 +21,28 @@ Per job (artifact + rank placement):
 A peer that dies makes the collectives raise (gloo: connection closed, or
 the process-group timeout); a watchdog thread ends a rank that makes no
 progress for twice the timeout or whose launcher is gone. Library code:
-nothing here prints except ``main``.
+nothing here prints (the process entry is ``entry``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import sys
 import threading
 import time
-from datetime import timedelta
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from ds4quant import names
 from ds4quant.errors import BadInputError, Ds4quantError, IntegrityError
+from ds4quant.runtime.cluster.launch import ClusterError
+from ds4quant.runtime.mode import Mode
 
 FAULT_ENV = "DS4QUANT_CLUSTER_FAULT"  # "RANK:LAYER:kill|hang|raise" (tests inject a rank failure mid-layer)
-
-
-class ClusterError(Ds4quantError):
-    """A cluster run failed: a rank's error, a peer that died or hung, a mismatch."""
 
 
 # --------------------------------------------------------------------------
@@ -99,7 +94,7 @@ class CountingView:
 # collectives with clear errors
 
 
-class _Group:
+class Group:
     def __init__(self, backend: str, timeout_s: float, device) -> None:
         import torch.distributed as dist
 
@@ -141,7 +136,7 @@ class _Group:
         return t
 
 
-def _agree(g: _Group, what: str, err: Optional[BaseException], payload) -> list:
+def _agree(g: Group, what: str, err: Optional[BaseException], payload) -> list:
     """All ranks exchange (error line or None, payload); any rank's error is raised on every rank."""
     line = None if err is None else (err.one_line() if isinstance(err, Ds4quantError) else
                                      f"{type(err).__name__}: {err}")
@@ -218,17 +213,13 @@ def _local_placement(plc, rank: int, local_owners: tuple[str, ...]):
     (interleaved), the rest ``none``."""
     if len(local_owners) == 1:
         return plc.for_rank(rank, owner=local_owners[0])
+    from ds4quant.runtime.placement import Placement
+
     own = plc.for_rank(rank)
-    out = {}
-    for L in range(plc.n_layer):
-        ids = own.experts[L][0]
-        spec = {o: tuple(e for i, e in enumerate(ids) if i % len(local_owners) == j)
-                for j, o in enumerate(local_owners)}
-        spec = {o: v for o, v in spec.items() if v}
-        if own.none[L]:
-            spec["none"] = own.none[L]
-        out[L] = spec
-    return out
+    n = len(local_owners)
+    return Placement.build(plc.n_layer, plc.n_expert, plc.n_expert_used, local_owners,
+                           [[own.experts[L][0][j::n] for j in range(n)] for L in range(plc.n_layer)],
+                           own.none, artifact=plc.artifact)
 
 
 @dataclass
@@ -249,9 +240,9 @@ class Shard:
         finally:
             self.view.close()
 
-    def report(self, rank: int, n: int, backend: str, mode: str) -> dict:
+    def report(self, rank: int, n: int, backend: str, mode: Mode) -> dict:
         h, rt = self.view.header, self.rt
-        return {"rank": rank, "n_ranks": n, "backend": backend, "mode": mode, "fingerprint": self.fingerprint,
+        return {"rank": rank, "n_ranks": n, "backend": backend, "mode": mode.value, "fingerprint": self.fingerprint,
                 "placement_sha256": self.placement_sha256, "owners": list(rt.owners), "load_s": self.load_s,
                 "experts": [sorted(int(e) for o in rt.owners.values() for e in o.experts(L)) for L in range(h.n_layer)],
                 "expert_bytes_read": self.view.expert_bytes, "share_bytes": self.share_bytes,
@@ -269,7 +260,7 @@ def _tables(rt) -> dict:
     return out
 
 
-def open_shard(g: _Group, job: dict, mode: str, beat=lambda: None) -> Shard:
+def open_shard(g: Group, job: dict, mode: Mode, beat=lambda: None) -> Shard:
     """Rendezvous (fingerprint and placement hash agree on every rank, and with
     ``job["expect_fingerprint"]`` when given) and load this rank's experts.
     Any rank's failure is raised on every rank."""
@@ -345,7 +336,7 @@ def inject_fault(rank: int, layer: int) -> None:
 
 
 def my_slots(rt, rank: int, layer: int, xs: np.ndarray, flat: np.ndarray, tok_of: np.ndarray,
-             mine_sel: np.ndarray, mode: str) -> np.ndarray:
+             mine_sel: np.ndarray, mode: Mode) -> np.ndarray:
     """This rank's slots ``mine_sel`` (indices into the flat [T*K] slots) of
     ``layer``: f32 [len(mine_sel), H], each owner's branch on the runtime's pool."""
     from ds4quant.runtime.execute import NONE
@@ -370,7 +361,7 @@ def my_slots(rt, rank: int, layer: int, xs: np.ndarray, flat: np.ndarray, tok_of
     return y
 
 
-def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) -> dict:
+def run_job(g: Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) -> dict:
     """Run one job on this rank; returns {outputs: {L: f32 [T,H]}, report: dict}.
 
     job: artifact, placement (path), mode, layers (None = all), owners
@@ -385,7 +376,7 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
 
     beat = dog.beat if dog is not None else (lambda: None)
     rank, n = g.rank, g.size
-    mode = job.get("mode", "exact")
+    mode = Mode(job.get("mode", Mode.EXACT))  # the launcher parsed it
     shard = open_shard(g, job, mode, beat)
     try:
         view, rt, plc = shard.view, shard.rt, shard.plc
@@ -445,7 +436,7 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
             except Exception as e:
                 err = e
             t_comp = time.perf_counter()
-            if mode == "exact":
+            if mode is Mode.EXACT:
                 m = int(counts.max()) if counts.size else 0
                 buf = torch.zeros((m + ms + 1, H), dtype=torch.float32)
                 if err is None:
@@ -470,7 +461,7 @@ def run_job(g: _Group, job: dict, inputs: dict, dog: Optional[Watchdog] = None) 
             if failed:
                 raise ClusterError(f"layer {L}: rank(s) {failed} failed computing their slots (see their errors)",
                                    where=f"rank {rank}")
-            if mode == "exact":
+            if mode is Mode.EXACT:
                 slots = torch.zeros((T * K, H), dtype=torch.float32)
                 for r in range(n):
                     sel = torch.from_numpy(np.nonzero(sr == r)[0])
@@ -503,96 +494,3 @@ def _holdings(rt, n_layer: int) -> dict:
             out[L][name] = {int(e): {p: _digest(np.asarray(o.held_bytes(L, p, int(e))))[:32]
                                      for p in ("gate", "up", "down")} for e in o.experts(L)}
     return out
-
-
-# --------------------------------------------------------------------------
-# the process entry
-
-
-def _inputs_from(spec: dict, header) -> dict:
-    import torch
-
-    if spec.get("inputs"):
-        z = np.load(spec["inputs"], allow_pickle=False)
-        out = {"token_ids": z["token_ids"]}
-        if "hidden" in z.files:
-            out["hidden_all"] = z["hidden"]
-        for k in z.files:
-            if k.startswith("hidden_"):
-                out.setdefault("hidden", {})[int(k.split("_")[1])] = z[k]
-            if k.startswith("idx_"):
-                L = int(k.split("_")[1])
-                out.setdefault("routing", {})[L] = (z[k], z[f"w_{L}"])
-        return out
-    T, seed = int(spec.get("tokens", 1)), int(spec.get("seed", 0))
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn((T, header.hidden), generator=gen, dtype=torch.float32)
-    ids = torch.randint(0, max(1, int(header.vocab or 1)), (T,), generator=gen, dtype=torch.int64)
-    return {"hidden_all": hidden.numpy(), "token_ids": ids.numpy()}
-
-
-def serve(spec: dict) -> int:
-    """Run ``spec`` (jobs, inputs, backend, timeout_s, out_dir) on this rank.
-    Rank 0 writes ``job{j}.json`` (every rank's report) and ``job{j}.npz``
-    (outputs) to out_dir. Returns 0; raises on failure."""
-    import torch
-    import torch.distributed as dist
-
-    timeout_s = float(spec.get("timeout_s", 60))
-    rank = int(os.environ.get("RANK", "0"))
-    # progress is marked per layer, and one layer of a big batch on a CPU owner can take
-    # minutes: the watchdog waits far longer than a collective does
-    dog = Watchdog(float(spec.get("watchdog_s") or 10 * timeout_s), rank)
-    backend = spec.get("backend") or "gloo"
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    try:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    except Exception as e:
-        raise ClusterError(f"rank {rank}: rendezvous failed (timeout {timeout_s:g}s): "
-                           f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
-    g = _Group(backend, timeout_s, device)
-    try:
-        from ds4quant.artifact.view import open_artifact
-
-        if spec.get("serve"):  # a persistent group serving layer calls (runtime.cluster_group)
-            from ds4quant.runtime.cluster_group import serve_calls
-
-            return serve_calls(g, spec, dog)
-        out_dir = Path(spec["out_dir"])
-        inputs = None
-        for j, job in enumerate(spec["jobs"]):
-            if inputs is None:
-                with open_artifact(job["artifact"]) as v:
-                    inputs = _inputs_from(spec, v.header)
-            res = run_job(g, job, inputs, dog)
-            reports = g.gather_objects("report", res["report"])
-            if g.rank == 0:
-                np.savez(out_dir / f"job{j}.npz", **{f"out_{L}": a for L, a in res["outputs"].items()})
-                (out_dir / f"job{j}.json").write_text(json.dumps({"ranks": reports}, default=str))
-        g.gather_objects("finish", None)  # nobody leaves while a peer still needs it
-        return 0
-    finally:
-        dog.stop()
-        try:
-            dist.destroy_process_group()
-        except Exception:  # a dead peer can make the teardown raise; the error that matters is already raised
-            pass
-
-
-def rank_entry(spec_path: str) -> int:
-    """Run the spec file on this rank; errors become one stderr line and exit 2."""
-    try:
-        serve(json.loads(Path(spec_path).read_text()))
-        return 0
-    except Ds4quantError as e:
-        sys.stderr.write(f"ds4quant: error: {e.one_line()}\n")
-        return e.exit_code
-    except BaseException as e:  # noqa: BLE001 - one line per rank beats a traceback per rank
-        if os.environ.get("DS4QUANT_DEBUG"):
-            raise
-        sys.stderr.write(f"ds4quant: error: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}\n")
-        return 1
-
