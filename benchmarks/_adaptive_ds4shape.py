@@ -65,8 +65,8 @@ def torch_searches():
     """The device path as session 5 left it (the anchor of the Triton kernels,
     issue 14, session 6): the MIX and non-MIX searches as torch operations
     (``_mix_search_batch``'s shared batch, ``_scale_search_torch.search``)."""
-    from ds4quant.formats import _mix_search_batch as mb
-    from ds4quant.formats import _scale_search_torch as sst
+    from ds4quant.formats.search import torch_batch as mb
+    from ds4quant.formats.search import torch_scale as sst
 
     old = (mb.USE_TRITON, sst.USE_TRITON)
     mb.USE_TRITON, sst.USE_TRITON = False, False
@@ -80,7 +80,7 @@ def _measure_all(x, imp, cands, opts, dev) -> list:
     """Every candidate's Measure (and books) of one matrix, as the measure
     stage takes them (``adaptive.measure_candidates``: on a device the matrix
     is uploaded once for all of them)."""
-    from ds4quant.adaptive import _fits, measure_candidates
+    from ds4quant.plan.planner import _fits, measure_candidates
 
     qs = [q for q in cands if _fits(q, x.shape[1])]
     return [(q, m, None if bk is None else (bk[0].tobytes(), bk[1]))
@@ -90,8 +90,8 @@ def _measure_all(x, imp, cands, opts, dev) -> list:
 def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True,
                     partial=None, device_first: bool = False, device_anchor: bool = False,
                     device_only: bool = False, shapes=None, reads: bool = False) -> dict:
-    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
-    from ds4quant.adaptive_jobs import ordered_map, resolve_device, worker_stream
+    from ds4quant.plan.planner import DEFAULT_CANDIDATES, AdaptiveOptions
+    from ds4quant.plan.workers import ordered_map, resolve_device, worker_stream
     from ds4quant.formats import numba_threads
 
     cands = tuple(candidates or DEFAULT_CANDIDATES)

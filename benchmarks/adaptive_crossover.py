@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
 
-    from ds4quant import adaptive
+    from ds4quant.plan import planner as adaptive
 
     old = adaptive.DEVICE_MIN_WEIGHTS
     adaptive.DEVICE_MIN_WEIGHTS = 0  # every matrix on the device: the rule is what this measures

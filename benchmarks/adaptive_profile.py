@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     import numba
     import torch
 
-    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
-    from ds4quant.adaptive_jobs import resolve_device
+    from ds4quant.plan.planner import DEFAULT_CANDIDATES, AdaptiveOptions
+    from ds4quant.plan.workers import resolve_device
 
     numba.set_num_threads(1)
     dev = resolve_device(args.device)

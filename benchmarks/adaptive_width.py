@@ -34,22 +34,22 @@ from _adaptive_ds4shape import DOWN, GATE_UP, _measure_all, fp4_matrix, importan
 
 # (module, attribute, label): where the device path's work happens
 PHASES = (
-    ("ds4quant.adaptive", "_fit_books", "MIX: the whole codebook fit"),
+    ("ds4quant.plan.planner", "_fit_books", "MIX: the whole codebook fit"),
     ("ds4quant.codebooks.optimize", "fit_reference", "MIX: reference fitter (host histogram)"),
     ("ds4quant.codebooks.optimize", "_terms_stats_nb", "MIX: Lloyd sums (host)"),
     ("ds4quant.codebooks.optimize", "pairwise_sum_nb", "MIX: Lloyd step totals (host)"),
-    ("ds4quant.formats._mix_search_batch", "choose_batched", "MIX: Lloyd step search + copies"),
-    ("ds4quant.formats._mix_search_triton", "search_device", "MIX: search launch"),
-    ("ds4quant.formats._mix_search_triton", "terms_device", "MIX: terms launch"),
-    ("ds4quant.metrics_device", "pairwise_total", "MIX: error total (leaves, host tree)"),
-    ("ds4quant.formats._mix_search_triton", "decode_device", "MIX: decode of the choices"),
-    ("ds4quant.formats._scale_search_torch", "measure_on", "scale search + decode launch"),
+    ("ds4quant.formats.search.torch_batch", "choose_batched", "MIX: Lloyd step search + copies"),
+    ("ds4quant.formats.search.triton_mix", "search_device", "MIX: search launch"),
+    ("ds4quant.formats.search.triton_mix", "terms_device", "MIX: terms launch"),
+    ("ds4quant.formats.search.triton_sums", "pairwise_total", "MIX: error total (leaves, host tree)"),
+    ("ds4quant.formats.search.triton_mix", "decode_device", "MIX: decode of the choices"),
+    ("ds4quant.formats.search.torch_scale", "measure_on", "scale search + decode launch"),
     ("ds4quant.formats", "encode_input", "input checks (host)"),
-    ("ds4quant.metrics_device", "error_sums_device", "error sums (device rows, host combine)"),
-    ("ds4quant.formats._scale_search_torch", "to_host", "copies to the host (waits for the stream)"),
-    ("ds4quant.formats._mix_search_triton", "to_host", "copies to the host (waits for the stream)"),
-    ("ds4quant.adaptive_device", "_upload", "uploads (pinned staging)"),
-    ("ds4quant.adaptive_device", "Resident.sigma2", "importance row energies (host)"),
+    ("ds4quant.formats.search.triton_sums", "error_sums_device", "error sums (device rows, host combine)"),
+    ("ds4quant.formats.search.torch_scale", "to_host", "copies to the host (waits for the stream)"),
+    ("ds4quant.formats.search.triton_mix", "to_host", "copies to the host (waits for the stream)"),
+    ("ds4quant.plan.resident", "_upload", "uploads (pinned staging)"),
+    ("ds4quant.plan.resident", "Resident.sigma2", "importance row energies (host)"),
 )
 
 
@@ -112,8 +112,8 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
-    from ds4quant.adaptive_jobs import ordered_map, resolve_device, worker_stream
+    from ds4quant.plan.planner import DEFAULT_CANDIDATES, AdaptiveOptions
+    from ds4quant.plan.workers import ordered_map, resolve_device, worker_stream
     from ds4quant.formats import numba_threads
 
     dev = resolve_device(args.device)

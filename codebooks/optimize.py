@@ -34,9 +34,9 @@ from ds4quant import formats
 from ds4quant.codebooks.histogram import (_bf16_repair, _bf16_repair_fast, _bf16_repair_nb, _check_importance,
                                           _check_matrix, _importance_list, fit_reference)
 from ds4quant.errors import BadInputError, CodebookError
-from ds4quant.formats._bits import unpack_bits
-from ds4quant.formats._mix_search import _choose, _serial
-from ds4quant.formats._mix_search_fit import _eval_books_nb, book_tables_nb, pairwise_sum_nb, terms_stats_nb
+from ds4quant.formats.bits import unpack_bits
+from ds4quant.formats.search.numba_mix import _choose, _serial
+from ds4quant.formats.search.numba_fit import _eval_books_nb, book_tables_nb, pairwise_sum_nb, terms_stats_nb
 from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106, _check_status
 from ds4quant.formats.ue4m3 import UE4M3
 
@@ -209,7 +209,7 @@ class _FastProblem:
         if inputs is not None:  # already there (the measure stage uploads an expert once)
             self._dev = list(inputs)
         elif device is not None:
-            from ds4quant.formats._mix_search_torch import to_device
+            from ds4quant.formats.search.torch_mix import to_device
 
             self._dev = [to_device(m, q, device) for m, q in zip(self.mats, imps)]
 
@@ -248,7 +248,7 @@ class _FastProblem:
                 den += d1
                 continue
             if self._dev is not None:
-                from ds4quant.formats import _mix_search_batch as mb
+                from ds4quant.formats.search import torch_batch as mb
 
                 if not stats and mb.triton_for(self.device):
                     total += self._device_error(i, books, mode, x.shape[1] // 16)
@@ -278,9 +278,9 @@ class _FastProblem:
         """An error without Lloyd sums, all on the device (Triton): the search,
         the float64 terms and np.sum's pairwise total; the choices a kept
         evaluation needs stay there (``OptimizedFit.encoding``)."""
-        from ds4quant.formats._mix_search_triton import search_device, terms_device
-        from ds4quant.formats._scale_search_torch import to_host
-        from ds4quant.metrics_device import pairwise_total
+        from ds4quant.formats.search.triton_mix import search_device, terms_device
+        from ds4quant.formats.search.torch_scale import to_host
+        from ds4quant.formats.search.triton_sums import pairwise_total
 
         ch = search_device(*self._dev[i], books, mode, self.bits)
         _check_status(self.qt, to_host(ch[3]), halves_per_row)

@@ -39,7 +39,7 @@ from ds4quant.errors import (
 from ds4quant.formats.qtype import Codec, QType, all_qtypes, get_codec, get_qtype, qtypes_for_ggml_type
 
 # Modules in this package that are infrastructure, not codecs.
-_NOT_CODECS = {"qtype", "ue4m3"}
+_NOT_CODECS = {"qtype", "ue4m3", "bits", "components", "search"}
 
 
 def _load_codecs() -> None:
@@ -350,4 +350,4 @@ def decode_torch(
 
 
 # Imported last: the components module reads the codec tables registered above.
-from ds4quant.formats._components import Components, components, exact_parts  # noqa: E402
+from ds4quant.formats.components import Components, components, exact_parts  # noqa: E402

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ds4quant.formats._mix_search import _fixed_code_nb
+from ds4quant.formats.search.numba_mix import _fixed_code_nb
 from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV, nearest_nb
 
 

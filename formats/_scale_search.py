@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4quant.formats._bits import pack_bits, pack_nibbles_split, unpack_bits, unpack_nibbles_split
+from ds4quant.formats.bits import pack_bits, pack_nibbles_split, unpack_bits, unpack_nibbles_split
 from ds4quant.formats._scale_search_nb import (  # noqa: F401  (re-exported)
     decode_rows_nb, encode_rows_nb, row_energy_nb, row_energy_s40_nb,
 )
@@ -55,7 +55,7 @@ from ds4quant.formats._scale_search_ref import (  # noqa: F401  (re-exported)
     candidate_errors_ref, decode_values_ref, encode_groups_ref, fork_nearest_ref, importance_weights_ref,
     importance_weights_s40_ref, quantize_ref, row_energy_ref, row_energy_s40_ref, search_ref,
 )
-from ds4quant.formats._scale_tables import (  # noqa: F401  (re-exported)
+from ds4quant.formats.search.tables import (  # noqa: F401  (re-exported)
     BITS, F32, FORMAT_NAMES, FP2, FP3, FP4, FP6, FP8, LEVELS, S40, SCALES, TOP, ZERO_CODE,
 )
 from ds4quant.formats.ue4m3 import UE4M3_INV  # noqa: F401  (re-exported)

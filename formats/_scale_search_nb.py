@@ -12,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ds4quant.formats._scale_tables import (
+from ds4quant.formats.search.tables import (
     BITS, F32, FP2, FP3, FP4, FP6, FP8, INIT_E, INIT_ERR, LEVELS, S40, SCALES, TOP,
 )
 from ds4quant.formats.ue4m3 import FLT_MAX, UE4M3, UE4M3_INV, nearest_nb

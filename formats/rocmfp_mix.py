@@ -35,9 +35,9 @@ import numba
 import numpy as np
 
 from ds4quant.errors import BadInputError, EncodeRejectedError
-from ds4quant.formats._bits import pack_bits, unpack_bits
+from ds4quant.formats.bits import pack_bits, unpack_bits
 from ds4quant.formats._mix_legacy import _encode_fixed_nb, _encode_nb
-from ds4quant.formats._mix_search import _HALF, _choose, _max_level, _pack_chosen_nb, _splits
+from ds4quant.formats.search.numba_mix import _HALF, _choose, _max_level, _pack_chosen_nb, _splits
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
 from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV, nearest_ref
 

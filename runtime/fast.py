@@ -33,8 +33,8 @@ import numba
 import numpy as np
 
 from ds4quant.formats import _scale_search as _ss
-from ds4quant.formats._components import K_MIX, K_SCALE, UE4M3, decode_row_nb
-from ds4quant.formats._components import _chunk_nb as _chunk  # chunk c of a block's code stream
+from ds4quant.formats.components import K_MIX, K_SCALE, UE4M3, decode_row_nb
+from ds4quant.formats.components import _chunk_nb as _chunk  # chunk c of a block's code stream
 
 TILE_BYTES = 4 << 20  # decoded tile for the BLAS path: a few MiB of float32 (L3 resident)
 LANE_MIN_TOKENS = 4  # lane families: the GEMV costs one pass per token; BLAS tiles win from about 4 (DS4 shapes)

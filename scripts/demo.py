@@ -74,7 +74,7 @@ def _calibration_current(calib: Path) -> bool:
 
 def run(out: Path) -> dict:
     """Run the pipeline into ``out``; return the rows of the summary table."""
-    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.plan.planner import AdaptiveOptions
     from ds4quant.calibrate import calibrate
     from ds4quant.convert import convert
     from ds4quant.publish import publish

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ds4quant.adaptive import AdaptiveOptions
+from ds4quant.plan.planner import AdaptiveOptions
 from ds4quant.convert import convert
 from ds4quant.convert.assemble import normalized_command
 

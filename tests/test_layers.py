@@ -3,13 +3,13 @@
 Layers, bottom up:
 
     leaf       ds4quant/__init__.py, errors.py, names.py, metrics.py (imports nothing of ours above)
-    formats    formats/        (ds4quant.formats), and ds4quant/metrics_device.py
+    formats    formats/        (ds4quant.formats; formats/search is its measure-stage engine)
     codebooks  codebooks/      (ds4quant.codebooks)
     artifact   ds4quant/artifact/, ds4quant/sources/, and the readers, writers and records
                they and the runtime share: routing.py (routing profiles), imatrix.py
                (imatrix GGUF), checksums.py (SHA256SUMS), records.py (verify's results)
     runtime    runtime/        (ds4quant.runtime)
-    pipeline   verify, convert, publish, adaptive, allocate, recipes, calibrate, sensitivity, report,
+    pipeline   verify, convert, publish, plan/, calibrate, sensitivity, report,
                inspection, place, progress
     cli        ds4quant/cli.py
 
@@ -53,9 +53,7 @@ PLACEMENT = (
     ("ds4quant/errors.py", "leaf"),
     ("ds4quant/names.py", "leaf"),
     ("ds4quant/metrics.py", "leaf"),
-    # metrics.py's figures on a GPU: it uses the formats' device helpers
-    # (to_host, numpy's pairwise tree) and the codebook fitter calls it
-    ("ds4quant/metrics_device.py", "formats"),
+    ("formats/search/**", "formats"),
     ("formats/**", "formats"),
     ("codebooks/**", "codebooks"),
     ("ds4quant/artifact/**", "artifact"),
@@ -73,10 +71,7 @@ PLACEMENT = (
     ("ds4quant/publish.py", "pipeline"),
     ("ds4quant/report.py", "pipeline"),
     ("ds4quant/inspection.py", "pipeline"),
-    ("ds4quant/adaptive.py", "pipeline"),
-    ("ds4quant/adaptive_*.py", "pipeline"),
-    ("ds4quant/allocate.py", "pipeline"),
-    ("ds4quant/recipes.py", "pipeline"),
+    ("ds4quant/plan/**", "pipeline"),
     ("ds4quant/calibrate.py", "pipeline"),
     ("ds4quant/sensitivity.py", "pipeline"),
     ("ds4quant/place.py", "pipeline"),

@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Optional
 import numpy as np
 
 from ds4quant import __version__
-from ds4quant.adaptive import Books
+from ds4quant.plan.planner import Books
 from ds4quant.artifact import FileEntry, GGUFWriter, Manifest, TensorEntry, atomic_write_bytes
 from ds4quant.artifact.runtimes import loadable_by
 from ds4quant.errors import UnsupportedFormatError
@@ -33,7 +33,7 @@ from ds4quant.names import (
     expert_ids_key,
     sidecar_suffix,
 )
-from ds4quant.recipes import Recipe
+from ds4quant.plan.recipes import Recipe
 from ds4quant.sources.base import Source
 
 _CHUNK = 8 << 20

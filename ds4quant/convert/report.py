@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from ds4quant.recipes import TensorChoice
+from ds4quant.plan.recipes import TensorChoice
 
 
 @dataclass(frozen=True)

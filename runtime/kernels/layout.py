@@ -99,7 +99,7 @@ def kernel_format(qtype: str) -> Optional[Format]:
 def scale_lut(qtype: str) -> np.ndarray:
     """float32 (256,): the decoded value of every scale / meta byte."""
     from ds4quant.formats import _scale_search as ss
-    from ds4quant.formats._components import E8M0_HALF
+    from ds4quant.formats.components import E8M0_HALF
     from ds4quant.formats.ue4m3 import UE4M3
 
     if qtype in _SCALE:

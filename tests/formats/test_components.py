@@ -7,7 +7,7 @@ import pytest
 
 from ds4quant import formats
 from ds4quant.errors import UnsupportedFormatError
-from ds4quant.formats import _components as C
+from ds4quant.formats import components as C
 
 QTYPES = ("rocmfp2", "rocmfp2_affine", "rocmfp2_s40", "rocmfp3", "rocmfp4", "rocmfp4_fast", "rocmfp6",
           "rocmfp8", "rocmfp2_mix", "rocmfp3_mix", "mxfp4", "q8_0", "bf16", "f16", "f32")

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from ds4quant import formats
-from ds4quant.adaptive import AdaptiveOptions, expert_weights
+from ds4quant.plan.planner import AdaptiveOptions, expert_weights
 from ds4quant.artifact import read_gguf_set, sha256_file
 from ds4quant.cli import cli
 from ds4quant.codebooks import check_coverage, from_lucebox, read_table
@@ -28,7 +28,7 @@ from ds4quant.names import KEY_EXPERT_IDS_PREFIX as KEY_EXPERT_IDS
 from ds4quant.routing import read_routing
 from ds4quant.sources.official import open_source
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "ds4-tiny"
 IMATRIX = ROOT / "samples" / "ds4-tiny-calib" / "imatrix.gguf"
 ROUTING = ROOT / "samples" / "ds4-tiny-calib" / "routing.csv"

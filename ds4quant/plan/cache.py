@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 if TYPE_CHECKING:
-    from ds4quant.adaptive import Books
+    from ds4quant.plan.planner import Books
 
 CACHE_VERSION = 2
 

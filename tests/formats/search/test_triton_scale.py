@@ -33,9 +33,9 @@ from ds4quant import formats
 from tests.formats.test_scale_codecs import SETTINGS, importances, matrices
 
 torch = pytest.importorskip("torch")
-from ds4quant.formats import _scale_search_torch as sst  # noqa: E402
+from ds4quant.formats.search import torch_scale as sst  # noqa: E402
 from ds4quant.formats._scale_search_nb import row_energy_nb  # noqa: E402
-from tests.formats.test_scale_search_torch import _fp4_grid, _numba  # noqa: E402
+from tests.formats.search.test_torch_scale import _fp4_grid, _numba  # noqa: E402
 from tests.runtime._interp import kernels  # noqa: E402
 
 # the interpreter runs the kernel's float32 ops in numpy, which warns where IEEE overflows to inf
@@ -50,7 +50,7 @@ def tr():
         # these run the kernel on torch's CPU device through the interpreter (CI); on a GPU host
         # the compiled kernel is what runs, and test_cuda_ds4_shape_equals_numba checks it
         pytest.skip("interpreter tests: a CPU-only host's (the compiled kernel is tested on CUDA)")
-    return kernels("ds4quant.formats._scale_search_triton")
+    return kernels("ds4quant.formats.search.triton_scale")
 
 
 @pytest.fixture
@@ -169,14 +169,14 @@ def test_the_path_choice(tr, monkeypatch):
 
 def _fresh(code, timeout):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[2],
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[3],
                           capture_output=True, text=True, timeout=timeout)
 
 
 def test_sm90_ptx_has_only_ieee_float32_ops(tr):
     """Triton's real code generator for sm_90, no GPU needed: no fused multiply-add,
     no flush-to-zero, no approximate op; the square root is sqrt.rn."""
-    r = _fresh("from tests.formats.test_scale_search_triton import ptx_ops; ptx_ops()", 600)
+    r = _fresh("from tests.formats.search.test_triton_scale import ptx_ops; ptx_ops()", 600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     for line in r.stdout.split("\n")[-3:-1]:
         variant, ops = line.split(":")
@@ -193,7 +193,7 @@ def ptx_ops():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from ds4quant.formats import _scale_search_triton as tr
+    from ds4quant.formats.search import triton_scale as tr
 
     assert not tr.INTERPRETED
     names = list(tr._search_kernel.arg_names)
@@ -215,7 +215,7 @@ def ptx_ops():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_ds4_shape_equals_numba():
-    r = _fresh("from tests.formats.test_scale_search_triton import cuda_main; cuda_main()", 900)
+    r = _fresh("from tests.formats.search.test_triton_scale import cuda_main; cuda_main()", 900)
     sys.stdout.write(r.stdout)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
 
@@ -224,7 +224,7 @@ def cuda_main(rows=512, cols=2048):
     """Every qtype at a DS4-like shape on the GPU against numba; prints the kernel's time."""
     import time
 
-    from ds4quant.formats import _scale_search_triton as tr
+    from ds4quant.formats.search import triton_scale as tr
 
     assert not tr.INTERPRETED and sst.USE_TRITON is None and sst._use_triton(torch.device("cuda"))
     rng = np.random.default_rng(7)

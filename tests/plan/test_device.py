@@ -19,17 +19,18 @@ import numpy as np
 import pytest
 
 from ds4quant import formats
-from ds4quant.adaptive import AdaptiveOptions, measure_matrix
+from ds4quant.plan.planner import AdaptiveOptions, measure_matrix
 from ds4quant.artifact import sha256_file
 from ds4quant.codebooks import fit_reference
 from ds4quant.codebooks.optimize import fit_optimized
 from ds4quant.convert import convert
 from ds4quant.errors import BadInputError
-from ds4quant.formats import _mix_search, rocmfp_mix
-from tests.test_adaptive import IMATRIX, ROUTING, SAMPLE, _gguf
+from ds4quant.formats import rocmfp_mix
+from ds4quant.formats.search import numba_mix as _mix_search
+from tests.plan.test_adaptive import IMATRIX, ROUTING, SAMPLE, _gguf
 
 torch = pytest.importorskip("torch")
-from ds4quant.formats._mix_search_torch import choose_torch, encode_torch, to_device  # noqa: E402
+from ds4quant.formats.search.torch_mix import choose_torch, encode_torch, to_device  # noqa: E402
 
 F = np.float32
 CUDA = torch.cuda.is_available()
@@ -94,7 +95,7 @@ def test_batched_search_equals_numba_whatever_it_is_batched_with(dev, bits, mode
     is the numba search of it alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ds4quant.formats._mix_search_batch import _Request, _run_group, choose_batched
+    from ds4quant.formats.search.torch_batch import _Request, _run_group, choose_batched
 
     rng = np.random.default_rng(40 + bits + mode)
     L = 4 if bits == 2 else 8
@@ -207,7 +208,7 @@ def test_bad_device_and_jobs_are_refused():
     with pytest.raises(BadInputError, match="--jobs"):
         AdaptiveOptions(target_bpw=2.7, jobs=0).validate()
     if not CUDA:
-        from ds4quant.adaptive_jobs import resolve_device
+        from ds4quant.plan.workers import resolve_device
 
         with pytest.raises(BadInputError, match="no CUDA device"):
             resolve_device("cuda")
@@ -263,7 +264,7 @@ def test_convert_through_the_torch_search_equals_the_cpu_path(tmp_path):
 def test_convert_on_cuda_equals_the_cpu_path(tmp_path, monkeypatch):
     """Default effort (6,1,512), both budgets: same plan, figures and GGUF bytes
     (every matrix on the device: the sample's are below DEVICE_MIN_WEIGHTS)."""
-    from ds4quant import adaptive
+    from ds4quant.plan import planner as adaptive
 
     monkeypatch.setattr(adaptive, "DEVICE_MIN_WEIGHTS", 0)
     for target in (17 / 6, 2.7):

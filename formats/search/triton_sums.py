@@ -133,7 +133,7 @@ def error_sums_device(x, y, w=None) -> Sums:
     Sums bit for bit, with 64 bytes a row copied back."""
     import torch
 
-    from ds4quant.formats._scale_search_torch import to_host
+    from ds4quant.formats.search.torch_scale import to_host
 
     rows, cols = x.shape
     if tuple(y.shape) != (rows, cols):
@@ -155,7 +155,7 @@ def _tree(n: int, device):
     measure stage sees a handful of matrix sizes)."""
     import torch
 
-    from ds4quant.formats._mix_search_fit import pairwise_leaves_nb
+    from ds4quant.formats.search.numba_fit import pairwise_leaves_nb
 
     key = (n, str(device))
     t = _TREES.get(key)
@@ -170,8 +170,8 @@ def pairwise_total(t) -> float:
     (contiguous, any shape): numpy's pairwise order, bit for bit."""
     import torch
 
-    from ds4quant.formats._mix_search_fit import pairwise_combine_nb, pairwise_sum_nb
-    from ds4quant.formats._scale_search_torch import to_host
+    from ds4quant.formats.search.numba_fit import pairwise_combine_nb, pairwise_sum_nb
+    from ds4quant.formats.search.torch_scale import to_host
 
     flat = t.reshape(-1)
     n = int(flat.numel())

@@ -42,9 +42,9 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from ds4quant.formats._mix_search import _HALF, _max_level, _splits
-from ds4quant.formats._mix_search_torch import _tables
-from ds4quant.formats._scale_search_torch import to_host
+from ds4quant.formats.search.numba_mix import _HALF, _max_level, _splits
+from ds4quant.formats.search.torch_mix import _tables
+from ds4quant.formats.search.torch_scale import to_host
 
 # halves per program on a GPU: mode 1 holds (BLOCK, 128) distances for the
 # centre byte, mode 0 (BLOCK, 128) errors

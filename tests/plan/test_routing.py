@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from ds4quant import formats
-from ds4quant.adaptive import AdaptiveOptions
+from ds4quant.plan.planner import AdaptiveOptions
 from ds4quant.convert import convert
 from ds4quant.routing import RoutingProfile, write_routing_json
 from ds4quant.sources.official import open_source
 
-SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "ds4-tiny"
+SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "ds4-tiny"
 N_LAYER, N_EXPERT = 4, 16
 LEAF = {"gate": "w1", "up": "w3", "down": "w2"}
 

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant import __version__
-from ds4quant.adaptive_cache import CACHE_VERSION, Cache, load_books, save_books, default_cache_dir
-from ds4quant.adaptive_info import plan_info, predicted_kl, weighted_error  # noqa: F401 (weighted_error: public)
-from ds4quant.adaptive_jobs import check_device, default_jobs, ordered_map, resolve_device, worker_stream
-from ds4quant.allocate import Allocation, Candidate, Item, allocate
+from ds4quant.plan.cache import CACHE_VERSION, Cache, load_books, save_books, default_cache_dir
+from ds4quant.plan.summary import plan_info, predicted_kl, weighted_error  # noqa: F401 (weighted_error: public)
+from ds4quant.plan.workers import check_device, default_jobs, ordered_map, resolve_device, worker_stream
+from ds4quant.plan.allocate import Allocation, Candidate, Item, allocate
 from ds4quant.errors import BadInputError, BudgetError, UnknownQTypeError
-from ds4quant.formats import _scale_search_torch as sst
+from ds4quant.formats.search import torch_scale as sst
 from ds4quant.formats import decode, encode, get_qtype
 from ds4quant.metrics import error_sums
 from ds4quant.names import stack_name
@@ -215,7 +215,7 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
     ref = None
     s = None
     if resident is None and _on_device(qt, device):
-        from ds4quant.adaptive_device import Resident
+        from ds4quant.plan.resident import Resident
 
         resident = Resident(x, imp, err_w, device)
     if qt.is_mix:
@@ -223,16 +223,16 @@ def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, 
         nbytes = x.shape[0] * qt.row_bytes(x.shape[1])
         if enc is not None and not isinstance(enc[0], np.ndarray):
             # the fitter's choices stayed on the device: decode and sum there
-            from ds4quant.formats._mix_search_triton import decode_device
+            from ds4quant.formats.search.triton_mix import decode_device
 
             s = resident.sums(decode_device(enc, b, mode, 2 if qt.codebook_levels == 4 else 3))
         elif enc is not None:  # the fitter searched every row with these books: decode its choices
-            from ds4quant.formats._mix_search_fit import decode_choices
+            from ds4quant.formats.search.numba_fit import decode_choices
 
             y = decode_choices(qt, enc, x.shape, b, mode)
         else:
             if device is not None and not _LEGACY:
-                from ds4quant.formats._mix_search_torch import encode_torch
+                from ds4quant.formats.search.torch_mix import encode_torch
 
                 data = encode_torch(qt.name, x, imp, b, mode, device)
             else:
@@ -277,7 +277,7 @@ def measure_candidates(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarr
         device = None
     resident = None
     if any(_on_device(get_qtype(q), device) for q in qtypes):
-        from ds4quant.adaptive_device import Resident
+        from ds4quant.plan.resident import Resident
 
         resident = Resident(x, imp, err_w, device)  # measure_matrix reads it for the device's candidates only
     return [(q, *measure_matrix(x, imp, err_w, q, opts, seed=seed, device=device, resident=resident))

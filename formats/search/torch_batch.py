@@ -26,9 +26,9 @@ from typing import Optional
 
 import numpy as np
 
-from ds4quant.formats._mix_search import _HALF, _max_level, _splits
-from ds4quant.formats._mix_search_torch import _fixed_flat, _nearest, _seq_sum16, _tables
-from ds4quant.formats._scale_search_torch import to_host
+from ds4quant.formats.search.numba_mix import _HALF, _max_level, _splits
+from ds4quant.formats.search.torch_mix import _fixed_flat, _nearest, _seq_sum16, _tables
+from ds4quant.formats.search.torch_scale import to_host
 
 # halves per batch: bounds device memory (about 10 float32 copies of a
 # (halves, 16) tensor are alive at once: ~5 GiB at this size)
@@ -222,7 +222,7 @@ def choose_batched(X, W, books: np.ndarray, mode: int, bits: int):
     Where the Triton kernel covers the device, the search is one launch on
     the caller's own stream: nothing is gained by waiting for other workers."""
     if triton_for(X.device):
-        from ds4quant.formats._mix_search_triton import choose_triton
+        from ds4quant.formats.search.triton_mix import choose_triton
 
         return choose_triton(X, W, np.asarray(books, np.float32), int(mode), int(bits))
     return _BATCHER.submit(_Request(X, W, np.asarray(books, np.float32), int(mode), int(bits)))

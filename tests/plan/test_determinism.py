@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ds4quant.adaptive import AdaptiveOptions
+from ds4quant.plan.planner import AdaptiveOptions
 from ds4quant.convert import convert
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "ds4-tiny"
 CALIB = ROOT / "samples" / "ds4-tiny-calib"
 

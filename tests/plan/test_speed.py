@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 
 from ds4quant import formats
-from ds4quant.adaptive import AdaptiveOptions, legacy_kernels
+from ds4quant.plan.planner import AdaptiveOptions, legacy_kernels
 from ds4quant.artifact import sha256_file
 from ds4quant.codebooks import fit_reference
 from ds4quant.codebooks.histogram import BINS, _bf16_repair, _bf16_repair_fast, _lloyd, _lloyd_fast
 from ds4quant.codebooks.optimize import _project, _project_fast, fit_optimized
 from ds4quant.convert import convert
-from ds4quant.formats import _mix_search, rocmfp_mix
+from ds4quant.formats import rocmfp_mix
+from ds4quant.formats.search import numba_mix as _mix_search
 from ds4quant.formats.ue4m3 import UE4M3, nearest_nb
-from tests.test_adaptive import IMATRIX, ROUTING, SAMPLE, _gguf
+from tests.plan.test_adaptive import IMATRIX, ROUTING, SAMPLE, _gguf
 
 F = np.float32
 MIX = ("rocmfp2_mix", "rocmfp3_mix")
@@ -129,8 +130,8 @@ def test_measure_reuses_the_fitters_choices_with_the_encoders_figures(qtype, row
     instead of encoding again: the same Measure and books as the pre-change
     path (encode + decode); and for mode 0 and 1 the decode of the choices
     is the decode of the blocks they pack to."""
-    from ds4quant.adaptive import measure_matrix
-    from ds4quant.formats._mix_search_fit import decode_choice_nb
+    from ds4quant.plan.planner import measure_matrix
+    from ds4quant.formats.search.numba_fit import decode_choice_nb
 
     rng = np.random.default_rng(rows)
     q = np.exp(1.5 * rng.standard_normal(128)).astype(F)
@@ -157,7 +158,7 @@ def test_measure_reuses_the_fitters_choices_with_the_encoders_figures(qtype, row
 
 def test_pairwise_sum_is_np_sum_bit_for_bit():
     """The one-pass fitter evaluation's float64 total: numpy's pairwise order."""
-    from ds4quant.formats._mix_search_fit import pairwise_sum_nb
+    from ds4quant.formats.search.numba_fit import pairwise_sum_nb
 
     rng = np.random.default_rng(5)
     for n in (0, 1, 7, 8, 9, 127, 128, 129, 1000, 4096, 32768 + 5, 1 << 20):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds4quant.formats import _mix_search
-from tests.test_adaptive_device import _books, _data, _same_choice, check_search
+from ds4quant.formats.search import numba_mix as _mix_search
+from tests.plan.test_device import _books, _data, _same_choice, check_search
 
 torch = pytest.importorskip("torch")
 CUDA = torch.cuda.is_available()
@@ -20,7 +20,7 @@ F = np.float32
 def mt():
     from tests.runtime._interp import device_kernels
 
-    return device_kernels("ds4quant.formats._mix_search_triton")
+    return device_kernels("ds4quant.formats.search.triton_mix")
 
 
 def _dev():
@@ -28,7 +28,7 @@ def _dev():
 
 
 def _to(x, imp):
-    from ds4quant.formats._mix_search_torch import to_device
+    from ds4quant.formats.search.torch_mix import to_device
 
     return to_device(x, imp, _dev())
 
@@ -70,7 +70,7 @@ def test_triton_edge_books_and_weights(mt, bits):
 
 def test_batched_search_takes_the_kernel(mt, monkeypatch):
     """choose_batched runs the kernel for a device it covers (the fitter's entry)."""
-    from ds4quant.formats import _mix_search_batch as mb
+    from ds4quant.formats.search import torch_batch as mb
 
     calls = []
     monkeypatch.setattr(mb, "USE_TRITON", True)
@@ -105,7 +105,7 @@ def test_triton_search_equals_numba_at_ds4_size(mt, bits, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", ["rocmfp2_mix", "rocmfp3_mix"])
 def test_measure_matrix_on_cuda_through_the_kernel_equals_the_host(mt, qtype):
-    from ds4quant.adaptive import AdaptiveOptions, measure_matrix
+    from ds4quant.plan.planner import AdaptiveOptions, measure_matrix
 
     rng = np.random.default_rng(5)
     x = (0.02 * rng.standard_t(3, (256, 1024))).astype(F)
@@ -122,7 +122,7 @@ def test_measure_matrix_on_cuda_through_the_kernel_equals_the_host(mt, qtype):
 def test_triton_terms_equal_the_hosts(mt, bits, mode):
     """The device's float64 error terms of the kernel's choices are
     ``terms_stats_nb``'s bit for bit (so the fitter's np.sum of them is too)."""
-    from ds4quant.formats._mix_search_fit import terms_stats_nb
+    from ds4quant.formats.search.numba_fit import terms_stats_nb
     from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
 
     rng = np.random.default_rng(21 + bits + mode)
@@ -147,7 +147,7 @@ def test_fitter_through_the_kernels_equals_the_host(mt, qtype, monkeypatch):
     torch's CPU device under the interpreter; on CUDA where present) gives the
     host's books, mode, figures and the encoder's choices."""
     from ds4quant.codebooks.optimize import fit_optimized
-    from ds4quant.formats import _mix_search_batch as mb
+    from ds4quant.formats.search import torch_batch as mb
 
     if not CUDA:
         monkeypatch.setattr(mb, "USE_TRITON", True)
@@ -169,17 +169,18 @@ def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch):
     searches, the fitter's error evaluations, the MIX decode, the error sums;
     the matrix uploaded once) gives the CPU path's Measures and books for
     every default candidate; no decoded matrix comes back to the host."""
-    from ds4quant import adaptive, adaptive_device
-    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions, measure_candidates
-    from ds4quant.formats import _mix_search_batch as mb
-    from ds4quant.formats import _scale_search_torch as sst
+    from ds4quant.plan import planner as adaptive
+    from ds4quant.plan import resident as adaptive_device
+    from ds4quant.plan.planner import DEFAULT_CANDIDATES, AdaptiveOptions, measure_candidates
+    from ds4quant.formats.search import torch_batch as mb
+    from ds4quant.formats.search import torch_scale as sst
 
     monkeypatch.setattr(adaptive, "DEVICE_MIN_WEIGHTS", 0)  # this small matrix on the device too
     if not CUDA:
         from tests.runtime._interp import kernels
 
-        kernels("ds4quant.formats._scale_search_triton")
-        kernels("ds4quant.metrics_device")
+        kernels("ds4quant.formats.search.triton_scale")
+        kernels("ds4quant.formats.search.triton_sums")
         monkeypatch.setattr(mb, "USE_TRITON", True)
         monkeypatch.setattr(sst, "USE_TRITON", True)
     rng = np.random.default_rng(17)
@@ -207,8 +208,9 @@ def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch):
 def test_small_matrices_stay_on_the_cpu_cores(monkeypatch):
     """--device cuda measures a matrix below DEVICE_MIN_WEIGHTS on the CPU path
     (nothing is uploaded); the figures are the CPU path's either way."""
-    from ds4quant import adaptive, adaptive_device
-    from ds4quant.adaptive import AdaptiveOptions, measure_candidates
+    from ds4quant.plan import planner as adaptive
+    from ds4quant.plan import resident as adaptive_device
+    from ds4quant.plan.planner import AdaptiveOptions, measure_candidates
 
     def no_upload(*a, **k):
         raise AssertionError("a small matrix went to the device")

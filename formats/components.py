@@ -34,7 +34,7 @@ import numpy as np
 
 from ds4quant.errors import CodebookError, UnsupportedFormatError
 from ds4quant.formats import _scale_search as ss
-from ds4quant.formats._bits import unpack_bits, unpack_nibbles_split
+from ds4quant.formats.bits import unpack_bits, unpack_nibbles_split
 from ds4quant.formats.mxfp4 import KV as _MXFP4_KV
 from ds4quant.formats.mxfp4 import half_scale as _e8m0_half
 from ds4quant.formats.ue4m3 import UE4M3

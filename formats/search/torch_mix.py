@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4quant.formats._mix_search import _HALF, _max_level, _splits
+from ds4quant.formats.search.numba_mix import _HALF, _max_level, _splits
 from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV
 
 # candidates evaluated in one batch (bounds the device memory of a search:
@@ -310,7 +310,7 @@ def encode_torch(qtype: str, x: np.ndarray, importance, books: np.ndarray, mode:
         raise BadInputError(f"{qt.name} device encoder: one (2, L) book pair and mode 0 or 1")
     bits = 2 if qt.codebook_levels == 4 else 3
     rows, cols = x.shape
-    from ds4quant.formats._mix_search_batch import choose_batched
+    from ds4quant.formats.search.torch_batch import choose_batched
 
     ob, oe, codes, st = choose_batched(*to_device(x, importance, device), books, mode, bits)
     _check_status(qt, st, cols // _HALF)

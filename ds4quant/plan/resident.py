@@ -68,20 +68,20 @@ class Resident:
     def sigma2(self):
         """The rows' energies of the importance weights (``_scale_search_torch.row_energies``), once per matrix."""
         if self._sigma2 is None:
-            from ds4quant.formats._scale_search_torch import row_energies
+            from ds4quant.formats.search.torch_scale import row_energies
 
             self._sigma2 = self._up(row_energies(self.x), np.float32)
         return self._sigma2
 
     def sums(self, Y) -> Sums:
         """``error_sums(x, y, err_w)`` of decoded values Y (a tensor of x's size on the device)."""
-        from ds4quant.formats import _mix_search_batch as mb
+        from ds4quant.formats.search import torch_batch as mb
 
         Y = Y.reshape(self.x.shape)
         if mb.triton_for(self.device):
-            from ds4quant.metrics_device import error_sums_device
+            from ds4quant.formats.search.triton_sums import error_sums_device
 
             return error_sums_device(self.X, Y, self.E)
-        from ds4quant.formats._scale_search_torch import to_host
+        from ds4quant.formats.search.torch_scale import to_host
 
         return error_sums(self.x, to_host(Y), self.err_w)

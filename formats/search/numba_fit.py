@@ -16,7 +16,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ds4quant.formats._mix_search import _choose_serial_nb
+from ds4quant.formats.search.numba_mix import _choose_serial_nb
 from ds4quant.formats.ue4m3 import UE4M3
 
 

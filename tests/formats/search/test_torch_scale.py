@@ -29,7 +29,7 @@ from ds4quant.formats import _scale_search as ss
 from tests.formats.test_scale_codecs import SETTINGS, importances, matrices
 
 torch = pytest.importorskip("torch")
-from ds4quant.formats import _scale_search_torch as sst  # noqa: E402
+from ds4quant.formats.search import torch_scale as sst  # noqa: E402
 
 F = np.float32
 CUDA = torch.cuda.is_available()
@@ -142,7 +142,7 @@ def test_measure_torch_gives_the_decoded_bits(dev, name):
 
 @pytest.mark.parametrize("dev", DEVICES)
 def test_measure_matrix_on_a_device_equals_the_host(dev):
-    from ds4quant.adaptive import AdaptiveOptions, measure_matrix
+    from ds4quant.plan.planner import AdaptiveOptions, measure_matrix
 
     rng = np.random.default_rng(4)
     x = _fp4_grid(rng, 32, 256)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4quant.formats._scale_tables import FP2, FP3, FP4, FP4_THRESHOLDS, INIT_E, INIT_ERR, LEVELS, SCALES, TOP
+from ds4quant.formats.search.tables import FP2, FP3, FP4, FP4_THRESHOLDS, INIT_E, INIT_ERR, LEVELS, SCALES, TOP
 from ds4quant.formats.ue4m3 import FLT_MAX, UE4M3, UE4M3_INV
 
 #: qtype -> (element format, weights per scale) of the searches ported here
@@ -284,7 +284,7 @@ def _use_triton(device, stats=None) -> bool:
         if torch.device(device).type != "cuda":
             return False
     try:
-        from ds4quant.formats import _scale_search_triton as tr
+        from ds4quant.formats.search import triton_scale as tr
     except ImportError:
         if USE_TRITON:
             raise
@@ -336,7 +336,7 @@ def encode_torch(qtype: str, x, importance, device, nonfinite: str = "reject", s
         return np.zeros((0, get_qtype(qtype).row_bytes(X.shape[1])), np.uint8)
     with torch.no_grad():
         if _use_triton(X.device, stats):
-            from ds4quant.formats._scale_search_triton import search_triton
+            from ds4quant.formats.search.triton_scale import search_triton
 
             e, codes, _ = search_triton(fmt, group, X, Q, s2)
         else:
@@ -370,7 +370,7 @@ def measure_on(qtype: str, X, Q, sigma2):
         return nbytes, torch.zeros((rows, cols), dtype=torch.float32, device=X.device)
     with torch.no_grad():
         if _use_triton(X.device):
-            from ds4quant.formats._scale_search_triton import search_triton
+            from ds4quant.formats.search.triton_scale import search_triton
 
             return nbytes, search_triton(fmt, group, X, Q, sigma2, codes=False, decode=True)[2]
         e, codes = search(fmt, group, X, Q, sigma2)

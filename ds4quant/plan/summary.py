@@ -16,8 +16,8 @@ import numpy as np
 from ds4quant.formats import get_qtype
 
 if TYPE_CHECKING:
-    from ds4quant.adaptive import Measurements
-    from ds4quant.allocate import Allocation
+    from ds4quant.plan.planner import Measurements
+    from ds4quant.plan.allocate import Allocation
 
 
 def weighted_error(expert_tensors: Sequence[tuple], meas: Measurements,

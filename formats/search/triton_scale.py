@@ -57,8 +57,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from ds4quant.formats._scale_tables import FP2, FP3, FP4, INIT_E, INIT_ERR
-from ds4quant.formats._mix_search_torch import _tables  # UE4M3 S and 1/S on a device
+from ds4quant.formats.search.tables import FP2, FP3, FP4, INIT_E, INIT_ERR
+from ds4quant.formats.search.torch_mix import _tables  # UE4M3 S and 1/S on a device
 
 ABS = tl.constexpr(0x7FFFFFFF)
 EXP = tl.constexpr(0x7F800000)  # exponent bits: all set = inf or NaN; also +inf's bits

@@ -240,7 +240,7 @@ def plan_tensors(
                     f"so only a float type (f32, f16, bf16) or 'source' may be asked for it", where=t.name,
                     hint=f"narrow the --tensor-type pattern '{rule[len('override:'):]}'")
         if asked == "adaptive":
-            # decided later by ds4quant.adaptive (measure + allocate)
+            # decided later by ds4quant.plan.planner (measure + allocate)
             out.append(TensorChoice(t.name, t.tensor_class, t.shape, t.source_dtype, asked, "adaptive", rule,
                                     t.surface, t.layer))
             continue

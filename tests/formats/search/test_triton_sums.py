@@ -1,5 +1,5 @@
 """Issue 14: the measure stage's float64 figures on a device are the host's bit
-for bit (``ds4quant.metrics_device``): ``error_sums_device`` = ``metrics.error_sums``
+for bit (``ds4quant.formats.search.triton_sums``): ``error_sums_device`` = ``metrics.error_sums``
 (row partials in column order, rows added in order, non-finite decoded values
 skipped and counted), ``pairwise_total`` = ``np.sum`` (numpy's pairwise tree),
 under Triton's interpreter on the CPU and on CUDA where present."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds4quant.formats._mix_search_fit import _pairwise_leaf_nb, pairwise_combine_nb, pairwise_leaves_nb
+from ds4quant.formats.search.numba_fit import _pairwise_leaf_nb, pairwise_combine_nb, pairwise_leaves_nb
 from ds4quant.metrics import error_sums
 
 torch = pytest.importorskip("torch")
@@ -21,7 +21,7 @@ F = np.float32
 def md():
     from tests.runtime._interp import device_kernels
 
-    return device_kernels("ds4quant.metrics_device")
+    return device_kernels("ds4quant.formats.search.triton_sums")
 
 
 def _t(a):

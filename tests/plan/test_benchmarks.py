@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,8 @@ def test_width_benchmark_reports_phases_and_one_digest(ds4shape, tmp_path, monke
 
     # the phases wrap these kernel modules: import them as the kernel tests do
     # (under the interpreter without CUDA), or those tests would skip
-    device_kernels("ds4quant.formats._mix_search_triton")
-    device_kernels("ds4quant.metrics_device")
+    device_kernels("ds4quant.formats.search.triton_mix")
+    device_kernels("ds4quant.formats.search.triton_sums")
     import adaptive_width
 
     monkeypatch.setattr(adaptive_width, "GATE_UP", (32, 256))
