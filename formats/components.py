@@ -35,8 +35,10 @@ import numpy as np
 from ds4quant.errors import CodebookError, UnsupportedFormatError
 from ds4quant.formats import _scale_search as ss
 from ds4quant.formats.bits import unpack_bits, unpack_nibbles_split
+from ds4quant.formats.checks import as_blocks, check_codebooks, check_modes, split_experts
 from ds4quant.formats.mxfp4 import KV as _MXFP4_KV
 from ds4quant.formats.mxfp4 import half_scale as _e8m0_half
+from ds4quant.formats.qtype import get_codec, get_qtype
 from ds4quant.formats.ue4m3 import UE4M3
 
 # Row-decoder families (the ``kind`` of ``decode_row_nb``).
@@ -154,11 +156,9 @@ def components(qtype: str, data: Any, cols: int, codebooks: Any = None, modes: A
     Arguments as ``formats.decode``: MIX needs codebooks (2, L) or (E, 2, L)
     (rows split evenly over E experts) and optional modes (default 1).
     """
-    from ds4quant import formats as F
-
-    qt = F.get_qtype(qtype)
+    qt = get_qtype(qtype)
     kind, p0, p1 = row_kind(qt.name)
-    blocks = F._as_blocks(data, qt, cols)
+    blocks = as_blocks(data, qt, cols)
     rows = blocks.shape[0]
     if not qt.is_mix and (codebooks is not None or modes is not None):
         raise CodebookError(f"{qt.name} takes no codebooks or modes")
@@ -174,12 +174,12 @@ def components(qtype: str, data: Any, cols: int, codebooks: Any = None, modes: A
         return Components(qt.name, 32, codes, lv, np.zeros((rows, nb), np.uint8),
                           UE4M3[blk[:, 8]].reshape(rows, nb), UE4M3[blk[:, 9]].reshape(rows, nb))
     if kind == K_MIX:
-        books = F.check_codebooks(qt, codebooks)
+        books = check_codebooks(qt, codebooks)
         if books.ndim == 2:
             books = books[None]
         n = books.shape[0]
-        m = F._check_modes(modes, n)
-        per = F._split_experts(rows, n, f"{qt.name} components")
+        m = check_modes(modes, n)
+        per = split_experts(rows, n, f"{qt.name} components")
         qsb = 4 * p0
         blk = blocks.reshape(rows * nb, qsb + 2)
         codes = unpack_bits(blk[:, :qsb], p0, 32).reshape(rows, cols)
@@ -202,7 +202,8 @@ def components(qtype: str, data: Any, cols: int, codebooks: Any = None, modes: A
         d = F16_TABLE[blk[:, 0].astype(np.int64) | (blk[:, 1].astype(np.int64) << 8)]
         return Components(qt.name, 32, np.ascontiguousarray(blk[:, 2:]).reshape(rows, cols),
                           Q8_LEVELS[None, :].copy(), np.zeros((rows, nb), np.uint8), d.reshape(rows, nb))
-    return Components(qt.name, 1, None, None, None, F.decode(qt.name, blocks, cols))
+    codec = get_codec(qt.name)  # plain floats: the values themselves, as ``formats.decode`` gives them
+    return Components(qt.name, 1, None, None, None, (codec.decode_fast or codec.decode_ref)(blocks, cols, None, None))
 
 
 # --------------------------------------------------------------------------
