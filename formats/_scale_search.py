@@ -38,9 +38,10 @@ does not clamp, so an infinite weight times a zero difference gives NaN;
 such a candidate is never chosen, and a NaN seed error keeps byte 0, exactly
 as the fork's comparisons behave.
 
-The tables live in ``_scale_tables``, the reference in ``_scale_search_ref``,
-the fast path in ``_scale_search_nb``; this module packs blocks and builds the
-codecs, and re-exports the names the codec modules reach through ``ss.``.
+The tables live in ``search.tables``, the reference in ``_scale_search_ref``,
+the fast path in ``_scale_search_nb`` (the rows' energies in
+``search.numba_scale``); this module packs blocks and builds the codecs, and
+re-exports the names the codec modules reach through ``ss.``.
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ from __future__ import annotations
 import numpy as np
 
 from ds4quant.formats.bits import pack_bits, pack_nibbles_split, unpack_bits, unpack_nibbles_split
-from ds4quant.formats._scale_search_nb import (  # noqa: F401  (re-exported)
-    decode_rows_nb, encode_rows_nb, row_energy_nb, row_energy_s40_nb,
-)
+from ds4quant.formats._scale_search_nb import decode_rows_nb, encode_rows_nb
+from ds4quant.formats.search.numba_scale import row_energy_nb, row_energy_s40_nb  # noqa: F401  (re-exported)
 from ds4quant.formats._scale_search_ref import (  # noqa: F401  (re-exported)
     candidate_errors_ref, decode_values_ref, encode_groups_ref, fork_nearest_ref, importance_weights_ref,
     importance_weights_s40_ref, quantize_ref, row_energy_ref, row_energy_s40_ref, search_ref,

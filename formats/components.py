@@ -33,32 +33,40 @@ import numba
 import numpy as np
 
 from ds4quant.errors import CodebookError, UnsupportedFormatError
-from ds4quant.formats import _scale_search as ss
+from ds4quant.formats._scale_search import unpack_ref
 from ds4quant.formats.bits import unpack_bits, unpack_nibbles_split
 from ds4quant.formats.checks import as_blocks, check_codebooks, check_modes, split_experts
 from ds4quant.formats.mxfp4 import KV as _MXFP4_KV
 from ds4quant.formats.mxfp4 import half_scale as _e8m0_half
 from ds4quant.formats.qtype import get_codec, get_qtype
+from ds4quant.formats.search.tables import (BITS, FIXED_105, FIXED_106, FP2, FP3, FP4, FP6, FP8, LEVELS, S40,
+                                            SCALES)
 from ds4quant.formats.ue4m3 import UE4M3
+
+__all__ = [
+    "Components", "components", "exact_parts", "row_kind", "row_lut", "decode_row_nb", "chunk_nb",
+    "K_SCALE", "K_AFFINE", "K_MIX", "K_MXFP4", "K_Q8_0", "K_BF16", "K_F16", "K_F32",
+    "LEVELS", "SCALES", "BITS", "FP2", "FP3", "E8M0_HALF", "F16_TABLE", "Q8_LEVELS",
+]
 
 # Row-decoder families (the ``kind`` of ``decode_row_nb``).
 K_SCALE, K_AFFINE, K_MIX, K_MXFP4, K_Q8_0, K_BF16, K_F16, K_F32 = range(8)
 
 # Scale-search qtypes: element format and weights per scale (the codec modules' _GROUP).
 _SCALE_QTYPES = {
-    "rocmfp2": (ss.FP2, 16),
-    "rocmfp2_s40": (ss.S40, 16),
-    "rocmfp3": (ss.FP3, 16),
-    "rocmfp4": (ss.FP4, 16),
-    "rocmfp4_fast": (ss.FP4, 32),
-    "rocmfp6": (ss.FP6, 16),
-    "rocmfp8": (ss.FP8, 32),
+    "rocmfp2": (FP2, 16),
+    "rocmfp2_s40": (S40, 16),
+    "rocmfp3": (FP3, 16),
+    "rocmfp4": (FP4, 16),
+    "rocmfp4_fast": (FP4, 32),
+    "rocmfp6": (FP6, 16),
+    "rocmfp8": (FP8, 32),
 }
 _MIX_BITS = {"rocmfp2_mix": 2, "rocmfp3_mix": 3}
 _PLAIN = {"bf16": K_BF16, "f16": K_F16, "f32": K_F32}
 
 # Mode-0 MIX levels (§9.3): 106 is code - 1, 105 is FP3 sign-magnitude.
-_FIXED = {2: ss.LEVELS[ss.FP2, :4].copy(), 3: ss.LEVELS[ss.FP3, :8].copy()}
+_FIXED = {2: FIXED_106, 3: FIXED_105}
 
 #: float32 value of every f16 word, as numpy converts (NaN payloads kept).
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view("<f2").astype(np.float32)
@@ -163,9 +171,9 @@ def components(qtype: str, data: Any, cols: int, codebooks: Any = None, modes: A
     if not qt.is_mix and (codebooks is not None or modes is not None):
         raise CodebookError(f"{qt.name} takes no codebooks or modes")
     if kind == K_SCALE:
-        e, codes = ss.unpack_ref(p0, blocks, cols, p1)
-        return Components(qt.name, p1, codes, ss.LEVELS[p0][None, :].copy(),
-                          np.zeros(e.shape, np.uint8), ss.SCALES[p0][e])
+        e, codes = unpack_ref(p0, blocks, cols, p1)
+        return Components(qt.name, p1, codes, LEVELS[p0][None, :].copy(),
+                          np.zeros(e.shape, np.uint8), SCALES[p0][e])
     nb = cols // 32
     if kind == K_AFFINE:
         blk = blocks.reshape(rows * nb, 10)
@@ -216,8 +224,6 @@ def components(qtype: str, data: Any, cols: int, codebooks: Any = None, modes: A
 # (float32 (books, 2^cb, per)), so decoding is one table row times the scale:
 # no per-code shifts or gathers, and the same float32 product as ``decode``.
 
-_FIXED_NB2 = _FIXED[2]
-_FIXED_NB3 = _FIXED[3]
 _CHUNK = {2: (4, 8), 3: (4, 12), 6: (2, 12), 8: (1, 8), 4: (2, 8)}  # bits -> (per, cb)
 
 
@@ -252,7 +258,7 @@ def row_lut(qtype: str, books: Optional[np.ndarray] = None, mode: int = 1) -> np
     hit = _LUT_CACHE.get(qtype)
     if hit is None:
         if kind == K_SCALE:
-            lut = _chunk_lut(ss.LEVELS[p0], int(ss.BITS[p0]))
+            lut = _chunk_lut(LEVELS[p0], int(BITS[p0]))
         elif kind == K_AFFINE:
             lut = _chunk_lut(np.arange(4, dtype=np.float32), 2)
         elif kind == K_MXFP4:
@@ -266,7 +272,7 @@ def row_lut(qtype: str, books: Optional[np.ndarray] = None, mode: int = 1) -> np
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _chunk_nb(row, o, c, cb):
+def chunk_nb(row, o, c, cb):
     """Chunk c of the block's code stream at row[o:] (cb = 8 or 12 bits)."""
     if cb == 8:
         return np.int64(row[o + c])
@@ -287,7 +293,7 @@ def _group_nb(lut, bk, row, o, bits, g0, n, s, out, base):
     per = 4 if (bits == 2 or bits == 3) else (2 if bits == 6 else 1)
     cb = 8 if (bits == 2 or bits == 8) else 12
     for c in range(g0 // per, (g0 + n) // per):
-        v = _chunk_nb(row, o, c, cb)
+        v = chunk_nb(row, o, c, cb)
         for m in range(per):
             out[base + c * per + m] = lut[bk, v, m] * s
 
@@ -328,8 +334,8 @@ def decode_row_nb(kind, p0, p1, row, cols, lut, mode, out, out_bits):
     """
     nb = cols // 32
     if kind == K_SCALE:
-        sc = ss.SCALES[p0]
-        bits = ss.BITS[p0]
+        sc = SCALES[p0]
+        bits = BITS[p0]
         if bits == 2:  # literal (width, group) pairs: constant loops after inlining
             _scale_blocks_nb(lut, row, nb, sc, 2, 16, out)
         elif bits == 3:

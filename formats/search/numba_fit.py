@@ -1,10 +1,10 @@
-"""The codebook fitter's evaluation of one book pair in one pass (issue 14).
+"""The codebook fitter's evaluation of one book pair in one pass, and numpy's pairwise sum.
 
 ``fit_optimized`` evaluates ~22 book pairs per expert matrix: each is the
-mode-1 MIX search (``_mix_search._books_tile_nb``, the encoder's choices bit
+mode-1 MIX search (``numba_mix._books_tile_nb``, the encoder's choices bit
 for bit), then per element the float64 error term (x - y)^2 w and, for a
 Lloyd step, the level sums num[b*L + j] += (w S) x, den += (w S) S in element
-order. ``_eval_books_nb`` does all of it tile by tile in one call, with no
+order. ``eval_books_nb`` does all of it tile by tile in one call, with no
 codes, bytes or arrays handed back to Python; the figure is the float64 sum
 of the terms in ``np.sum``'s order (``pairwise_sum_nb``: numpy's pairwise
 summation, 8 accumulators per block of 128, tested against ``np.sum``), so
@@ -16,13 +16,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ds4quant.formats.search.numba_mix import _choose_serial_nb
+from ds4quant.formats.search.numba_mix import choose_serial_nb
+from ds4quant.formats.search.tables import fixed_levels
 from ds4quant.formats.ue4m3 import UE4M3
 
 
 @numba.njit(cache=True, nogil=True)
 def book_tables_nb(books):
-    """``_mix_search._splits`` and ``_max_level`` of float32 books (2, L) in
+    """``numba_mix.splits`` and ``max_level`` of float32 books (2, L) in
     one call: the same float32 operations (overflow gives inf, as there)."""
     L = books.shape[1]
     split = np.empty((2, L - 1), np.float32)
@@ -200,7 +201,7 @@ def terms_stats_nb(h, wq, has_w, books, out_b, out_e, codes, mode, fixed, terms,
 
 
 @numba.njit(cache=True, nogil=True)
-def _eval_books_nb(h, wq, has_w, books, split, ml, stats, num, den, terms, out_b, out_e, codes, status, fixed):
+def eval_books_nb(h, wq, has_w, books, split, ml, stats, num, den, terms, out_b, out_e, codes, status, fixed):
     """Mode 1 on h float32 (G, 16): (total, first refused half or -1, its
     status 1 non-finite / 2 no finite candidate). The serial search writes
     the choices to out_b/out_e/codes/status (scratch), then
@@ -208,7 +209,7 @@ def _eval_books_nb(h, wq, has_w, books, split, ml, stats, num, den, terms, out_b
     with ``stats`` the Lloyd sums; total is np.sum of the terms."""
     G = h.shape[0]
     status[:] = 0
-    _choose_serial_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status)
+    choose_serial_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status)
     for g in range(G):
         if status[g] != 0:
             return 0.0, g, np.int64(status[g])
@@ -218,7 +219,7 @@ def _eval_books_nb(h, wq, has_w, books, split, ml, stats, num, den, terms, out_b
 
 @numba.njit(cache=True, nogil=True)
 def decode_choice_nb(out_b, out_e, codes, books, mode, fixed, out):
-    """The decode of the blocks the choices pack to (``rocmfp_mix._decode_nb``'s
+    """The decode of the blocks the choices pack to (the MIX decoder's
     products: S(e) * level[book][code] in mode 1, fixed[code] * S(e) in mode
     0), from the choices themselves: out float32 (G, 16)."""
     for g in range(out_e.shape[0]):
@@ -235,9 +236,7 @@ def decode_choice_nb(out_b, out_e, codes, books, mode, fixed, out):
 def decode_choices(qt, enc, shape, books: np.ndarray, mode: int) -> np.ndarray:
     """float32 ``shape`` values the blocks of the choices ``enc`` (book, byte,
     codes per half) decode to, for MIX qtype ``qt``: its decode, bit for bit."""
-    from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
-
     y = np.empty(shape, np.float32)
     decode_choice_nb(*enc, np.ascontiguousarray(books, np.float32), int(mode),
-                     _FIXED_106 if qt.codebook_levels == 4 else _FIXED_105, y.reshape(-1, 16))
+                     fixed_levels(2 if qt.codebook_levels == 4 else 3), y.reshape(-1, 16))
     return y

@@ -1,16 +1,17 @@
-"""The vectorised MIX search (§9.4 mode 1, and ds4quant's mode 0) and packing.
+"""The MIX search on the host (§9.4 mode 1, and ds4quant's mode 0): numba, vectorised.
 
-The same candidates, comparisons and float32 sums as
-``_mix_legacy._encode_nb`` / ``_encode_fixed_nb``, with SIMD lanes over a tile of halves
-(each lane's error is still the sequential float32 sum in element order;
-lanes never mix), so the choices are bit-identical. NL(v) becomes a select
-chain over the splits: for non-decreasing splits the last split below v
-gives the same level as the binary search (ties to the lower level), and v
-is never NaN here (non-finite halves are refused before their codes count).
+The same candidates, comparisons and float32 sums as the reference encoder
+(``rocmfp_mix._encode_ref``, one half at a time), with SIMD lanes over a
+tile of halves (each lane's error is still the sequential float32 sum in
+element order; lanes never mix), so the choices are bit-identical. NL(v)
+becomes a select chain over the splits: for non-decreasing splits the last
+split below v gives the same level as the binary search (ties to the lower
+level), and v is never NaN here (non-finite halves are refused before their
+codes count).
 
-``_choose`` returns per half the book, the scale byte, the codes and a
-status; ``_pack_chosen_nb`` writes the blocks from them (the codec in
-``rocmfp_mix`` checks the status first).
+``choose`` returns per half the book, the scale byte, the codes and a
+status; ``check_status`` refuses a matrix with a refused half, as the
+reference does; ``pack_choices_nb`` writes the blocks from the choices.
 """
 
 from __future__ import annotations
@@ -20,20 +21,47 @@ import math
 import numba
 import numpy as np
 
+from ds4quant.errors import EncodeRejectedError
+from ds4quant.formats.search.tables import HALF
 from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV
 
 _F32 = np.float32
-_HALF = 16
+
+# A half's status: 0 chosen, else why the encoder refuses it (the reference's reasons).
+NONFINITE, NO_CANDIDATE = 1, 2
 
 
-def _splits(books: np.ndarray) -> np.ndarray:
+def refuse(qt_name: str, status: int, row: int, block: int, half: int):
+    """Raise the encoder's refusal of one half (``status`` NONFINITE or NO_CANDIDATE)."""
+    if status == NONFINITE:
+        why = "has a NaN or Inf value"
+        fix = "clean the source tensor"
+    else:
+        why = "has no finite-error candidate (an overflowing outlier, or negative/non-finite importance)"
+        fix = "clip the outlier or fix the importance vector"
+    raise EncodeRejectedError(
+        f"{qt_name} encoder rejects row {row}, block {block} (half {half}): the half {why}",
+        hint=fix,
+    )
+
+
+def check_status(qt, status: np.ndarray, hpr: int) -> None:
+    """Refuse (``refuse``) at the first refused half in row order, as the
+    reference stops there; ``hpr``: halves per row."""
+    bad = np.flatnonzero(status)
+    if len(bad):
+        g = int(bad[0])
+        refuse(qt.name, int(status[g]), g // hpr, (g % hpr) // 2, g % 2)
+
+
+def splits(books: np.ndarray) -> np.ndarray:
     """NL's split points per book: 0.5 * (level[j] + level[j+1]), sum rounded
     first (§9.4), float32 (2, L-1)."""
     with np.errstate(over="ignore"):
         return (_F32(0.5) * (books[:, :-1] + books[:, 1:])).astype(np.float32)
 
 
-def _max_level(books: np.ndarray) -> np.ndarray:
+def max_level(books: np.ndarray) -> np.ndarray:
     """ML per book: max_j |level_b[j]|, float32 (2,)."""
     return np.abs(books).max(axis=1).astype(np.float32)
 
@@ -41,8 +69,8 @@ def _max_level(books: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def _fixed_code_nb(v, bits):
-    """Mode-0 element quantiser (see rocmfp_mix._fixed_codes_ref), one value."""
+def fixed_code_nb(v, bits):
+    """Mode-0 element quantiser (see ``rocmfp_mix._fixed_codes_ref``), one value."""
     if bits == 2:
         if v <= np.float32(-0.5):
             return 0
@@ -276,7 +304,7 @@ def _scratch_nb(L):
 @numba.njit(cache=True, nogil=True, inline="always")
 def _books_tile_nb(xt, wt, mx, wok, books, split, ml, sc):
     """Mode 1 (§9.4) for one loaded tile: per lane the (book, byte) of
-    _encode_nb into bk/be (0, 0 for zero lanes), its error into best (inf
+    the reference encoder into bk/be (0, 0 for zero lanes), its error into best (inf
     where none is finite), and the codes NL(x / S) in that book into ct
     (16, T). Candidates come in (book, byte) order, so the kernel's tie rule
     (lower book, then lower byte) never adopts a later one: a strict < is it."""
@@ -339,7 +367,7 @@ def _books_tile_nb(xt, wt, mx, wok, books, split, ml, sc):
 @numba.njit(cache=True, parallel=True, nogil=True)
 def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
     """Mode 1 (§9.4): per half of h float32 (G, 16) the (book, byte) of
-    _encode_nb and the codes NL(x / S) in that book (NL(0) for zero halves);
+    the reference encoder and the codes NL(x / S) in that book (NL(0) for zero halves);
     status 1 non-finite, 2 no finite candidate."""
     G = h.shape[0]
     L = books.shape[1]
@@ -420,7 +448,7 @@ def _fixed_errs_nb(xt, wt, bits, e0, e1, err, best, be, wok):
 
 @numba.njit(cache=True, parallel=True, nogil=True)
 def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
-    """Mode 0: per half the byte of _encode_fixed_nb (least error over
+    """Mode 0: per half the byte of the reference's mode 0 (least error over
     1..126, ties to the smaller byte); status as _choose_nb.
 
     Only a window of bytes is evaluated per tile, with the answer of all 126:
@@ -501,7 +529,7 @@ def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
             for i in range(16):
                 for k in range(n):
                     v = np.float32(xt[i, k] * UE4M3_INV[be[k]]) if be[k] > 0 else zero_f
-                    codes[t0 + k, i] = np.uint8(_fixed_code_nb(v, bits))
+                    codes[t0 + k, i] = np.uint8(fixed_code_nb(v, bits))
             for k in range(n):
                 g = t0 + k
                 if not fin[k]:
@@ -512,7 +540,7 @@ def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)
-def _pack_chosen_nb(codes, out_b, out_e, mode, bits, out):
+def pack_choices_nb(codes, out_b, out_e, mode, bits, out):
     """Blocks from per-half codes (G, 16) and (book, byte): out (rows, row_bytes)."""
     rows = out.shape[0]
     qs_bytes = 32 * bits // 8
@@ -556,33 +584,44 @@ def _serial_twin(fn, name: str):
     return numba.njit(cache=True, nogil=True)(twin)
 
 
-_choose_serial_nb = _serial_twin(_choose_nb, "_choose_serial_nb")
+choose_serial_nb = _serial_twin(_choose_nb, "choose_serial_nb")
 _choose_fixed_serial_nb = _serial_twin(_choose_fixed_nb, "_choose_fixed_serial_nb")
 _SERIAL_HALVES = 4 * _TILE * _TILES_PER_TASK
 
 
-def _serial(G: int) -> bool:
+def serial(G: int) -> bool:
     """A few tasks, or one thread: the serial twin (same code, prange as range)
     skips the thread-pool launch, which costs more than it saves on small matrices."""
     return G <= _SERIAL_HALVES or numba.get_num_threads() == 1
 
 
-def _choose(x: np.ndarray, importance, books: np.ndarray, mode: int, bits: int):
+def choose(x: np.ndarray, importance, books: np.ndarray, mode: int, bits: int):
     """Per half of x (rows, cols): book int64 (G,), byte int64 (G,), codes
     uint8 (G, 16), status int8 (G,) (codes of a refused half are garbage)."""
-    h = x.reshape(-1, _HALF)
+    h = x.reshape(-1, HALF)
     G = h.shape[0]
     out_b = np.zeros(G, dtype=np.int64)
     out_e = np.zeros(G, dtype=np.int64)
     status = np.zeros(G, dtype=np.int8)
-    codes = np.empty((G, _HALF), dtype=np.uint8)
+    codes = np.empty((G, HALF), dtype=np.uint8)
     has_w = importance is not None
-    wq = importance.reshape(-1, _HALF) if has_w else np.zeros((1, _HALF), dtype=np.float32)
-    serial = _serial(G)
+    wq = importance.reshape(-1, HALF) if has_w else np.zeros((1, HALF), dtype=np.float32)
+    one = serial(G)
     if mode == 1:
-        fn = _choose_serial_nb if serial else _choose_nb
-        fn(h, wq, has_w, books, np.ascontiguousarray(_splits(books)), _max_level(books), out_b, out_e, codes, status)
+        fn = choose_serial_nb if one else _choose_nb
+        fn(h, wq, has_w, books, np.ascontiguousarray(splits(books)), max_level(books), out_b, out_e, codes, status)
     else:
-        fn = _choose_fixed_serial_nb if serial else _choose_fixed_nb
+        fn = _choose_fixed_serial_nb if one else _choose_fixed_nb
         fn(h, wq, has_w, bits, out_e, codes, status)
     return out_b, out_e, codes, status
+
+
+def pack(qt, choices, mode: int, bits: int, rows: int, cols: int) -> np.ndarray:
+    """The blocks uint8 (rows, row_bytes) of ``choices`` (book, byte, codes,
+    status per half, as ``choose`` gives them on any tier), after refusing a
+    refused half as the reference does."""
+    out_b, out_e, codes, st = choices
+    check_status(qt, st, cols // HALF)
+    out = np.zeros((rows, qt.row_bytes(cols)), dtype=np.uint8)
+    pack_choices_nb(codes, out_b, out_e, mode, bits, out)
+    return out

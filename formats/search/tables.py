@@ -1,16 +1,20 @@
-"""The format tables of the scale-search codecs (ROCmFP2/3/4/6/8, ROCmFP2 S40).
+"""The tables of the searches: the scale-search formats (ROCmFP2/3/4/6/8,
+ROCmFP2 S40), MIX mode 0, and their copies on a device.
 
 Element quantiser ids, per-format code widths, zero codes, the search's
 initial pairs, and the decode tables: a decoded weight is
-``LEVELS[fmt][code] * SCALES[fmt][e]`` (rocmfpx-codecs.md §1-§8). Shared by
-the numpy reference search, the numba fast path and the block drivers.
+``LEVELS[fmt][code] * SCALES[fmt][e]`` (rocmfpx-codecs.md §1-§8); MIX mode 0
+decodes ``FIXED[bits][code] * S(meta)`` (§9.3). Shared by the numpy reference
+search, the numba fast path, the block drivers, the row decoders and the
+device tiers, which read them through ``ue4m3_on`` / ``scale_format_on``
+(one upload per device, kept).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ds4quant.formats.ue4m3 import FLT_MAX, UE4M3
+from ds4quant.formats.ue4m3 import FLT_MAX, UE4M3, UE4M3_INV
 
 F32 = np.float32
 
@@ -67,3 +71,61 @@ def _build_scales() -> np.ndarray:
 
 LEVELS = _build_levels()
 SCALES = _build_scales()
+
+
+#: qtype -> (element format, weights per scale) of the scale searches the
+#: device tiers run: the adaptive recipe's scale-search candidates
+SCALE_SEARCHES = {"rocmfp2": (FP2, 16), "rocmfp3": (FP3, 16), "rocmfp4": (FP4, 16), "rocmfp4_fast": (FP4, 32)}
+
+HALF = 16  # weights per MIX half: one scale byte (and book) each (§9)
+
+# Mode-0 MIX levels (§9.3), indexed by code: 106 is code - 1 (FP2's levels),
+# 105 is FP3's sign-magnitude {0, 1, 2, 4, +0, -1, -2, -4}.
+FIXED_106 = np.array([-1.0, 0.0, 1.0, 2.0], dtype=np.float32)
+FIXED_105 = np.array([0.0, 1.0, 2.0, 4.0, 0.0, -1.0, -2.0, -4.0], dtype=np.float32)
+FIXED_106.setflags(write=False)
+FIXED_105.setflags(write=False)
+
+
+def fixed_levels(bits: int) -> np.ndarray:
+    """The mode-0 levels of MIX codes of ``bits`` bits (2: ggml 106, 3: ggml 105)."""
+    return FIXED_106 if bits == 2 else FIXED_105
+
+
+# --------------------------------------------------------------------------
+# the tables on a device (torch imported on first use)
+
+_ON_DEVICE: dict = {}
+_MAG = {FP3: (0.0, 1.0, 2.0, 4.0), FP4: (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0)}
+_THR = {FP3: (0.5, 1.5, 3.0), FP4: tuple(float(t) for t in FP4_THRESHOLDS)}
+
+
+def ue4m3_on(dev):
+    """(S(e), 1/S(e)) for e = 0..255 as float32 tensors on ``dev``."""
+    import torch
+
+    key = ("ue4m3", str(dev))
+    t = _ON_DEVICE.get(key)
+    if t is None:
+        t = _ON_DEVICE[key] = (torch.from_numpy(UE4M3.copy()).to(dev), torch.from_numpy(UE4M3_INV.copy()).to(dev))
+    return t
+
+
+def scale_format_on(dev, fmt: int) -> dict:
+    """Format ``fmt``'s tables on ``dev`` as float32 tensors: S, INV, S1 (S(1..126)),
+    levels, scales; FP3/FP4 their magnitudes and thresholds (mag, thr), FP2 its
+    thresholds (thr2)."""
+    import torch
+
+    key = ("scale", str(dev), fmt)
+    t = _ON_DEVICE.get(key)
+    if t is None:
+        f32 = lambda a: torch.tensor(np.asarray(a, np.float32), device=dev)  # noqa: E731
+        t = {"S": f32(UE4M3), "INV": f32(UE4M3_INV), "S1": f32(UE4M3[1:127]),
+             "levels": f32(LEVELS[fmt]), "scales": f32(SCALES[fmt])}
+        if fmt in _MAG:
+            t["mag"], t["thr"] = f32(_MAG[fmt]), f32(_THR[fmt])
+        if fmt == FP2:
+            t["thr2"] = f32((-0.5, 0.5, 1.5))
+        _ON_DEVICE[key] = t
+    return t

@@ -1,9 +1,9 @@
-"""Many MIX searches in one set of torch launches (the GPU measure stage, issue 14).
+"""Many MIX searches in one set of torch launches: the torch tier's entry for the measure stage.
 
-One search of ``_mix_search_torch`` is ~100 small kernels; the fitter runs ~22
+One search of ``torch_mix`` is ~100 small kernels; the fitter runs ~22
 per expert matrix, so a small matrix on a GPU is bound by the launches, not
 the arithmetic. ``choose_batched`` lets the measure stage's worker threads
-(one expert each, ``adaptive_jobs.ordered_map``) share launches: a call
+(one expert each, ``ds4quant.plan``'s workers) share launches: a call
 queues its request; the first caller to find the device idle runs every
 queued request of the same (mode, bits) as one search over all their halves
 (per-half books, splits and weights gathered from small per-request tables),
@@ -11,11 +11,11 @@ and keeps serving the queue until it is empty, while the others wait for
 their slice.
 
 Every operation is per half and the same IEEE operation as in
-``_mix_search_torch`` (and so as the numba kernels): x * (1/S), the select
+``torch_mix`` (and so as the numba kernels): x * (1/S), the select
 chain over the splits, S * level, x - S * level, (w * d) * d, the sequential
 float32 sum over 16 elements, candidates visited in the kernel's (book,
 byte) order with a strict <; a request's books, bytes, codes and refusals do
-not depend on what it was batched with (tests/test_adaptive_device.py). A
+not depend on what it was batched with (tests/formats/search/test_torch_mix.py). A
 request without importance uses weight 1: (1 * d) * d is d * d bit for bit.
 """
 
@@ -26,9 +26,10 @@ from typing import Optional
 
 import numpy as np
 
-from ds4quant.formats.search.numba_mix import _HALF, _max_level, _splits
-from ds4quant.formats.search.torch_mix import _fixed_flat, _nearest, _seq_sum16, _tables
-from ds4quant.formats.search.torch_scale import to_host
+from ds4quant.formats.search.backend import to_host
+from ds4quant.formats.search.numba_mix import max_level, splits
+from ds4quant.formats.search.tables import HALF, ue4m3_on
+from ds4quant.formats.search.torch_mix import _fixed_flat, _nearest, _seq_sum16
 
 # halves per batch: bounds device memory (about 10 float32 copies of a
 # (halves, 16) tensor are alive at once: ~5 GiB at this size)
@@ -43,11 +44,11 @@ def _flat(X, W):
     import torch
 
     R, H, _ = X.shape
-    Xl = X.reshape(-1, _HALF)
+    Xl = X.reshape(-1, HALF)
     if W is None:
         Wl = torch.ones_like(Xl)
     else:
-        Wl = W.expand(R, H, _HALF).reshape(-1, _HALF)
+        Wl = W.expand(R, H, HALF).reshape(-1, HALF)
     return Xl, Wl
 
 
@@ -58,7 +59,7 @@ def _books_batch(Xl, Wl, rid, books_t, split_t, ml_t, L):
     import torch
 
     dev = Xl.device
-    S, INV = _tables(dev)
+    S, INV = ue4m3_on(dev)
     mx = Xl.abs().amax(dim=-1)
     fin = torch.isfinite(Xl).all(dim=-1)
     wok = (torch.isfinite(Wl) & (Wl >= 0)).all(dim=-1)
@@ -68,7 +69,7 @@ def _books_batch(Xl, Wl, rid, books_t, split_t, ml_t, L):
     bk = torch.zeros((N,), dtype=torch.int64, device=dev)
     be = torch.ones((N,), dtype=torch.int64, device=dev)
     dls = torch.arange(-2, 3, device=dev).unsqueeze(1)  # a book's 5 bytes, the kernel's order
-    step = max(1, _CANDIDATE_ELEMENTS // (5 * _HALF))
+    step = max(1, _CANDIDATE_ELEMENTS // (5 * HALF))
     for b in range(2):
         mlb = ml_t[:, b][rid]  # (N,)
         ok = (mlb > 0) & wok
@@ -132,8 +133,8 @@ def _run_group(reqs: list) -> None:
         Wl = torch.cat([f[1] for f in flats]) if len(flats) > 1 else flats[0][1]
         if mode == 1:
             books = np.stack([np.ascontiguousarray(r.books, np.float32) for r in reqs])
-            split = np.stack([_splits(b) for b in books])
-            ml = np.stack([_max_level(b) for b in books])
+            split = np.stack([splits(b) for b in books])
+            ml = np.stack([max_level(b) for b in books])
             rid = torch.repeat_interleave(torch.arange(len(reqs), device=dev),
                                           torch.tensor(sizes, device=dev))
             bk, be, codes, st = _books_batch(Xl, Wl, rid, torch.from_numpy(books).to(dev),
@@ -208,34 +209,7 @@ class _Batcher:
 _BATCHER = _Batcher()
 
 
-#: which path a search takes, as ``_scale_search_torch.USE_TRITON``: None (the
-#: default) the one-launch Triton kernel (``_mix_search_triton``; the same
-#: choices) on a CUDA device where triton imports, the shared torch batch
-#: elsewhere; True the kernel on any device (on the CPU only under Triton's
-#: interpreter: the tests); False always the torch batch
-USE_TRITON: "bool | None" = None
-
-
 def choose_batched(X, W, books: np.ndarray, mode: int, bits: int):
-    """``_mix_search_torch.choose_torch`` through the shared queue: numpy
-    book int64 (G,), byte int64 (G,), codes uint8 (G, 16), status int8 (G,).
-    Where the Triton kernel covers the device, the search is one launch on
-    the caller's own stream: nothing is gained by waiting for other workers."""
-    if triton_for(X.device):
-        from ds4quant.formats.search.triton_mix import choose_triton
-
-        return choose_triton(X, W, np.asarray(books, np.float32), int(mode), int(bits))
+    """``torch_mix.choose`` through the shared queue: numpy book int64 (G,),
+    byte int64 (G,), codes uint8 (G, 16), status int8 (G,)."""
     return _BATCHER.submit(_Request(X, W, np.asarray(books, np.float32), int(mode), int(bits)))
-
-
-def triton_for(device) -> bool:
-    """Whether searches on ``device`` take the Triton kernel (``USE_TRITON``)."""
-    if USE_TRITON is not None:
-        return USE_TRITON
-    if getattr(device, "type", None) != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -1,45 +1,32 @@
-"""The MIX search of ``_mix_search`` in torch, for the measure stage on a GPU.
+"""The MIX search in torch operations: the torch tier of ``formats.search``.
 
-The same candidates, comparisons and float32 arithmetic as ``_choose_nb`` /
-``_choose_fixed_nb``, one torch operation per IEEE operation: x * (1/S),
+The same candidates, comparisons and float32 arithmetic as the numba tier's
+``_choose_nb`` / ``_choose_fixed_nb``, one torch operation per IEEE operation: x * (1/S),
 the select chain over the splits, S * level, x - S * level, (w * d) * d, and
 the per-half error as the sequential float32 sum over the 16 elements in
 element order (16 separate additions, never a reduction kernel, whose order
 is the device's). Each operation is its own kernel, so nothing is contracted
 into a fused multiply-add, and the argmin keeps the first least candidate in
 the numba kernel's visiting order, so books, scale bytes and codes are the
-numba kernel's bit for bit on any device (tests/test_adaptive_device.py runs
-it on torch's CPU device; on CUDA where one is present).
+numba kernel's bit for bit on any device (tests/formats/search/test_torch_mix.py
+runs it on torch's CPU device; on CUDA where one is present).
 
-``choose_torch`` takes the matrix and its importance already on the device
-(the fitter keeps them there across its Lloyd steps) and returns numpy
-arrays in ``_mix_search._choose``'s layout.
+``choose`` takes the matrix and its importance already on the device
+(``backend.to_device``: the fitter keeps them there across its Lloyd steps)
+and returns numpy arrays in ``numba_mix.choose``'s layout; ``torch_batch``
+serves many such searches with shared launches.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ds4quant.formats.search.numba_mix import _HALF, _max_level, _splits
-from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV
+from ds4quant.formats.search.numba_mix import max_level, splits
+from ds4quant.formats.search.tables import HALF, ue4m3_on
 
 # candidates evaluated in one batch (bounds the device memory of a search:
 # about 4 * 20 bytes per weight per candidate in flight)
 _BATCH_WEIGHTS = 1 << 26
-
-
-def _tables(dev):
-    import torch
-
-    key = str(dev)
-    t = _TABLES.get(key)
-    if t is None:
-        t = (torch.from_numpy(UE4M3.copy()).to(dev), torch.from_numpy(UE4M3_INV.copy()).to(dev))
-        _TABLES[key] = t
-    return t
-
-
-_TABLES: dict = {}
 
 
 def _nearest(t, S):
@@ -63,7 +50,7 @@ def _nearest(t, S):
 def _seq_sum16(t):
     """The float32 sum over the last axis (16) in element order: 0 + t0 + t1 + ..."""
     err = t[..., 0].clone()  # 0 + t0 == t0 (t0 >= 0 or NaN)
-    for i in range(1, _HALF):
+    for i in range(1, HALF):
         err = err + t[..., i]
     return err
 
@@ -95,10 +82,10 @@ def _choose_books(X, W, books_np, L):
     import torch
 
     dev = X.device
-    S, INV = _tables(dev)
+    S, INV = ue4m3_on(dev)
     books = torch.from_numpy(np.ascontiguousarray(books_np, np.float32)).to(dev)
-    split = torch.from_numpy(np.ascontiguousarray(_splits(books_np))).to(dev)
-    ml_np = _max_level(books_np)
+    split = torch.from_numpy(np.ascontiguousarray(splits(books_np))).to(dev)
+    ml_np = max_level(books_np)
     R, H, _ = X.shape
     mx, fin, wok = _half_facts(X, W)
     inf = torch.tensor(float("inf"), dtype=torch.float32, device=dev)
@@ -198,25 +185,25 @@ def _choose_fixed(X, W, bits):
     import torch
 
     R, H, _ = X.shape
-    Xl = X.reshape(-1, _HALF)
-    Wl = None if W is None else W.expand(R, H, _HALF).reshape(-1, _HALF)
+    Xl = X.reshape(-1, HALF)
+    Wl = None if W is None else W.expand(R, H, HALF).reshape(-1, HALF)
     be, codes, st = _fixed_flat(Xl, Wl, bits)
     be = be.reshape(R, H)
-    return torch.zeros_like(be), be, codes.reshape(R, H, _HALF), st.reshape(R, H)
+    return torch.zeros_like(be), be, codes.reshape(R, H, HALF), st.reshape(R, H)
 
 
 def _fixed_flat(Xl, Wl, bits):
     """Mode 0 on halves Xl (N, 16) with weights Wl (N, 16) or None: the byte
     of least error over 1..126, ties to the smaller; (byte, codes, status).
     Per half only a window of bytes is evaluated, with the answer of all 126,
-    as ``_mix_search._choose_fixed_nb`` argues: above the byte from which
+    as ``numba_mix._choose_fixed_nb`` argues: above the byte from which
     every element quantises to 0 the error is constant (met inside the
     window); below it the clipping bound, less 1e-5, exceeds the half's best.
     Halves where either fails are scanned over all 126 bytes."""
     import torch
 
     dev = Xl.device
-    S, INV = _tables(dev)
+    S, INV = ue4m3_on(dev)
     mxl = Xl.abs().amax(dim=-1)
     finl = torch.isfinite(Xl).all(dim=-1)
     if Wl is None:
@@ -266,20 +253,8 @@ def _fixed_flat(Xl, Wl, bits):
     return be, codes.to(torch.uint8), st
 
 
-def to_device(x: np.ndarray, importance, dev):
-    """(X (rows, cols/16, 16), W (1, cols/16, 16) or None) as float32 on ``dev``."""
-    import torch
-
-    rows, cols = x.shape
-    X = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dev).reshape(rows, cols // _HALF, _HALF)
-    W = None
-    if importance is not None:
-        W = torch.from_numpy(np.ascontiguousarray(importance, np.float32)).to(dev).reshape(1, cols // _HALF, _HALF)
-    return X, W
-
-
-def choose_torch(X, W, books: np.ndarray, mode: int, bits: int):
-    """``_mix_search._choose`` for device tensors from ``to_device``: numpy
+def choose(X, W, books: np.ndarray, mode: int, bits: int):
+    """``numba_mix.choose`` for device tensors from ``backend.to_device``: numpy
     book int64 (G,), byte int64 (G,), codes uint8 (G, 16), status int8 (G,)."""
     import torch
 
@@ -289,31 +264,6 @@ def choose_torch(X, W, books: np.ndarray, mode: int, bits: int):
         else:
             bk, be, codes, st = _choose_fixed(X, W, bits)
         G = X.shape[0] * X.shape[1]
-        # one transfer each; the fitter's sums run on the host (see adaptive's docs)
+        # one transfer each; the fitter's Lloyd sums run on the host
         return (bk.reshape(G).cpu().numpy(), be.reshape(G).cpu().numpy(),
-                codes.reshape(G, _HALF).cpu().numpy(), st.reshape(G).cpu().numpy())
-
-
-def encode_torch(qtype: str, x: np.ndarray, importance, books: np.ndarray, mode: int, device) -> np.ndarray:
-    """``formats.encode(qtype, x, importance, books, mode=mode)`` with the
-    search on ``device`` and the packing on the host: the same bytes and the
-    same refusal."""
-    from ds4quant.formats import check_codebooks, encode_input, get_qtype
-    from ds4quant.formats.rocmfp_mix import _check_status, _pack_chosen_nb
-
-    qt = get_qtype(qtype)
-    x, importance = encode_input(qt, x, importance)
-    books = check_codebooks(qt, books)
-    if books.ndim != 2 or mode not in (0, 1):
-        from ds4quant.errors import BadInputError
-
-        raise BadInputError(f"{qt.name} device encoder: one (2, L) book pair and mode 0 or 1")
-    bits = 2 if qt.codebook_levels == 4 else 3
-    rows, cols = x.shape
-    from ds4quant.formats.search.torch_batch import choose_batched
-
-    ob, oe, codes, st = choose_batched(*to_device(x, importance, device), books, mode, bits)
-    _check_status(qt, st, cols // _HALF)
-    out = np.zeros((rows, qt.row_bytes(cols)), dtype=np.uint8)
-    _pack_chosen_nb(codes, ob, oe, mode, bits, out)
-    return out
+                codes.reshape(G, HALF).cpu().numpy(), st.reshape(G).cpu().numpy())

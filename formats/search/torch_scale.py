@@ -1,6 +1,7 @@
-"""The scale search of ``_scale_search_nb`` in torch, for the measure stage on a GPU (issue 14).
+"""The scale search of ``_scale_search_nb`` in torch operations: the torch tier.
 
-Covers the adaptive recipe's scale-search candidates without encode options:
+Covers the adaptive recipe's scale-search candidates without encode options
+(``tables.SCALE_SEARCHES``):
 rocmfp2 (FP2, per 16), rocmfp3 (FP3, per 16), rocmfp4 (FP4, per 16) and
 rocmfp4_fast (FP4, per 32). The rule is ``_scale_search``'s: per group the
 byte ``lexmin((err(e), e))`` over e = 1..126 whose error is not NaN, together
@@ -24,7 +25,7 @@ The numba walk prunes candidates one by one; a GPU wants the opposite, so:
 3. groups without both proofs are scanned over all 126 bytes.
 
 Each group's byte is therefore the exact argmin the spec defines, whatever
-the window, and equal to the numba walk's (tests/formats/test_scale_search_torch.py
+the window, and equal to the numba walk's (tests/formats/search/test_torch_scale.py
 runs narrow windows, the default and the full scan on torch's CPU device and on
 CUDA where present). Every float32 operation is its own torch operation, so
 nothing is fused into a multiply-add: x*inv, the level (FP3/FP4 by threshold
@@ -36,21 +37,16 @@ symmetric under negation; FP2 by its §3 thresholds while every |x*inv| <
 (a sequential float32 row sum, which a device reduction would round
 differently).
 
-On CUDA, ``encode_torch`` and ``measure_torch`` take ``_scale_search_triton``
-instead: one launch a matrix that scans all 126 bytes of every group (the
-definition itself, no window or proofs) and gives the same bytes; see
-``USE_TRITON``.
+The Triton tier (``triton_scale``) scans all 126 bytes of every group in one
+launch instead (the definition itself, no window or proofs): the same bytes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ds4quant.formats.search.tables import FP2, FP3, FP4, FP4_THRESHOLDS, INIT_E, INIT_ERR, LEVELS, SCALES, TOP
-from ds4quant.formats.ue4m3 import FLT_MAX, UE4M3, UE4M3_INV
-
-#: qtype -> (element format, weights per scale) of the searches ported here
-QTYPES = {"rocmfp2": (FP2, 16), "rocmfp3": (FP3, 16), "rocmfp4": (FP4, 16), "rocmfp4_fast": (FP4, 32)}
+from ds4quant.formats.search.tables import FP2, FP3, FP4, INIT_E, INIT_ERR, TOP, scale_format_on
+from ds4quant.formats.ue4m3 import FLT_MAX
 
 # (format, group) -> (bytes evaluated per group before the proofs, how many
 # of them lie below the first byte whose scale reaches max|x|/top): from the
@@ -62,39 +58,6 @@ WINDOWS = {(FP2, 16): (20, 8), (FP3, 16): (18, 6), (FP4, 16): (16, 2), (FP4, 32)
 # candidates x groups per evaluated batch (bounds device memory: ~6 float32
 # temporaries of this many elements are alive at once)
 _BATCH = 1 << 24
-
-#: which path ``encode_torch`` / ``measure_torch`` take: None (the default) the
-#: Triton kernel (``_scale_search_triton``) on a CUDA device where triton
-#: imports and the torch search elsewhere; True the Triton kernel on any device
-#: (on the CPU only under Triton's interpreter: the tests); False always the
-#: torch search. The same bytes either way.
-USE_TRITON: "bool | None" = None
-
-_MAG = {FP3: (0.0, 1.0, 2.0, 4.0), FP4: (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0)}
-_THR = {FP3: (0.5, 1.5, 3.0), FP4: tuple(float(t) for t in FP4_THRESHOLDS)}
-_TABLES: dict = {}
-
-
-def covers(qtype: str, options: "dict | None" = None) -> bool:
-    """Whether this module encodes ``qtype`` (with no encode options)."""
-    return qtype in QTYPES and not options
-
-
-def _tables(dev, fmt):
-    import torch
-
-    key = (str(dev), fmt)
-    t = _TABLES.get(key)
-    if t is None:
-        f32 = lambda a: torch.tensor(np.asarray(a, np.float32), device=dev)  # noqa: E731
-        t = {"S": f32(UE4M3), "INV": f32(UE4M3_INV), "S1": f32(UE4M3[1:127]),
-             "levels": f32(LEVELS[fmt]), "scales": f32(SCALES[fmt])}
-        if fmt in _MAG:
-            t["mag"], t["thr"] = f32(_MAG[fmt]), f32(_THR[fmt])
-        if fmt == FP2:
-            t["thr2"] = f32((-0.5, 0.5, 1.5))
-        _TABLES[key] = t
-    return t
 
 
 def _fp2_level(v):
@@ -115,7 +78,7 @@ def _fp2_level(v):
 def _fp2_level_fast(v, T):
     """``_fp2_level`` for |v| < 2^23: the §3 thresholds, ties to the lower code
     (equal to the distance rule for every float32 |v| < 2^24; checked
-    exhaustively, tests/formats/test_scale_search_torch.py samples it)."""
+    exhaustively, tests/formats/search/test_torch_scale.py samples it)."""
     import torch
 
     return T["levels"][torch.bucketize(v, T["thr2"], out_int32=True)]
@@ -169,7 +132,7 @@ def _scan(fmt, T, XT, AXT, WT, lo, K, key, fast2):
 
 
 def _init_key(fmt, n, dev):
-    """The format's initial pair (``_scale_tables.INIT_*``) as ``_keys``, per group."""
+    """The format's initial pair (``tables.INIT_*``) as ``_keys``, per group."""
     import torch
 
     bits = int(np.array([INIT_ERR[fmt]], np.float32).view(np.int32)[0])
@@ -195,7 +158,7 @@ def search(fmt: int, group: int, x, q, sigma2, stats: "dict | None" = None):
     handling), q (cols,) or None, sigma2 (rows,) (used with q)."""
     import torch
 
-    T = _tables(x.device, fmt)
+    T = scale_format_on(x.device, fmt)
     rows, cols = x.shape
     n = rows * cols // group
     fin = torch.isfinite(x)
@@ -267,123 +230,7 @@ def _codes(fmt, T, x, be, group, fast2):
 def decode_chosen(fmt: int, group: int, e, codes):
     """float32 (rows, cols) on the device: LEVELS[code] * SCALES[e], the decode
     of the blocks (e, codes) pack to (``decode_rows_nb``'s one product)."""
-    T = _tables(codes.device, fmt)
+    T = scale_format_on(codes.device, fmt)
     rows, cols = codes.shape
     lv = T["levels"][codes.to(dtype=e.dtype)].reshape(-1, group)
     return (lv * T["scales"][e.reshape(-1)].unsqueeze(1)).reshape(rows, cols)
-
-
-def _use_triton(device, stats=None) -> bool:
-    """Whether this call takes the Triton kernel (``USE_TRITON``); ``stats``, the
-    counts of the window's proofs, exist only on the torch search."""
-    if USE_TRITON is False or stats is not None:
-        return False
-    if USE_TRITON is None:
-        import torch
-
-        if torch.device(device).type != "cuda":
-            return False
-    try:
-        from ds4quant.formats.search import triton_scale as tr
-    except ImportError:
-        if USE_TRITON:
-            raise
-        return False
-    return bool(USE_TRITON) or not tr.INTERPRETED  # the interpreter on a GPU only when forced
-
-
-def row_energies(x: np.ndarray) -> np.ndarray:
-    """sigma^2 of the importance weights per row of float32 x (``row_energies_nb``:
-    a sequential float32 sum a row, on the host, which a device reduction would
-    round differently)."""
-    from ds4quant.formats._scale_search_nb import row_energies_nb
-
-    sigma2 = np.empty(x.shape[0], np.float32)
-    if x.shape[0]:
-        row_energies_nb(x, sigma2)
-    return sigma2
-
-
-def _device_inputs(qtype, x, importance, device, nonfinite):
-    """Checked input on the device: (fmt, group, x, q or None, sigma2 or None)."""
-    import torch
-
-    from ds4quant.formats import encode_input, get_qtype
-
-    fmt, group = QTYPES[qtype]
-    x, importance = encode_input(get_qtype(qtype), x, importance, nonfinite=nonfinite)
-    x = np.ascontiguousarray(x, np.float32)
-    X = torch.from_numpy(x).to(device)
-    if importance is None:
-        return fmt, group, X, None, None
-    Q = torch.from_numpy(np.ascontiguousarray(importance, np.float32)).to(device)
-    return fmt, group, X, Q, torch.from_numpy(row_energies(x)).to(device)
-
-
-def encode_torch(qtype: str, x, importance, device, nonfinite: str = "reject", stats=None) -> np.ndarray:
-    """``formats.encode(qtype, x, importance, nonfinite=...)`` with the search
-    on ``device`` and the packing on the host: the same bytes, the same refusals.
-    ``stats`` (a dict): counts of the torch search's window proofs (this keeps
-    the call on the torch search; see ``USE_TRITON``)."""
-    import torch
-
-    from ds4quant.formats._scale_search import pack_ref
-
-    fmt, group, X, Q, s2 = _device_inputs(qtype, x, importance, device, nonfinite)
-    if X.shape[0] == 0:
-        from ds4quant.formats import get_qtype
-
-        return np.zeros((0, get_qtype(qtype).row_bytes(X.shape[1])), np.uint8)
-    with torch.no_grad():
-        if _use_triton(X.device, stats):
-            from ds4quant.formats.search.triton_scale import search_triton
-
-            e, codes, _ = search_triton(fmt, group, X, Q, s2)
-        else:
-            e, codes = search(fmt, group, X, Q, s2, stats)
-        return pack_ref(fmt, e.to(torch.uint8).cpu().numpy(), codes.cpu().numpy(), group)
-
-
-def measure_torch(qtype: str, x: np.ndarray, importance, device) -> tuple[int, np.ndarray]:
-    """What the measure stage needs of ``encode`` then ``decode``: (payload
-    bytes, the decoded float32 values on the host), with the search and the
-    decode on ``device`` (one Triton launch on CUDA, ``USE_TRITON``); the
-    bytes are never packed."""
-    _, _, X, Q, s2 = _device_inputs(qtype, x, importance, device, "reject")
-    nbytes, Y = measure_on(qtype, X, Q, s2)
-    return nbytes, to_host(Y)
-
-
-def measure_on(qtype: str, X, Q, sigma2):
-    """``measure_torch`` for input already checked and on the device (X
-    float32 (rows, cols), Q (cols,) and sigma2 (rows,) or None, as
-    ``_device_inputs`` gives them): (payload bytes, the decoded float32
-    (rows, cols) left on the device)."""
-    import torch
-
-    from ds4quant.formats import get_qtype
-
-    fmt, group = QTYPES[qtype]
-    rows, cols = X.shape
-    nbytes = rows * get_qtype(qtype).row_bytes(cols)
-    if rows == 0:
-        return nbytes, torch.zeros((rows, cols), dtype=torch.float32, device=X.device)
-    with torch.no_grad():
-        if _use_triton(X.device):
-            from ds4quant.formats.search.triton_scale import search_triton
-
-            return nbytes, search_triton(fmt, group, X, Q, sigma2, codes=False, decode=True)[2]
-        e, codes = search(fmt, group, X, Q, sigma2)
-        return nbytes, decode_chosen(fmt, group, e, codes)
-
-
-def to_host(t) -> np.ndarray:
-    """A device tensor as a numpy array, through pinned memory where the device
-    is a GPU (a pageable copy goes at a fraction of the link's speed)."""
-    import torch
-
-    if t.device.type == "cpu":
-        return t.numpy()
-    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    h.copy_(t)  # synchronous: waits for this thread's stream only
-    return h.numpy()

@@ -1,6 +1,6 @@
-"""The MIX search (§9.4 mode 1, and mode 0) as one Triton kernel per search (issue 14).
+"""The MIX search (§9.4 mode 1, and mode 0) as one Triton kernel per search: the Triton tier.
 
-``_mix_search_torch`` runs the search as ~100 torch launches per call; the
+``torch_mix`` runs the search as ~100 torch launches per call; the
 fitter makes ~22 calls per expert matrix, and at full width (16 workers on
 one GPU) the measure stage was bound by those launches and the Python that
 issues them. Here one launch does a whole search: a program takes BLOCK
@@ -8,7 +8,7 @@ halves, keeps each half's statistics in registers and evaluates every
 candidate by reading its 16 values again (from cache), so nothing of size
 (candidates, halves, 16) is ever written.
 
-Why the choices are the numba kernels' (``_mix_search._choose_nb`` /
+Why the choices are the numba kernels' (``numba_mix._choose_nb`` /
 ``_choose_fixed_nb``) bit for bit:
 
 * the per-element arithmetic is the same IEEE float32 operations in the same
@@ -25,11 +25,11 @@ Why the choices are the numba kernels' (``_mix_search._choose_nb`` /
 * mode 1's centre byte is the first byte of least float32 |S(e) - t| over
   1..126 (a scan of the table; numba walks to the same byte), mode 0
   evaluates every byte 1..126 (numba's window is proved to give the answer
-  of the full scan, and ``_mix_legacy`` is that scan).
+  of the full scan, and the reference's mode 0 is that scan).
 
 Halves numba refuses (status 1 non-finite, 2 no finite candidate) get the
 same status; their book, byte and codes are not defined (the codec raises
-first). ``tests/test_adaptive_triton.py`` checks all of it under Triton's
+first). ``tests/formats/search/test_triton_mix.py`` checks all of it under Triton's
 interpreter on the CPU, and on CUDA where present.
 """
 
@@ -42,9 +42,9 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from ds4quant.formats.search.numba_mix import _HALF, _max_level, _splits
-from ds4quant.formats.search.torch_mix import _tables
-from ds4quant.formats.search.torch_scale import to_host
+from ds4quant.formats.search.backend import to_host
+from ds4quant.formats.search.numba_mix import max_level, splits
+from ds4quant.formats.search.tables import HALF, fixed_levels, ue4m3_on
 
 # halves per program on a GPU: mode 1 holds (BLOCK, 128) distances for the
 # centre byte, mode 0 (BLOCK, 128) errors
@@ -249,19 +249,19 @@ def _terms_kernel(x_ptr, w_ptr, lv_ptr, S_ptr, bk_ptr, be_ptr, codes_ptr, out_pt
 def book_table(books: np.ndarray) -> np.ndarray:
     """The kernel's per-book table: levels, splits, ML (float32 (2, 2L))."""
     books = np.ascontiguousarray(books, np.float32)
-    return np.concatenate([books, _splits(books), _max_level(books)[:, None]], axis=1).astype(np.float32)
+    return np.concatenate([books, splits(books), max_level(books)[:, None]], axis=1).astype(np.float32)
 
 
 def _flat(X, W):
     """(halves G, halves a row H, x (G, 16), w (H, 16) or x where unread, has_w) of ``to_device``'s tensors."""
     R, H, _ = X.shape
-    x = X.reshape(R * H, _HALF)
+    x = X.reshape(R * H, HALF)
     has_w = W is not None
-    return R * H, H, x, W.reshape(H, _HALF) if has_w else x, has_w
+    return R * H, H, x, W.reshape(H, HALF) if has_w else x, has_w
 
 
 def search_device(X, W, books: np.ndarray, mode: int, bits: int):
-    """The search on device tensors from ``_mix_search_torch.to_device`` (X
+    """The search on device tensors from ``backend.to_device`` (X
     (R, H, 16), W (1, H, 16) or None), left on the device: book uint8 (G,),
     byte uint8 (G,), codes uint8 (G, 16), status int8 (G,), queued on the
     caller's stream."""
@@ -269,10 +269,10 @@ def search_device(X, W, books: np.ndarray, mode: int, bits: int):
 
     dev = X.device
     G, H, x, w, has_w = _flat(X, W)
-    S, INV = _tables(dev)
+    S, INV = ue4m3_on(dev)
     bk = torch.zeros(G, dtype=torch.uint8, device=dev)
     be = torch.empty(G, dtype=torch.uint8, device=dev)
-    codes = torch.empty((G, _HALF), dtype=torch.uint8, device=dev)
+    codes = torch.empty((G, HALF), dtype=torch.uint8, device=dev)
     st = torch.empty(G, dtype=torch.int8, device=dev)
     if G:
         blk = min(triton.next_power_of_2(G), 1 << 12) if INTERPRETED else (BLOCK_BOOKS if mode == 1 else BLOCK_FIXED)
@@ -291,9 +291,7 @@ def _levels(books: np.ndarray, mode: int, bits: int, dev):
     """The levels a choice's book and code index: the books (mode 1) or the fixed levels (mode 0)."""
     import torch
 
-    from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
-
-    lv = np.ascontiguousarray(books, np.float32) if mode == 1 else (_FIXED_106 if bits == 2 else _FIXED_105)
+    lv = np.ascontiguousarray(books, np.float32) if mode == 1 else fixed_levels(bits)
     return torch.from_numpy(np.array(lv, np.float32).reshape(-1)).to(dev), lv.shape[-1]  # a copy: read-only tables
 
 
@@ -305,11 +303,11 @@ def terms_device(X, W, books: np.ndarray, mode: int, bits: int, choices):
     bk, be, codes = choices[:3]
     dev = X.device
     G, H, x, w, has_w = _flat(X, W)
-    t = torch.empty((G, _HALF), dtype=torch.float64, device=dev)
+    t = torch.empty((G, HALF), dtype=torch.float64, device=dev)
     if G:
-        S, _ = _tables(dev)
+        S, _ = ue4m3_on(dev)
         lv, L = _levels(books, mode, bits, dev)
-        ne = G * _HALF
+        ne = G * HALF
         blk = min(triton.next_power_of_2(ne), 1 << 16) if INTERPRETED else 1024
         _terms_kernel[(triton.cdiv(ne, blk),)](x, w, lv, S, bk, be, codes, t, ne, H, L=L,
                                                HAS_W=has_w, BLOCK=blk, num_warps=4, enable_fp_fusion=False)
@@ -318,19 +316,19 @@ def terms_device(X, W, books: np.ndarray, mode: int, bits: int, choices):
 
 def decode_device(choices, books: np.ndarray, mode: int, bits: int):
     """float32 (G, 16) on the device: the values the blocks of ``choices``
-    decode to (``_mix_search_fit.decode_choice_nb``'s one product, S(e) *
+    decode to (``numba_fit.decode_choice_nb``'s one product, S(e) *
     level, which IEEE multiplication rounds the same in either order)."""
     import torch
 
     bk, be, codes = choices[:3]
-    S, _ = _tables(codes.device)
+    S, _ = ue4m3_on(codes.device)
     lv, L = _levels(books, mode, bits, codes.device)
     idx = bk.to(torch.int64).unsqueeze(1) * L + codes.to(torch.int64)
     return S[be.to(torch.int64)].unsqueeze(1) * lv[idx]
 
 
-def choose_triton(X, W, books: np.ndarray, mode: int, bits: int, terms: bool = False):
-    """``_mix_search._choose`` for device tensors from ``_mix_search_torch.to_device``
+def choose(X, W, books: np.ndarray, mode: int, bits: int, terms: bool = False):
+    """``numba_mix.choose`` for device tensors from ``backend.to_device``
     (X (R, H, 16), W (1, H, 16) or None): numpy book int64 (G,), byte int64
     (G,), codes uint8 (G, 16), status int8 (G,), on the caller's stream;
     with ``terms`` also the fitter's float64 error terms (G, 16) of those

@@ -1,6 +1,6 @@
-"""The scale search of rocmfp2 / rocmfp3 / rocmfp4 / rocmfp4_fast as one Triton kernel (issue 14).
+"""The scale search of rocmfp2 / rocmfp3 / rocmfp4 / rocmfp4_fast as one Triton kernel: the Triton tier.
 
-``_scale_search_torch`` runs the search as hundreds of small torch launches
+``torch_scale`` runs the search as hundreds of small torch launches
 per matrix (a window of bytes, float64 proofs, a full-scan fallback); on a GPU
 it is bound by the launches. Here one launch does everything per group: the
 weights, the error of every byte e = 1..126, the choice, the codes and (for
@@ -44,7 +44,7 @@ Why the bytes are the definition's (``_scale_search``; numba's
   code), and a decoded value is level * S(e), the one product of
   ``decode_rows_nb``.
 
-``tests/formats/test_scale_search_triton.py`` checks the bytes against numba
+``tests/formats/search/test_triton_scale.py`` checks the bytes against numba
 under Triton's interpreter on the CPU, and on CUDA where present.
 """
 
@@ -57,8 +57,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from ds4quant.formats.search.tables import FP2, FP3, FP4, INIT_E, INIT_ERR
-from ds4quant.formats.search.torch_mix import _tables  # UE4M3 S and 1/S on a device
+from ds4quant.formats.search.tables import FP2, FP3, FP4, INIT_E, INIT_ERR, ue4m3_on
 
 ABS = tl.constexpr(0x7FFFFFFF)
 EXP = tl.constexpr(0x7F800000)  # exponent bits: all set = inf or NaN; also +inf's bits
@@ -209,8 +208,8 @@ def _block(n: int, dev) -> int:
     return max(16, min(256, triton.next_power_of_2(max(1, n))))
 
 
-def search_triton(fmt: int, group: int, x, q, sigma2, *, codes: bool = True, decode: bool = False):
-    """``_scale_search_torch.search`` (and ``decode_chosen``) in one launch: for float32
+def search(fmt: int, group: int, x, q, sigma2, *, codes: bool = True, decode: bool = False):
+    """``torch_scale.search`` (and ``decode_chosen``) in one launch: for float32
     device tensors x (rows, cols) (non-finite allowed), q (cols,) or None, sigma2 (rows,)
     (used with q): (scale bytes int64 (rows, cols // group), codes uint8 (rows, cols) or None,
     decoded float32 (rows, cols) or None)."""
@@ -222,7 +221,7 @@ def search_triton(fmt: int, group: int, x, q, sigma2, *, codes: bool = True, dec
     rows, cols = x.shape
     n = rows * cols // group
     dev = x.device
-    S, INV = _tables(dev)
+    S, INV = ue4m3_on(dev)
     e = torch.empty(n, dtype=torch.int32, device=dev)
     c = torch.empty((rows, cols), dtype=torch.uint8, device=dev) if codes else e
     y = torch.empty((rows, cols), dtype=torch.float32, device=dev) if decode else x

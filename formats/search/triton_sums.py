@@ -1,4 +1,4 @@
-"""The measure stage's float64 figures on a GPU, bit for bit the host's (issue 14).
+"""The measure stage's float64 figures on a GPU, bit for bit the host's: the device sums.
 
 Two sums decide an adaptive plan, and both have an order that a GPU
 reduction would not keep:
@@ -11,7 +11,7 @@ reduction would not keep:
 * ``np.sum`` of the codebook fitter's float64 error terms: numpy's pairwise
   tree (leaves of 64..128 values summed by 8 accumulators, then halves
   added). ``pairwise_total`` sums the leaves here, one lane a leaf, and
-  ``_mix_search_fit.pairwise_combine_nb`` adds them on the host in the
+  ``numba_fit.pairwise_combine_nb`` adds them on the host in the
   tree's order.
 
 So a matrix's decoded values and the fitter's terms never cross the link:
@@ -20,8 +20,8 @@ evaluation come back as 64 bytes a row and 8 bytes per leaf. The kernels
 run with ``enable_fp_fusion=False`` (no multiply folded into an add), every
 operation is IEEE float64 and rounds as numba's does; a non-finite decoded
 value skips its column as ``metrics._rows`` does. Tests:
-``tests/test_metrics_device.py`` (Triton's interpreter on the CPU; CUDA
-where present).
+``tests/formats/search/test_triton_sums.py`` (Triton's interpreter on the
+CPU; CUDA where present).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import os
 import triton
 import triton.language as tl
 
+from ds4quant.formats.search.backend import to_host
+from ds4quant.formats.search.numba_fit import pairwise_combine_nb, pairwise_leaves_nb, pairwise_sum_nb
 from ds4quant.metrics import Sums, sums_of_rows
 
 # the interpreter runs a program's operations as numpy calls over its block:
@@ -91,7 +93,7 @@ def _leaves_kernel(t_ptr, lo_ptr, n_ptr, out_ptr, K, BLOCK: tl.constexpr):
     """out[k] = numpy's pairwise leaf sum of t[lo[k] : lo[k] + n[k]] (8 <= n <= 128):
     eight accumulators seeded with the first eight values, stepping by 8,
     combined as ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), then the last n % 8
-    added one by one (``_mix_search_fit._pairwise_leaf_nb``)."""
+    added one by one (``numba_fit._pairwise_leaf_nb``)."""
     k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = k < K
     lo = tl.load(lo_ptr + k, mask=m, other=0)
@@ -133,8 +135,6 @@ def error_sums_device(x, y, w=None) -> Sums:
     Sums bit for bit, with 64 bytes a row copied back."""
     import torch
 
-    from ds4quant.formats.search.torch_scale import to_host
-
     rows, cols = x.shape
     if tuple(y.shape) != (rows, cols):
         raise ValueError(f"error_sums_device: shapes {tuple(x.shape)} and {tuple(y.shape)}")
@@ -155,8 +155,6 @@ def _tree(n: int, device):
     measure stage sees a handful of matrix sizes)."""
     import torch
 
-    from ds4quant.formats.search.numba_fit import pairwise_leaves_nb
-
     key = (n, str(device))
     t = _TREES.get(key)
     if t is None:
@@ -169,9 +167,6 @@ def pairwise_total(t) -> float:
     """``float(np.sum(a))`` for a float64 device tensor t holding a's values
     (contiguous, any shape): numpy's pairwise order, bit for bit."""
     import torch
-
-    from ds4quant.formats.search.numba_fit import pairwise_combine_nb, pairwise_sum_nb
-    from ds4quant.formats.search.torch_scale import to_host
 
     flat = t.reshape(-1)
     n = int(flat.numel())

@@ -1,4 +1,4 @@
-"""Issue 14: the torch scale search (``formats._scale_search_torch``) gives the
+"""The torch tier's scale search (``formats.search.torch_scale``) gives the
 numba encoder's bytes for every qtype it covers, on torch's CPU device (CI)
 and on CUDA where present.
 
@@ -12,7 +12,7 @@ and on CUDA where present.
   all-zero importance -> e = 1) and FP2's collapsing distances (|x/S| >= 2^24),
   where the threshold shortcut is off;
 - FP2's threshold shortcut equals the distance rule on sampled float32 below 2^24;
-- ``measure_torch`` (no packing) gives ``decode(encode(x))``'s bits, and
+- ``search.measure_scale`` (no packing) gives ``decode(encode(x))``'s bits, and
   ``measure_matrix`` on a device the host's Measure; refusals as ``encode``.
 """
 
@@ -25,7 +25,9 @@ from hypothesis import strategies as st
 
 from ds4quant import formats
 from ds4quant.errors import BadInputError
-from ds4quant.formats import _scale_search as ss
+from ds4quant.formats import search
+from ds4quant.formats.bits import unpack_bits
+from ds4quant.formats.search import Backend, Tier, tables
 from tests.formats.test_scale_codecs import SETTINGS, importances, matrices
 
 torch = pytest.importorskip("torch")
@@ -34,8 +36,12 @@ from ds4quant.formats.search import torch_scale as sst  # noqa: E402
 F = np.float32
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
-NAMES = list(sst.QTYPES)
+NAMES = list(search.SCALE_SEARCHES)
 _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], F)
+
+
+def _torch(dev) -> Backend:
+    return Backend(Tier.TORCH, dev)
 
 
 def _windows(mp, k, below):
@@ -45,6 +51,20 @@ def _windows(mp, k, below):
 
 def _numba(name, x, imp):
     return formats.encode(name, x, imp, impl="fast", nonfinite="reference")
+
+
+def measured(name, x, imp, backend):
+    """``search.measure_scale`` of host arrays: (payload bytes, the decoded values on the host)."""
+    nbytes, Y = search.measure_scale(name, *search.scale_inputs(name, x, imp, backend), backend)
+    return nbytes, search.to_host(Y)
+
+
+def _bytes_and_codes(name, data, cols):
+    """The scale bytes (rows, blocks, scales) and the FP2 codes (rows, cols) of ``data``."""
+    fmt, group = search.SCALE_SEARCHES[name]
+    qsb = 4 * int(tables.BITS[fmt])
+    blk = data.reshape(-1, qsb + 32 // group)
+    return blk[:, qsb:].reshape(data.shape[0], -1), unpack_bits(blk[:, :qsb], int(tables.BITS[fmt]), 32).reshape(-1, cols)
 
 
 def _fp4_grid(rng, rows, cols):
@@ -63,7 +83,7 @@ def test_torch_encode_equals_numba(dev, name, data):
     x = data.draw(matrices(nonfinite=True))
     imp = data.draw(importances(x.shape[1]))
     want = _numba(name, x, imp)
-    got = sst.encode_torch(name, x, imp, dev, nonfinite="reference")
+    got = search.encode_scale(name, x, imp, _torch(dev), nonfinite="reference")
     assert np.array_equal(got, want)
 
 
@@ -77,7 +97,7 @@ def test_any_window_gives_the_same_bytes(dev, name, k, below, data):
     imp = data.draw(importances(x.shape[1]))
     with pytest.MonkeyPatch.context() as mp:
         _windows(mp, k, below)
-        got = sst.encode_torch(name, x, imp, dev, nonfinite="reference")
+        got = search.encode_scale(name, x, imp, _torch(dev), nonfinite="reference")
     assert np.array_equal(got, _numba(name, x, imp))
 
 
@@ -89,7 +109,7 @@ def test_fp4_grid_matrices_run_both_paths(dev, name):
     q = np.exp(rng.standard_normal(512)).astype(F)
     for imp in (q, None):
         stats: dict = {}
-        got = sst.encode_torch(name, x, imp, dev, stats=stats)
+        got = search.encode_scale(name, x, imp, _torch(dev), stats=stats)
         assert np.array_equal(got, formats.encode(name, x, imp))
         assert 0 < stats["full_scans"] < 0.25 * stats["groups"], stats  # proved in the window, mostly
 
@@ -105,13 +125,12 @@ def test_search_rules_and_collapsing_distances(dev):
     for name in NAMES:
         for q in (imp, zero_imp, None):
             want = _numba(name, x, q)
-            assert np.array_equal(sst.encode_torch(name, x, q, dev), want), (name, q is None)
-    fmt, group = sst.QTYPES["rocmfp2"]
-    e, codes = ss.unpack_ref(fmt, sst.encode_torch("rocmfp2", x, imp, dev), 64, group)
+            assert np.array_equal(search.encode_scale(name, x, q, _torch(dev)), want), (name, q is None)
+    e, codes = _bytes_and_codes("rocmfp2", search.encode_scale("rocmfp2", x, imp, _torch(dev)), 64)
     assert e[0, 0] == 1 and codes[0, 40] == 0
-    e, _ = ss.unpack_ref(ss.FP4, sst.encode_torch("rocmfp4", x, imp, dev), 64, 16)
+    e, _ = _bytes_and_codes("rocmfp4", search.encode_scale("rocmfp4", x, imp, _torch(dev)), 64)
     assert e[0, 0] == 0
-    e, _ = ss.unpack_ref(ss.FP3, sst.encode_torch("rocmfp3", x, zero_imp, dev), 64, 16)
+    e, _ = _bytes_and_codes("rocmfp3", search.encode_scale("rocmfp3", x, zero_imp, _torch(dev)), 64)
     assert np.all(e[1] == 1)
 
 
@@ -123,26 +142,26 @@ def test_fp2_thresholds_equal_the_distance_rule_below_2_24():
     v = np.concatenate([bits.view(F), -bits.view(F), near, np.nextafter(near, F(-np.inf)),
                         np.nextafter(near, F(np.inf)), F([0.0, -0.0])])
     t = torch.from_numpy(v)
-    T = sst._tables(t.device, ss.FP2)
+    T = tables.scale_format_on(t.device, tables.FP2)
     assert torch.equal(sst._fp2_level_fast(t, T), sst._fp2_level(t))
 
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("name", NAMES)
-def test_measure_torch_gives_the_decoded_bits(dev, name):
+def test_measure_scale_gives_the_decoded_bits(dev, name):
     rng = np.random.default_rng(2)
     x = (0.05 * rng.standard_t(3, (24, 256))).astype(F)
     q = np.exp(rng.standard_normal(256)).astype(F)
     for imp in (q, None):
         data = formats.encode(name, x, imp)
-        nbytes, y = sst.measure_torch(name, x, imp, dev)
+        nbytes, y = measured(name, x, imp, _torch(dev))
         assert nbytes == data.nbytes
         assert np.array_equal(y.view(np.uint32), formats.decode(name, data, 256).view(np.uint32))
 
 
 @pytest.mark.parametrize("dev", DEVICES)
 def test_measure_matrix_on_a_device_equals_the_host(dev):
-    from ds4quant.plan.planner import AdaptiveOptions, measure_matrix
+    from ds4quant.plan import AdaptiveOptions, measure_matrix
 
     rng = np.random.default_rng(4)
     x = _fp4_grid(rng, 32, 256)
@@ -151,17 +170,20 @@ def test_measure_matrix_on_a_device_equals_the_host(dev):
     for name in NAMES:
         for imp, w in ((q, q.astype(np.float64)), (None, np.ones(256))):
             assert measure_matrix(x, imp, w, name, opts, seed="t/0") == \
-                measure_matrix(x, imp, w, name, opts, seed="t/0", device=torch.device(dev))
+                measure_matrix(x, imp, w, name, opts, seed="t/0", backend=_torch(dev))
 
 
 def test_refusals_are_the_encoders():
     x = np.ones((2, 64), F)
     x[1, 5] = np.nan
     with pytest.raises(BadInputError, match="non-finite value at row 1, column 5"):
-        sst.encode_torch("rocmfp3", x, None, "cpu")
+        search.encode_scale("rocmfp3", x, None, _torch("cpu"))
     with pytest.raises(BadInputError):
         formats.encode("rocmfp3", x)
     with pytest.raises(BadInputError):
-        sst.encode_torch("rocmfp4", np.ones((2, 48), F), None, "cpu")  # not a multiple of 32
-    assert sst.covers("rocmfp2") and not sst.covers("rocmfp2", {"fp2s": True}) and not sst.covers("rocmfp6")
-    assert sst.encode_torch("rocmfp2", np.zeros((0, 64), F), None, "cpu").shape == (0, 20)
+        search.encode_scale("rocmfp4", np.ones((2, 48), F), None, _torch("cpu"))  # not a multiple of 32
+    assert search.scale_covers("rocmfp2") and not search.scale_covers("rocmfp2", {"fp2s": True})
+    assert not search.scale_covers("rocmfp6")
+    assert search.encode_scale("rocmfp2", np.zeros((0, 64), F), None, _torch("cpu")).shape == (0, 20)
+    with pytest.raises(BadInputError, match="numba"):  # a host backend has no device search
+        search.encode_scale("rocmfp2", np.ones((1, 64), F), None, search.NUMBA)

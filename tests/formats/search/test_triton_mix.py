@@ -1,19 +1,23 @@
-"""Issue 14: the one-launch MIX search (``formats._mix_search_triton``) gives the
-numba search's books, bytes, codes and refusals bit for bit: under Triton's
-interpreter on the CPU (CI), and on CUDA where present (DS4-sized matrices,
-the fitter and ``measure_matrix`` through it)."""
+"""The Triton tier's MIX search (``formats.search.triton_mix``, one launch a
+search) gives the numba search's books, bytes, codes and refusals bit for
+bit: under Triton's interpreter on the CPU (CI), and on CUDA where present
+(DS4-sized matrices, the fitter and ``measure_matrix`` through it)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ds4quant.formats.search import numba_mix as _mix_search
-from tests.plan.test_device import _books, _data, _same_choice, check_search
+from ds4quant.formats import search
+from ds4quant.formats.search import Backend, DeviceKind, Tier, numba_mix
 
 torch = pytest.importorskip("torch")
+from tests.formats.search.test_torch_mix import _books, _data, _same_choice, check_search  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 F = np.float32
+# the kernels on CUDA where present, else under Triton's interpreter on torch's CPU device
+TRITON = Backend(Tier.TRITON, DeviceKind.CUDA if CUDA else DeviceKind.CPU)
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +27,15 @@ def mt():
     return device_kernels("ds4quant.formats.search.triton_mix")
 
 
-def _dev():
-    return torch.device("cuda" if CUDA else "cpu")
-
-
 def _to(x, imp):
-    from ds4quant.formats.search.torch_mix import to_device
-
-    return to_device(x, imp, _dev())
+    return search.to_device(x, imp, TRITON)
 
 
 @pytest.mark.parametrize("bits", [2, 3])
 @pytest.mark.parametrize("mode", [1, 0])
 @pytest.mark.parametrize("rows,cols,kind", [(9, 256, "t3"), (5, 128, "zeros"), (6, 384, "wide"), (4, 128, "bad")])
 def test_triton_search_equals_numba(mt, bits, mode, rows, cols, kind):
-    check_search(lambda x, imp, books: mt.choose_triton(*_to(x, imp), books, mode, bits),
+    check_search(lambda x, imp, books: mt.choose(*_to(x, imp), books, mode, bits),
                  np.random.default_rng(rows * 7 + bits + mode + 100), rows, cols, kind, mode, bits)
 
 
@@ -63,24 +61,21 @@ def test_triton_edge_books_and_weights(mt, bits):
     for mode in (1, 0):
         for bk in ((books, b0, same) if mode == 1 else (books,)):  # mode 0 reads no books
             for imp in (q, None, np.abs(np.nan_to_num(q, nan=0, posinf=1))):
-                want = _mix_search._choose(x, imp, bk, mode, bits)
-                got = mt.choose_triton(*_to(x, imp), bk, mode, bits)
+                want = numba_mix.choose(x, imp, bk, mode, bits)
+                got = mt.choose(*_to(x, imp), bk, mode, bits)
                 assert _same_choice(want, got), (mode, imp is None)
 
 
-def test_batched_search_takes_the_kernel(mt, monkeypatch):
-    """choose_batched runs the kernel for a device it covers (the fitter's entry)."""
-    from ds4quant.formats.search import torch_batch as mb
-
+def test_the_face_takes_the_kernel_on_the_triton_tier(mt, monkeypatch):
+    """search.choose_mix (the fitter's entry) runs the kernel for a Triton backend."""
     calls = []
-    monkeypatch.setattr(mb, "USE_TRITON", True)
-    orig = mt.choose_triton
-    monkeypatch.setattr(mt, "choose_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = mt.choose
+    monkeypatch.setattr(mt, "choose", lambda *a, **k: calls.append(1) or orig(*a, **k))
     rng = np.random.default_rng(3)
     x = _data(rng, 4, 128, "t3")
     books = _books(x, 4, None)
-    got = mb.choose_batched(*_to(x, None), books, 1, 2)
-    assert calls and _same_choice(_mix_search._choose(x, None, books, 1, 2), got)
+    got = search.choose_mix(*_to(x, None), books, 1, 2, TRITON)
+    assert calls and _same_choice(numba_mix.choose(x, None, books, 1, 2), got)
 
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -97,15 +92,15 @@ def test_triton_search_equals_numba_at_ds4_size(mt, bits, mode):
     q[rng.random(2048) < 0.05] = 0
     books = _books(x, 4 if bits == 2 else 8, q)
     for imp in (q, None):
-        assert _same_choice(_mix_search._choose(x, imp, books, mode, bits),
-                            mt.choose_triton(*_to(x, imp), books, mode, bits))
+        assert _same_choice(numba_mix.choose(x, imp, books, mode, bits),
+                            mt.choose(*_to(x, imp), books, mode, bits))
 
 
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", ["rocmfp2_mix", "rocmfp3_mix"])
 def test_measure_matrix_on_cuda_through_the_kernel_equals_the_host(mt, qtype):
-    from ds4quant.plan.planner import AdaptiveOptions, measure_matrix
+    from ds4quant.plan import AdaptiveOptions, measure_matrix
 
     rng = np.random.default_rng(5)
     x = (0.02 * rng.standard_t(3, (256, 1024))).astype(F)
@@ -113,7 +108,7 @@ def test_measure_matrix_on_cuda_through_the_kernel_equals_the_host(mt, qtype):
     opts = AdaptiveOptions(target_bpw=2.7)
     w = q.astype(np.float64)
     a, ba = measure_matrix(x, q, w, qtype, opts, "t/0")
-    b, bb = measure_matrix(x, q, w, qtype, opts, "t/0", device=torch.device("cuda"))
+    b, bb = measure_matrix(x, q, w, qtype, opts, "t/0", backend=Backend.for_device("cuda"))
     assert a == b and ba[1] == bb[1] and np.array_equal(ba[0], bb[0])
 
 
@@ -122,8 +117,6 @@ def test_measure_matrix_on_cuda_through_the_kernel_equals_the_host(mt, qtype):
 def test_triton_terms_equal_the_hosts(mt, bits, mode):
     """The device's float64 error terms of the kernel's choices are
     ``terms_stats_nb``'s bit for bit (so the fitter's np.sum of them is too)."""
-    from ds4quant.formats.search.numba_fit import terms_stats_nb
-    from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106
 
     rng = np.random.default_rng(21 + bits + mode)
     x = _data(rng, 6, 256, "wide")
@@ -131,32 +124,29 @@ def test_triton_terms_equal_the_hosts(mt, bits, mode):
     q[rng.random(256) < 0.1] = 0
     L = 4 if bits == 2 else 8
     books = _books(x, L, q)
-    fixed = _FIXED_106 if bits == 2 else _FIXED_105
+    fixed = search.fixed_levels(bits)
     for imp in (q, None):
-        ob, oe, codes, st, terms = mt.choose_triton(*_to(x, imp), books, mode, bits, terms=True)
+        ob, oe, codes, st, terms = mt.choose(*_to(x, imp), books, mode, bits, terms=True)
         want = np.empty((x.size // 16, 16), np.float64)
         wq = imp.reshape(-1, 16) if imp is not None else np.zeros((1, 16), F)
-        terms_stats_nb(x.reshape(-1, 16), wq, imp is not None, books, ob, oe, codes, mode, fixed, want,
-                       np.zeros(2 * L), np.zeros(2 * L), False)
+        search.terms_stats(x.reshape(-1, 16), wq, imp is not None, books, ob, oe, codes, mode, fixed, want,
+                           np.zeros(2 * L), np.zeros(2 * L), False)
         assert terms.dtype == np.float64 and np.array_equal(terms.view(np.uint64), want.view(np.uint64))
 
 
 @pytest.mark.parametrize("qtype", ["rocmfp2_mix", "rocmfp3_mix"])
-def test_fitter_through_the_kernels_equals_the_host(mt, qtype, monkeypatch):
+def test_fitter_through_the_kernels_equals_the_host(mt, qtype):
     """fit_optimized with its searches and error terms in the kernels (on
     torch's CPU device under the interpreter; on CUDA where present) gives the
     host's books, mode, figures and the encoder's choices."""
-    from ds4quant.codebooks.optimize import fit_optimized
-    from ds4quant.formats.search import torch_batch as mb
+    from ds4quant.codebooks import fit_optimized
 
-    if not CUDA:
-        monkeypatch.setattr(mb, "USE_TRITON", True)
     rng = np.random.default_rng(9)
     x = (0.02 * rng.standard_t(3, (40, 256))).astype(F)
     q = np.exp(rng.standard_normal(256)).astype(F)
     kw = dict(seed="t/1", iterations=3, restarts=1, max_rows=16)
     a = fit_optimized([x], qtype, q, **kw)
-    b = fit_optimized([x], qtype, q, device=_dev(), **kw)
+    b = fit_optimized([x], qtype, q, backend=TRITON, **kw)
     assert np.array_equal(a.books, b.books) and a.mode == b.mode
     assert (a.error, a.reference_error, a.fixed_error, a.refined_error) == \
         (b.error, b.reference_error, b.fixed_error, b.refined_error)
@@ -169,20 +159,12 @@ def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch):
     searches, the fitter's error evaluations, the MIX decode, the error sums;
     the matrix uploaded once) gives the CPU path's Measures and books for
     every default candidate; no decoded matrix comes back to the host."""
-    from ds4quant.plan import planner as adaptive
-    from ds4quant.plan import resident as adaptive_device
-    from ds4quant.plan.planner import DEFAULT_CANDIDATES, AdaptiveOptions, measure_candidates
-    from ds4quant.formats.search import torch_batch as mb
-    from ds4quant.formats.search import torch_scale as sst
+    from ds4quant.plan import DEFAULT_CANDIDATES, AdaptiveOptions, job, measure_candidates
+    from tests.runtime._interp import device_kernels
 
-    monkeypatch.setattr(adaptive, "DEVICE_MIN_WEIGHTS", 0)  # this small matrix on the device too
-    if not CUDA:
-        from tests.runtime._interp import kernels
-
-        kernels("ds4quant.formats.search.triton_scale")
-        kernels("ds4quant.formats.search.triton_sums")
-        monkeypatch.setattr(mb, "USE_TRITON", True)
-        monkeypatch.setattr(sst, "USE_TRITON", True)
+    monkeypatch.setattr(job, "DEVICE_MIN_WEIGHTS", 0)  # this small matrix on the device too
+    device_kernels("ds4quant.formats.search.triton_scale")
+    device_kernels("ds4quant.formats.search.triton_sums")
     rng = np.random.default_rng(17)
     x = (0.02 * rng.standard_t(3, (24, 128))).astype(F)
     q = np.exp(rng.standard_normal(128)).astype(F)
@@ -196,9 +178,8 @@ def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch):
     def host_sums(*a, **k):
         raise AssertionError("a decoded matrix was summed on the host")
 
-    monkeypatch.setattr(adaptive, "error_sums", host_sums)
-    monkeypatch.setattr(adaptive_device, "error_sums", host_sums)
-    got = measure_candidates(x, q, err_w, DEFAULT_CANDIDATES, opts, "t/2", device=_dev())
+    monkeypatch.setattr(job, "error_sums", host_sums)
+    got = measure_candidates(x, q, err_w, DEFAULT_CANDIDATES, opts, "t/2", backend=TRITON)
     assert [g[0] for g in got] == [w[0] for w in want] == list(DEFAULT_CANDIDATES)
     for (qt, mw, bw), (_, mg, bg) in zip(want, got):
         assert mw == mg, qt
@@ -208,20 +189,18 @@ def test_measure_candidates_on_the_device_equal_the_cpu_path(mt, monkeypatch):
 def test_small_matrices_stay_on_the_cpu_cores(monkeypatch):
     """--device cuda measures a matrix below DEVICE_MIN_WEIGHTS on the CPU path
     (nothing is uploaded); the figures are the CPU path's either way."""
-    from ds4quant.plan import planner as adaptive
-    from ds4quant.plan import resident as adaptive_device
-    from ds4quant.plan.planner import AdaptiveOptions, measure_candidates
+    from ds4quant.plan import AdaptiveOptions, job, measure_candidates
 
     def no_upload(*a, **k):
         raise AssertionError("a small matrix went to the device")
 
-    monkeypatch.setattr(adaptive_device, "Resident", no_upload)
+    monkeypatch.setattr(job, "Resident", no_upload)
     rng = np.random.default_rng(4)
     x = (0.02 * rng.standard_t(3, (8, 128))).astype(F)
     q = np.exp(rng.standard_normal(128)).astype(F)
     opts = AdaptiveOptions(target_bpw=2.7, fit_iterations=1, fit_restarts=0, fit_max_rows=8)
-    assert x.size < adaptive.DEVICE_MIN_WEIGHTS
+    assert x.size < job.DEVICE_MIN_WEIGHTS
     cands = ("rocmfp2", "rocmfp2_mix")
-    got = measure_candidates(x, q, q.astype(np.float64), cands, opts, "t/3", device=torch.device("cuda"))
+    got = measure_candidates(x, q, q.astype(np.float64), cands, opts, "t/3", backend=Backend(Tier.TORCH, "cuda"))
     want = measure_candidates(x, q, q.astype(np.float64), cands, opts, "t/3")
     assert [(g[0], g[1]) for g in got] == [(w[0], w[1]) for w in want]

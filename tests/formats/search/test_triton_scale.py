@@ -1,6 +1,6 @@
-"""Issue 14: the Triton scale search (``formats._scale_search_triton``) gives the
+"""The Triton tier's scale search (``formats.search.triton_scale``) gives the
 numba encoder's bytes for rocmfp2 / rocmfp3 / rocmfp4 / rocmfp4_fast, through
-Triton's interpreter on the CPU (``_scale_search_torch.USE_TRITON = True``) and
+Triton's interpreter on the CPU (a ``Backend(Tier.TRITON, "cpu")``) and
 through the compiled kernel on CUDA where present.
 
 - rows of edge values side by side (rows are independent: sigma^2 is per row):
@@ -10,8 +10,8 @@ through the compiled kernel on CUDA where present.
   collapsing distances), FP4-grid rows; with no importance, importance with
   zeros, an overflowing and a subnormal weight, and all-zero importance;
 - random matrices and importances from the codec tests' generators;
-- ``measure_torch``'s (nbytes, y): the bits of ``decode(encode(x))``;
-- the path choice: CUDA (compiled) only by default, never with ``stats``;
+- ``search.measure_scale``'s (nbytes, y): the bits of ``decode(encode(x))``;
+- the tier choice: Triton on CUDA (compiled) only by default; ``stats`` only on the torch tier;
 - on CUDA, a DS4-like 512 x 2048 matrix per qtype (a fresh process: the
   interpreter tests set TRITON_INTERPRET for this one).
 """
@@ -30,18 +30,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4quant import formats
+from ds4quant.errors import BadInputError
+from ds4quant.formats import search
+from ds4quant.formats.search import Backend, DeviceKind, Tier
 from tests.formats.test_scale_codecs import SETTINGS, importances, matrices
 
 torch = pytest.importorskip("torch")
 from ds4quant.formats.search import torch_scale as sst  # noqa: E402
-from ds4quant.formats._scale_search_nb import row_energy_nb  # noqa: E402
-from tests.formats.search.test_torch_scale import _fp4_grid, _numba  # noqa: E402
+from tests.formats.search.test_torch_scale import _fp4_grid, _numba, measured  # noqa: E402
 from tests.runtime._interp import kernels  # noqa: E402
 
 # the interpreter runs the kernel's float32 ops in numpy, which warns where IEEE overflows to inf
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
 F = np.float32
-NAMES = list(sst.QTYPES)
+NAMES = list(search.SCALE_SEARCHES)
+TRITON_CPU = Backend(Tier.TRITON, DeviceKind.CPU)  # the kernel under Triton's interpreter
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +64,8 @@ def forced(tr):
 
 @contextmanager
 def _forced():
-    """The Triton path on torch's CPU device (the interpreter)."""
+    """The Triton tier on torch's CPU device (the interpreter)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sst, "USE_TRITON", True)
         mp.setattr(sst, "search", _never)  # a call that slips through to the torch search fails loudly
         yield
 
@@ -118,7 +120,7 @@ def edge_importances(cols=128, seed=1):
 def test_edge_rows_equal_numba(forced, name):
     x = edge_rows()
     for imp in edge_importances():
-        got = sst.encode_torch(name, x, imp, "cpu", nonfinite="reference")
+        got = search.encode_scale(name, x, imp, TRITON_CPU, nonfinite="reference")
         want = _numba(name, x, imp)
         bad = np.argwhere(np.any(got != want, axis=1)).ravel()
         assert not bad.size, (name, imp is None, "rows", bad)
@@ -131,36 +133,33 @@ def test_random_matrices_equal_numba(tr, name, data):
     x = data.draw(matrices(nonfinite=True))
     imp = data.draw(importances(x.shape[1]))
     with _forced():
-        got = sst.encode_torch(name, x, imp, "cpu", nonfinite="reference")
+        got = search.encode_scale(name, x, imp, TRITON_CPU, nonfinite="reference")
     assert np.array_equal(got, _numba(name, x, imp))
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_measure_torch_gives_the_decoded_bits(forced, name):
+def test_measure_scale_gives_the_decoded_bits(forced, name):
     rng = np.random.default_rng(2)
     x = np.concatenate([(0.05 * rng.standard_t(3, (6, 64))).astype(F), _fp4_grid(rng, 2, 64)])
     x[0, 5], x[1, :16] = 3e38, 0.0
     q = np.exp(rng.standard_normal(64)).astype(F)
     for imp in (q, None):
         data = formats.encode(name, x, imp)
-        nbytes, y = sst.measure_torch(name, x, imp, "cpu")
+        nbytes, y = measured(name, x, imp, TRITON_CPU)
         assert nbytes == data.nbytes
         assert np.array_equal(y.view(np.uint32), formats.decode(name, data, 64).view(np.uint32))
 
 
-def test_the_path_choice(tr, monkeypatch):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(sst, "USE_TRITON", None)
-    assert not sst._use_triton(cpu)
-    assert sst._use_triton(cuda) == (not tr.INTERPRETED)  # the interpreter never on a GPU by default
-    assert not sst._use_triton(cuda, stats={})  # the proofs' counts are the torch search's
-    monkeypatch.setattr(sst, "USE_TRITON", False)
-    assert not sst._use_triton(cuda)
-    monkeypatch.setattr(sst, "USE_TRITON", True)
-    assert sst._use_triton(cpu) and not sst._use_triton(cpu, stats={})
+def test_the_tier_choice(tr):
+    assert Backend.for_device("cpu").tier is Tier.TORCH
+    # the interpreter never on a GPU by default (these tests run under it)
+    assert Backend.for_device("cuda").tier is (Tier.TORCH if tr.INTERPRETED else Tier.TRITON)
+    with pytest.raises(BadInputError, match="torch tier"):  # the window proofs' counts are the torch search's
+        search.encode_scale("rocmfp2", np.ones((1, 64), F), None, TRITON_CPU, stats={})
     x = np.ones((1, 32), F)
-    assert sst.encode_torch("rocmfp4_fast", x, None, "cpu").tobytes() == formats.encode("rocmfp4_fast", x).tobytes()
-    assert sst.encode_torch("rocmfp2", np.zeros((0, 64), F), None, "cpu").shape == (0, 20)
+    assert search.encode_scale("rocmfp4_fast", x, None, TRITON_CPU).tobytes() == \
+        formats.encode("rocmfp4_fast", x).tobytes()
+    assert search.encode_scale("rocmfp2", np.zeros((0, 64), F), None, TRITON_CPU).shape == (0, 20)
 
 
 # --------------------------------------------------------------------------
@@ -226,7 +225,8 @@ def cuda_main(rows=512, cols=2048):
 
     from ds4quant.formats.search import triton_scale as tr
 
-    assert not tr.INTERPRETED and sst.USE_TRITON is None and sst._use_triton(torch.device("cuda"))
+    cuda = Backend.for_device("cuda")
+    assert not tr.INTERPRETED and cuda.tier is Tier.TRITON
     rng = np.random.default_rng(7)
     x = _fp4_grid(rng, rows, cols)
     x[: rows // 4] = (0.02 * rng.standard_t(3, (rows // 4, cols))).astype(F)
@@ -238,21 +238,21 @@ def cuda_main(rows=512, cols=2048):
     for name in NAMES:
         for imp in (q, None):
             want = _numba(name, x, imp)
-            got = sst.encode_torch(name, x, imp, "cuda", nonfinite="reference")
+            got = search.encode_scale(name, x, imp, cuda, nonfinite="reference")
             bad = np.argwhere(np.any(got != want, axis=1)).ravel()
             assert not bad.size, (name, imp is None, "rows", bad[:20])
             xf = np.where(np.isfinite(x), x, 0).astype(F)
-            nbytes, y = sst.measure_torch(name, xf, imp, "cuda")
+            nbytes, y = measured(name, xf, imp, cuda)
             ref = formats.decode(name, formats.encode(name, xf, imp), cols)
             assert nbytes == want.nbytes and np.array_equal(y.view(np.uint32), ref.view(np.uint32)), name
-            fmt, group = sst.QTYPES[name]
+            fmt, group = search.SCALE_SEARCHES[name]
             X = torch.from_numpy(xf).cuda()
             Q = torch.from_numpy(imp).cuda() if imp is not None else None
-            s2 = torch.from_numpy(np.array([row_energy_nb(r) for r in xf], F)).cuda()
-            tr.search_triton(fmt, group, X, Q, s2, codes=False, decode=True)
+            s2 = torch.from_numpy(search.row_energies(xf)).cuda()
+            tr.search(fmt, group, X, Q, s2, codes=False, decode=True)
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(10):
-                tr.search_triton(fmt, group, X, Q, s2, codes=False, decode=True)
+                tr.search(fmt, group, X, Q, s2, codes=False, decode=True)
             torch.cuda.synchronize()
             print(f"{name} imp={imp is not None}: {(time.perf_counter() - t) / 10 * 1e3:.3f} ms per {rows}x{cols}")

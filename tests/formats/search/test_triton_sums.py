@@ -1,5 +1,5 @@
-"""Issue 14: the measure stage's float64 figures on a device are the host's bit
-for bit (``ds4quant.formats.search.triton_sums``): ``error_sums_device`` = ``metrics.error_sums``
+"""The measure stage's float64 figures on a device are the host's bit for bit
+(the Triton tier's sums, ``formats.search.triton_sums``): ``error_sums_device`` = ``metrics.error_sums``
 (row partials in column order, rows added in order, non-finite decoded values
 skipped and counted), ``pairwise_total`` = ``np.sum`` (numpy's pairwise tree),
 under Triton's interpreter on the CPU and on CUDA where present."""

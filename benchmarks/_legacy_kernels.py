@@ -1,18 +1,33 @@
-"""The pre-vectorisation MIX encode kernels (one row per prange iteration).
+"""The measure stage's kernels from before its speed-up: the anchor that
+benchmarks/adaptive.py times the current ones against, in the same run.
 
-``_encode_nb`` (mode 1, §9.4) and ``_encode_fixed_nb`` (mode 0) give the same
-bytes and refusals as the vectorised search in ``_mix_search``; they run only
-when ``rocmfp_mix._LEGACY_ENCODE`` is set, as the timing anchor of
-benchmarks/adaptive.py. A refused row gets status 1 (a non-finite half) or 2
-(no finite-error candidate) and the index of the half in fail_half.
+- ``_encode_nb`` (mode 1, §9.4) and ``_encode_fixed_nb`` (mode 0): the MIX
+  encode one row per prange iteration with a binary-search NL, every byte
+  of mode 0 evaluated. The same bytes and refusals as the library's
+  vectorised search (``ds4quant.formats.search``); ``encode`` wraps them as
+  the codec's fast encoder. A refused row gets status 1 (a non-finite half)
+  or 2 (no finite-error candidate) and the index of the half in fail_half.
+- ``legacy_kernels()``: the whole measure stage on them, as a context: MIX
+  encodes through these kernels, the codebook fitter's encode + decode +
+  unpack per Lloyd step (``fit_optimized(impl="legacy")``), and the
+  reference fitter's Lloyd and bf16 repair in numpy (its ``impl="ref"``
+  steps). The same figures, books and plan; slower.
+
+Nothing in the library reads these: the context swaps them in from here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from contextlib import contextmanager
+
 import numba
 import numpy as np
 
-from ds4quant.formats.search.numba_mix import _fixed_code_nb
+from ds4quant.formats.search import numba_mix
+from ds4quant.formats.search.numba_mix import fixed_code_nb as _fixed_code_nb
+from ds4quant.formats.search.tables import fixed_levels
 from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV, nearest_nb
 
 
@@ -170,3 +185,61 @@ def _encode_fixed_nb(x, w, has_w, fixed, bits, out, status, fail_half):
                 out[r, o + qs_bytes + hh] = np.uint8(be)
             if status[r] != 0:
                 break
+
+
+def encode(x: np.ndarray, importance, books: np.ndarray, *, qt, bits: int, mode: int = 1) -> np.ndarray:
+    """The MIX codec's fast encoder on these kernels: its bytes and refusals."""
+    from ds4quant.errors import BadInputError
+
+    if mode not in (0, 1):
+        raise BadInputError(f"{qt.name} encoder: mode must be 0 or 1, got {mode!r}")
+    rows, cols = x.shape
+    out = np.zeros((rows, qt.row_bytes(cols)), dtype=np.uint8)
+    status = np.zeros(rows, dtype=np.int8)
+    fail_half = np.zeros(rows, dtype=np.int64)
+    has_w = importance is not None
+    w = importance if has_w else np.zeros(1, dtype=np.float32)
+    books = np.ascontiguousarray(books, dtype=np.float32)
+    if mode == 1:
+        _encode_nb(x, w, has_w, books, np.ascontiguousarray(numba_mix.splits(books)), numba_mix.max_level(books),
+                   bits, out, status, fail_half)
+    else:
+        _encode_fixed_nb(x, w, has_w, fixed_levels(bits), bits, out, status, fail_half)
+    bad = np.flatnonzero(status)
+    if len(bad):
+        r = int(bad[0])
+        hidx = int(fail_half[r])
+        numba_mix.refuse(qt.name, int(status[r]), r, hidx // 2, hidx % 2)
+    return out
+
+
+@contextmanager
+def legacy_kernels():
+    """Run the measure stage (and convert's MIX encodes) on the kernels above
+    while the block runs; see the module docstring."""
+    from ds4quant import codebooks
+    from ds4quant.codebooks import histogram
+    from ds4quant.formats import get_qtype, qtype
+    from ds4quant.formats.search import NUMBA
+
+    codecs = qtype._REGISTRY.codecs
+    saved = {n: codecs[n] for n in ("rocmfp2_mix", "rocmfp3_mix")}
+    fit = codebooks.fit_optimized
+    lloyd, repair = histogram._lloyd_fast, histogram._bf16_repair_fast
+
+    @functools.wraps(fit)
+    def fit_legacy(*a, **k):
+        return fit(*a, **{**k, "impl": "legacy", "backend": NUMBA, "inputs": None})
+
+    try:
+        for n, c in saved.items():
+            qt = get_qtype(n)
+            codecs[n] = dataclasses.replace(
+                c, encode_fast=functools.partial(encode, qt=qt, bits=2 if qt.codebook_levels == 4 else 3))
+        codebooks.fit_optimized = fit_legacy
+        histogram._lloyd_fast, histogram._bf16_repair_fast = histogram._lloyd, histogram._bf16_repair
+        yield
+    finally:
+        codecs.update(saved)
+        codebooks.fit_optimized = fit
+        histogram._lloyd_fast, histogram._bf16_repair_fast = lloyd, repair
