@@ -110,7 +110,7 @@ def measure_sensitivity(model, seqs: Sequence[Sequence[int]], imatrix, counts: n
     allocator's units. The model's weights are restored before returning."""
     import torch
 
-    from ds4quant.plan.planner import expert_weights
+    from ds4quant.plan import expert_weights
     from ds4quant.calibrate import expert_tensor
     from ds4quant.imatrix import importance_for
     from ds4quant.runtime.reference import moe_blocks

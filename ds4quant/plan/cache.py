@@ -12,12 +12,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ds4quant.plan.planner import Books
+from ds4quant.plan.records import Books
 
 CACHE_VERSION = 2
 

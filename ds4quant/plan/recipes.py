@@ -190,6 +190,44 @@ class TensorChoice:
             d["predicted_error"] = self.predicted_error
         return d
 
+    @classmethod
+    def from_json(cls, d) -> "TensorChoice":
+        """The inverse of ``to_json``; a BadInputError names the first field
+        that is missing or of the wrong type (a damaged or edited manifest)."""
+        if not isinstance(d, Mapping):
+            raise BadInputError(f"a plan entry must be an object, got {type(d).__name__}")
+        name = d.get("name")
+        where = name if isinstance(name, str) else None
+
+        def get(key: str, kind, optional: bool = False):
+            v = d.get(key)
+            if (v is None and not optional) or (v is not None and not isinstance(v, kind)) or isinstance(v, bool):
+                raise BadInputError(f"plan entry field {key!r} is {v!r}", where=where)
+            return v
+
+        def ints(key: str, optional: bool = False):
+            v = get(key, list, optional)
+            if v is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+                raise BadInputError(f"plan entry field {key!r} is {v!r}", where=where)
+            return None if v is None else tuple(v)
+
+        pe = get("predicted_error", (int, float), optional=True)
+        return cls(get("name", str), get("class", str), ints("shape"), get("source_dtype", str), get("asked", str),
+                   get("qtype", str), get("rule", str), get("surface", str, True), get("layer", int, True),
+                   ints("experts", True), None if pe is None else float(pe))
+
+
+def plan_from_json(entries) -> tuple[list[TensorChoice], list[str]]:
+    """The tensor choices of a recorded plan (a manifest's ``recipe.plan``),
+    and one problem line per entry that is not one, in order."""
+    choices, problems = [], []
+    for i, d in enumerate(entries):
+        try:
+            choices.append(TensorChoice.from_json(d))
+        except BadInputError as e:
+            problems.append(f"entry {i}{'' if e.where is None else ' (' + e.where + ')'}: {e.message}")
+    return choices, problems
+
 
 @dataclass(frozen=True)
 class TensorSpec:

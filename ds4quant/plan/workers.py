@@ -1,4 +1,4 @@
-"""Where and how wide the adaptive measure stage runs: experts in parallel, a device.
+"""How wide the adaptive measure stage runs, and on which device: experts in parallel.
 
 Every expert's measurement is a pure function of its matrix, importance,
 options and seed ("tensor/expert"), so the experts can run on any number of
@@ -8,29 +8,27 @@ books and bytes never depend on the worker count. A worker runs numba's
 kernels on one thread (numba's thread count is per Python thread), the
 parallelism is across experts, not inside a matrix.
 
-``--device cuda`` moves the searches to the GPU, bit-identical to the numba
-kernels, each search one Triton launch: the MIX encoder's search (every
-candidate scale and book of every half, for the codebook fitter's Lloyd
-steps, its error evaluations and the final MIX encode;
-``formats._mix_search_triton``) and the non-MIX candidates' scale search and
-decode (rocmfp2/3/4/4_fast, ``formats._scale_search_triton``). An expert
-matrix is uploaded once for all its candidates (``adaptive_device.Resident``)
-and what the plan needs of it comes back as figures: the fitter's error
-evaluations (the search, the float64 terms and ``np.sum``'s pairwise total)
-and every candidate's error sums run on the device in the host's order
-(``metrics_device``), so no decoded matrix or terms array crosses the link.
-Matrices under ``adaptive.DEVICE_MIN_WEIGHTS`` weights stay on the CPU
-cores, where they are cheaper (the same bytes). Without Triton (or on
-torch's CPU device, ``torch-cpu``) the same searches run as torch operations
-(``formats._mix_search_torch`` / ``_mix_search_batch``, whose batch the
-workers share, and ``formats._scale_search_torch``). Each worker queues its
-kernels on its own CUDA stream (``worker_stream``). What stays on the CPU:
-the Lloyd steps' level sums and totals on the fitter's sampled rows
-(``formats._mix_search_fit.terms_stats_nb``, the level sums in element
-order, a sequential float64 sum per level a GPU would have to run one lane
-a level), the rows' energies of the importance weights (a sequential
-float32 sum, once a matrix), the reference fitter's histogram Lloyd and the
-book projection.
+``--device cuda`` moves the searches to the GPU (``AdaptiveOptions.backend``:
+the Triton tier of ``formats.search``), bit-identical to the numba kernels,
+each search one launch: the MIX encoder's search (every candidate scale and
+book of every half, for the codebook fitter's Lloyd steps, its error
+evaluations and the final MIX encode) and the non-MIX candidates' scale
+search and decode (rocmfp2/3/4/4_fast). An expert matrix is uploaded once
+for all its candidates (``job.Resident``) and what the plan needs of it
+comes back as figures: the fitter's error evaluations (the search, the
+float64 terms and ``np.sum``'s pairwise total) and every candidate's error
+sums run on the device in the host's order, so no decoded matrix or terms
+array crosses the link. Matrices under ``job.DEVICE_MIN_WEIGHTS`` weights
+stay on the CPU cores, where they are cheaper (the same bytes). Without
+Triton (or on torch's CPU device, ``torch-cpu``) the same searches run as
+torch operations (the torch tier, whose MIX batch the workers share). Each
+worker queues its kernels on its own CUDA stream (``worker_stream``). What
+stays on the CPU: the Lloyd steps' level sums and totals on the fitter's
+sampled rows (``search.terms_stats``: the level sums in element order, a
+sequential float64 sum per level a GPU would have to run one lane a level),
+the rows' energies of the importance weights (a sequential float32 sum,
+once a matrix), the reference fitter's histogram Lloyd and the book
+projection.
 """
 
 from __future__ import annotations
@@ -41,57 +39,27 @@ from collections import deque
 from contextlib import nullcontext
 from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
-from ds4quant.errors import BadInputError
+from ds4quant.formats.search import Backend, DeviceKind
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-# "torch-cpu": the torch search on torch's CPU device, the device path that
-# CI (no GPU) can run end to end against the numba path
-DEVICES = ("cpu", "cuda", "cuda:N", "torch-cpu")
-
-
-def check_device(device: str) -> str:
-    """One of ``DEVICES`` (no torch import: that waits for ``resolve_device``)."""
-    d = str(device)
-    if d in ("cpu", "cuda", "torch-cpu") or (d.startswith("cuda:") and d[5:].isdigit()):
-        return d
-    raise BadInputError(f"--device must be cpu, cuda, cuda:N or torch-cpu, got {device!r}")
-
-
-def resolve_device(device: str):
-    """None for the CPU path, else a torch.device that exists."""
-    d = check_device(device)
-    if d == "cpu":
-        return None
-    try:
-        import torch
-    except ImportError:
-        raise BadInputError(f"--device {d} needs torch", hint="pip install torch") from None
-    if d == "torch-cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise BadInputError(f"--device {d}: torch sees no CUDA device")
-    dev = torch.device(d)
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise BadInputError(f"--device {d}: torch sees {torch.cuda.device_count()} CUDA device(s)")
-    return dev
-
-
 _STREAMS = threading.local()
 
 
-def worker_stream(device):
-    """The calling thread's own CUDA stream on ``device`` as a context (a null
-    context elsewhere): the workers' kernels queue and their copies to the
-    host wait on their own streams, not on every worker's work in the default
-    stream. A search that another worker's thread runs for this one (the MIX
-    batcher) ends in a copy to the host on that thread's stream, which this
-    worker waits for, so nothing it hands over is freed while in use."""
-    if device is None or getattr(device, "type", None) != "cuda":
+def worker_stream(backend: Backend):
+    """The calling thread's own CUDA stream on ``backend``'s device as a
+    context (a null context elsewhere): the workers' kernels queue and their
+    copies to the host wait on their own streams, not on every worker's work
+    in the default stream. A search that another worker's thread runs for
+    this one (the MIX batcher) ends in a copy to the host on that thread's
+    stream, which this worker waits for, so nothing it hands over is freed
+    while in use."""
+    if backend.device is not DeviceKind.CUDA:
         return nullcontext()
     import torch
 
+    device = backend.torch_device
     key = str(device)
     streams = getattr(_STREAMS, "by_device", None)
     if streams is None:

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from ds4quant import formats
-from ds4quant.plan.planner import AdaptiveOptions, expert_weights
+from ds4quant.plan import AdaptiveOptions, expert_weights
 from ds4quant.artifact import read_gguf_set, sha256_file
 from ds4quant.cli import cli
 from ds4quant.codebooks import check_coverage, from_lucebox, read_table
@@ -110,8 +110,8 @@ def test_adaptive_beats_rocmfp2_strix_at_the_same_size(strix_same_size, tmp_path
     gain_db = 10 * np.log10(e_st / e_ad)
     assert gain_db > 1.0, gain_db
     # the plan predicted what the artifact holds
-    assert rep.adaptive["predicted_weighted_error"] == pytest.approx(e_ad, rel=1e-6)
-    assert rep.adaptive["uniform"]["rocmfp2-strix"]["weighted_error"] == pytest.approx(e_st, rel=1e-6)
+    assert rep.adaptive.predicted_weighted_error == pytest.approx(e_ad, rel=1e-6)
+    assert rep.adaptive.uniform["rocmfp2-strix"].weighted_error == pytest.approx(e_st, rel=1e-6)
 
 
 def test_tensor_granularity_stays_in_the_lucebox_layout(strix_same_size):
@@ -159,7 +159,7 @@ def test_expert_granularity_lands_within_half_a_percent_under_2_7(tmp_path, cach
     table = read_table(np.asarray(g.kv[KEY_CODEBOOKS].value, dtype=np.uint8).tobytes())
     check_coverage(table, {n: (t.qtype, t.shape[2]) for n, t in g.tensors.items() if t.needs_codebooks})
     e, _ = artifact_weighted_error(out)
-    assert rep.adaptive["predicted_weighted_error"] == pytest.approx(e, rel=1e-6)
+    assert rep.adaptive.predicted_weighted_error == pytest.approx(e, rel=1e-6)
 
 
 def test_tensor_granularity_cannot_split_twelve_equal_tensors_finely(tmp_path, cache):
@@ -173,10 +173,10 @@ def test_bytes_do_not_depend_on_threads_or_a_warm_cache(tmp_path, cache, strix_s
     out_ref, _ = strix_same_size
     out = tmp_path / "t2"
     rep = _convert(out, tmp_path / "cold-cache", threads=2, target_bpw=STRIX_BPW)
-    assert rep.adaptive["measures_reused"] == 0
+    assert rep.adaptive.measures_reused == 0
     assert sha256_file(_gguf(out)) == sha256_file(_gguf(out_ref))
     again = _convert(tmp_path / "t3", cache, threads=1, target_bpw=STRIX_BPW)
-    assert again.adaptive["measures_reused"] == 192  # 4 layers x 3 surfaces x 16 experts
+    assert again.adaptive.measures_reused == 192  # 4 layers x 3 surfaces x 16 experts
     assert sha256_file(_gguf(tmp_path / "t3")) == sha256_file(_gguf(out_ref))
 
 
@@ -275,7 +275,8 @@ def test_experts_calibration_never_reached_get_codes_and_are_listed(tmp_path, ca
     write_imatrix_gguf(path, make_imatrix(entries))
     out = tmp_path / "gap"
     rep = convert(SAMPLE, out, "adaptive", imatrix=path, adaptive=_opts(tmp_path / "c", target_bpw=STRIX_BPW))
-    assert rep.adaptive["unreached_experts"] == {"blk.2.ffn_gate_exps.weight": [5]}
+    assert rep.adaptive.unreached_experts == {"blk.2.ffn_gate_exps.weight": (5,)}
+    assert rep.to_json()["adaptive"]["unreached_experts"] == {"blk.2.ffn_gate_exps.weight": [5]}
     g = read_gguf_set(_gguf(out))
     t = g.tensors["blk.2.ffn_gate_exps.weight"]
     data = np.asarray(g.tensor_data(t.name)).reshape(16, -1)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ds4quant.plan.allocate import Candidate, Item, allocate
+from ds4quant.plan import Candidate, Item, allocate
 from ds4quant.errors import BudgetError
 
 BPW = {"rocmfp2": 2.5, "rocmfp3": 3.5, "rocmfp4_fast": 4.25, "rocmfp4": 4.5}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ds4quant.plan.planner import AdaptiveOptions
+from ds4quant.plan import AdaptiveOptions
 from ds4quant.convert import convert
 
 ROOT = Path(__file__).resolve().parents[2]

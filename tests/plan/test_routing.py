@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ds4quant import formats
-from ds4quant.plan.planner import AdaptiveOptions
+from ds4quant.plan import AdaptiveOptions
 from ds4quant.convert import convert
 from ds4quant.routing import RoutingProfile, write_routing_json
 from ds4quant.sources.official import open_source

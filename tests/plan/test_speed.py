@@ -1,11 +1,12 @@
-"""Issue 14: the fast measure stage gives the pre-change figures bit for bit.
+"""The fast measure stage gives the pre-speed-up figures bit for bit.
 
-The vectorised MIX search, the fused fitter sums, the numba Lloyd /
-projection / repair and the memoised errors are speed only: every test here
-compares them with the kept pre-change path (``legacy_kernels()``, the
-fitter's ``impl="legacy"``) byte for byte or bit for bit, checks that the
-thread count never changes a plan or a byte, and pins today's weighted error
-on the shipped sample (measured with main's code before the change).
+The fused fitter sums, the numba Lloyd / projection / repair and the
+memoised errors are speed only (the vectorised MIX search's own tests:
+tests/formats/search/test_numba_mix.py): every test here compares them with
+the pre-speed-up path (``legacy_kernels()`` in benchmarks/_legacy_kernels.py,
+the fitter's ``impl="legacy"``) byte for byte or bit for bit, checks that
+the thread count never changes a plan or a byte, and pins the weighted error
+on the shipped sample measured before the speed-up.
 """
 
 from __future__ import annotations
@@ -13,16 +14,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks._legacy_kernels import legacy_kernels
 from ds4quant import formats
-from ds4quant.plan.planner import AdaptiveOptions, legacy_kernels
 from ds4quant.artifact import sha256_file
-from ds4quant.codebooks import fit_reference
 from ds4quant.codebooks.histogram import BINS, _bf16_repair, _bf16_repair_fast, _lloyd, _lloyd_fast
 from ds4quant.codebooks.optimize import _project, _project_fast, fit_optimized
 from ds4quant.convert import convert
-from ds4quant.formats import rocmfp_mix
-from ds4quant.formats.search import numba_mix as _mix_search
-from ds4quant.formats.ue4m3 import UE4M3, nearest_nb
+from ds4quant.plan import AdaptiveOptions
+from tests.formats.search.test_numba_mix import _data
 from tests.plan.test_adaptive import IMATRIX, ROUTING, SAMPLE, _gguf
 
 F = np.float32
@@ -30,82 +29,11 @@ MIX = ("rocmfp2_mix", "rocmfp3_mix")
 
 # Routing-weighted imatrix error of the plan on samples/ds4-tiny at the
 # suite's light effort (2 iterations, 0 restarts, 64 rows), measured with
-# main's code (6e8481d) before issue 14. The fast path must not be worse.
+# main's code (6e8481d) before the speed-up. The fast path must not be worse.
 TODAY = {2.7: 334.8224675890745, 17 / 6: 269.2279181767368}
 # The same at the default effort (6 iterations, 1 restart, 512 rows), from the
 # pre-change kernels (legacy_kernels(), benchmarks/results/adaptive_cost_ds4tiny_2core_run1.json).
 TODAY_DEFAULT = {2.7: 313.50545272279595, 17 / 6: 254.18054807328568}
-
-
-def _legacy_encode(*a, **k):
-    old = rocmfp_mix._LEGACY_ENCODE
-    rocmfp_mix._LEGACY_ENCODE = True
-    try:
-        return formats.encode(*a, **k)
-    finally:
-        rocmfp_mix._LEGACY_ENCODE = old
-
-
-def _data(rng, rows, cols, kind):
-    if kind == "t3":
-        x = 0.02 * rng.standard_t(3, (rows, cols))
-    elif kind == "zeros":  # zero halves and exact ties
-        x = rng.integers(-2, 3, (rows, cols)) * 2.0**-7
-        x[:, :16] = 0
-    else:
-        x = 0.01 * rng.standard_normal((rows, cols))
-    return x.astype(F)
-
-
-@pytest.mark.parametrize("qtype", MIX)
-@pytest.mark.parametrize("mode", [1, 0])
-@pytest.mark.parametrize("rows,kind", [(17, "t3"), (5, "zeros"), (33, "gauss")])
-def test_vectorised_encoder_bytes_equal_the_legacy_kernel(qtype, mode, rows, kind):
-    rng = np.random.default_rng(rows + mode)
-    cols = 256
-    x = _data(rng, rows, cols, kind)
-    q = np.exp(rng.standard_normal(cols)).astype(F)
-    q[rng.random(cols) < 0.1] = 0
-    L = formats.get_qtype(qtype).codebook_levels
-    books, _ = fit_reference([x if kind != "zeros" else x + F(1e-3)], L, q)
-    for imp in (q, None):
-        new = formats.encode(qtype, x, imp, books, mode=mode, impl="fast")
-        old = _legacy_encode(qtype, x, imp, books, mode=mode, impl="fast")
-        assert np.array_equal(new, old), np.argwhere(new != old)[:5]
-        assert np.array_equal(new, formats.encode(qtype, x, imp, books, mode=mode, impl="ref"))
-
-
-def test_refusal_names_the_same_half_as_the_legacy_kernel():
-    from ds4quant.formats import get_codec
-
-    x = np.full((3, 128), 0.01, F)
-    x[1, 40] = np.inf  # row 1, block 1, half 0
-    books = np.array([[-1, -0.25, 0.25, 1], [-1, -0.5, 0.5, 1]], F)
-    enc = get_codec("rocmfp2_mix").encode_fast
-    msgs = []
-    for legacy in (False, True):
-        rocmfp_mix._LEGACY_ENCODE = legacy
-        try:
-            with pytest.raises(Exception) as e:
-                enc(x, None, books)
-        finally:
-            rocmfp_mix._LEGACY_ENCODE = False
-        msgs.append(str(e.value))
-    assert msgs[0] == msgs[1] and "row 1, block 1 (half 0)" in msgs[0], msgs
-
-
-def test_nearest_by_bisection_equals_the_linear_scan():
-    rng = np.random.default_rng(0)
-    u = UE4M3[1:127].astype(F)
-    ts = [rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(F),
-          np.logspace(-12, 12, 20_000).astype(F), np.array([0, -0.0, np.inf, np.nan, 448, 449, 1e30], F)]
-    for arr in (u, ((u[:-1] + u[1:]) / 2).astype(F)):
-        for k in (-1, 0, 1):
-            ts.append((arr.view(np.int32) + k).view(F))
-    t = np.concatenate(ts)
-    got = np.array([_mix_search._nearest_nb(v) for v in t[:: max(1, len(t) // 60_000)]])
-    want = np.array([nearest_nb(v) for v in t[:: max(1, len(t) // 60_000)]])
-    assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("qtype", MIX)
@@ -130,8 +58,8 @@ def test_measure_reuses_the_fitters_choices_with_the_encoders_figures(qtype, row
     instead of encoding again: the same Measure and books as the pre-change
     path (encode + decode); and for mode 0 and 1 the decode of the choices
     is the decode of the blocks they pack to."""
-    from ds4quant.plan.planner import measure_matrix
-    from ds4quant.formats.search.numba_fit import decode_choice_nb
+    from ds4quant.formats import search
+    from ds4quant.plan import measure_matrix
 
     rng = np.random.default_rng(rows)
     q = np.exp(1.5 * rng.standard_normal(128)).astype(F)
@@ -147,25 +75,11 @@ def test_measure_reuses_the_fitters_choices_with_the_encoders_figures(qtype, row
             # and for either mode, the choices decode to what their packed blocks decode to
             bits = 2 if qtype == "rocmfp2_mix" else 3
             for mode in (0, 1):
-                ob, oe, codes, st = _mix_search._choose(x, imp, b1[0], mode, bits)
-                y = np.empty(x.shape, F)
-                decode_choice_nb(ob, oe, codes, b1[0], mode, rocmfp_mix._FIXED_106 if bits == 2 else
-                                 rocmfp_mix._FIXED_105, y.reshape(-1, 16))
+                ob, oe, codes, st = search.choose_mix(x, imp, b1[0], mode, bits)
+                y = search.decode_mix_choices(formats.get_qtype(qtype), (ob, oe, codes), x.shape, b1[0], mode)
                 data = formats.encode(qtype, x, imp, b1[0], mode=mode)
                 want = formats.decode(qtype, data, 128, b1[0], modes=mode)
                 assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
-
-
-def test_pairwise_sum_is_np_sum_bit_for_bit():
-    """The one-pass fitter evaluation's float64 total: numpy's pairwise order."""
-    from ds4quant.formats.search.numba_fit import pairwise_sum_nb
-
-    rng = np.random.default_rng(5)
-    for n in (0, 1, 7, 8, 9, 127, 128, 129, 1000, 4096, 32768 + 5, 1 << 20):
-        a = rng.standard_t(3, n) ** 2 * 1e-6
-        assert 0.0 + pairwise_sum_nb(a, 0, n) == float(np.sum(a)), n
-        if n >= 16 and n % 16 == 0:
-            assert 0.0 + pairwise_sum_nb(a, 0, n) == float(np.sum(a.reshape(-1, 16)))
 
 
 def test_numba_lloyd_projection_and_repair_equal_numpy():
@@ -223,22 +137,22 @@ def test_plans_and_bytes_do_not_depend_on_threads_or_the_kernels(runs):
         assert len(set(shas.values())) == 1, (target, shas)
         plans = {k: [(c.name, c.qtype) for c in v[0].plan] for k, v in by.items()}
         assert plans["t1"] == plans["t2"] == plans["legacy"]
-        errs = {k: v[0].adaptive["predicted_weighted_error"] for k, v in by.items()}
+        errs = {k: v[0].adaptive.predicted_weighted_error for k, v in by.items()}
         assert errs["t1"] == errs["t2"] == errs["legacy"], errs
 
 
 @pytest.mark.parametrize("target", sorted(TODAY))
-def test_weighted_error_is_no_worse_than_before_issue_14(runs, target):
+def test_weighted_error_is_no_worse_than_before_the_speed_up(runs, target):
     rep = runs[target]["t1"][0]
     assert rep.bpw_experts <= target
-    assert rep.adaptive["predicted_weighted_error"] <= TODAY[target] * (1 + 1e-12)
+    assert rep.adaptive.predicted_weighted_error <= TODAY[target] * (1 + 1e-12)
 
 
-def test_default_effort_error_is_no_worse_than_before_issue_14(tmp_path):
+def test_default_effort_error_is_no_worse_than_before_the_speed_up(tmp_path):
     """The shipped sample at the default --fit-effort, 2 workers: the plan's
     routing-weighted imatrix error at each budget against the pre-change figure."""
     for target in sorted(TODAY_DEFAULT, reverse=True):  # the cold run first, the second reuses the cache
         opts = AdaptiveOptions(target_bpw=target, routing=str(ROUTING), cache_dir=str(tmp_path / "c"), jobs=2)
         rep = convert(SAMPLE, tmp_path / f"o-{target:.4f}", "adaptive", imatrix=IMATRIX, threads=1, adaptive=opts)
         assert rep.bpw_experts <= target
-        assert rep.adaptive["predicted_weighted_error"] <= TODAY_DEFAULT[target] * (1 + 1e-12), target
+        assert rep.adaptive.predicted_weighted_error <= TODAY_DEFAULT[target] * (1 + 1e-12), target
