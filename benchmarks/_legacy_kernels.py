@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import numba
 import numpy as np
 
-from ds4quant.formats.search import numba_mix
+from ds4quant.formats.search import numba_mix, numba_pack
 from ds4quant.formats.search.numba_mix import fixed_code_nb as _fixed_code_nb
 from ds4quant.formats.search.tables import fixed_levels
 from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV, nearest_nb
@@ -209,7 +209,7 @@ def encode(x: np.ndarray, importance, books: np.ndarray, *, qt, bits: int, mode:
     if len(bad):
         r = int(bad[0])
         hidx = int(fail_half[r])
-        numba_mix.refuse(qt.name, int(status[r]), r, hidx // 2, hidx % 2)
+        numba_pack.refuse(qt.name, int(status[r]), r, hidx // 2, hidx % 2)
     return out
 
 

@@ -37,8 +37,9 @@ import numpy as np
 from ds4quant.errors import BadInputError
 from ds4quant.formats.bits import pack_bits, unpack_bits
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
-from ds4quant.formats.search import numba_mix
-from ds4quant.formats.search.numba_mix import NO_CANDIDATE, NONFINITE, max_level, refuse, splits
+from ds4quant.formats.search import numba_mix, numba_pack
+from ds4quant.formats.search.numba_mix import max_level, splits
+from ds4quant.formats.search.numba_pack import NO_CANDIDATE, NONFINITE, refuse
 from ds4quant.formats.search.tables import FIXED_105, FIXED_106, HALF
 from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV, nearest_ref
 
@@ -209,8 +210,8 @@ def _decode_ref(data: np.ndarray, cols: int, books: np.ndarray, modes: int, *, b
 
 
 # --------------------------------------------------------------------------
-# numba fast path: the search and packing of ``search.numba_mix`` (its
-# refusals are the reference's), and the decode
+# numba fast path: the search of ``search.numba_mix`` and the packing of
+# ``search.numba_pack`` (its refusals are the reference's), and the decode
 
 
 def _encode_fast(x: np.ndarray, importance, books: np.ndarray, *, qt: QType, bits: int, mode: int = 1) -> np.ndarray:
@@ -220,7 +221,7 @@ def _encode_fast(x: np.ndarray, importance, books: np.ndarray, *, qt: QType, bit
     rows, cols = x.shape
     choices = numba_mix.choose(np.ascontiguousarray(x, dtype=np.float32), importance,
                                np.ascontiguousarray(books, dtype=np.float32), mode, bits)
-    return numba_mix.pack(qt, choices, mode, bits, rows, cols)
+    return numba_pack.pack(qt, choices, mode, bits, rows, cols)
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)

@@ -54,15 +54,15 @@ import numpy as np
 from ds4quant.errors import BadInputError
 from ds4quant.formats.checks import check_codebooks, encode_input
 from ds4quant.formats.qtype import get_qtype
-from ds4quant.formats.search import numba_mix
+from ds4quant.formats.search import numba_mix, numba_pack
 from ds4quant.formats.search.backend import NUMBA, Backend, DeviceKind, Tier, to_device, to_host
 from ds4quant.formats.search.numba_fit import book_tables_nb as book_tables
 from ds4quant.formats.search.numba_fit import decode_choices as _decode_choices_host
 from ds4quant.formats.search.numba_fit import eval_books_nb as evaluate_books
 from ds4quant.formats.search.numba_fit import pairwise_sum_nb
 from ds4quant.formats.search.numba_fit import terms_stats_nb as terms_stats
-from ds4quant.formats.search.numba_mix import check_status
 from ds4quant.formats.search.numba_mix import serial as one_pass
+from ds4quant.formats.search.numba_pack import check_status
 from ds4quant.formats.search.numba_scale import row_energies
 from ds4quant.formats.search.tables import FIXED_105, FIXED_106, HALF, SCALE_SEARCHES, fixed_levels
 
@@ -117,7 +117,7 @@ def encode_mix(qtype, x, importance, books: np.ndarray, mode: int, backend: Back
         raise BadInputError(f"{qt.name} device encoder: one (2, L) book pair and mode 0 or 1")
     rows, cols = x.shape
     inputs = (x, importance) if backend.tier is Tier.NUMBA else to_device(x, importance, backend)
-    return numba_mix.pack(qt, choose_mix(*inputs, books, mode, _bits(qt), backend), mode, _bits(qt), rows, cols)
+    return numba_pack.pack(qt, choose_mix(*inputs, books, mode, _bits(qt), backend), mode, _bits(qt), rows, cols)
 
 
 def decode_mix_choices(qt, choices, shape, books: np.ndarray, mode: int):

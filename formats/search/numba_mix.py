@@ -10,8 +10,8 @@ level), and v is never NaN here (non-finite halves are refused before their
 codes count).
 
 ``choose`` returns per half the book, the scale byte, the codes and a
-status; ``check_status`` refuses a matrix with a refused half, as the
-reference does; ``pack_choices_nb`` writes the blocks from the choices.
+status; ``numba_pack`` refuses a matrix with a refused half, as the
+reference does, and writes the blocks from the choices.
 """
 
 from __future__ import annotations
@@ -21,38 +21,10 @@ import math
 import numba
 import numpy as np
 
-from ds4quant.errors import EncodeRejectedError
 from ds4quant.formats.search.tables import HALF
 from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV
 
 _F32 = np.float32
-
-# A half's status: 0 chosen, else why the encoder refuses it (the reference's reasons).
-NONFINITE, NO_CANDIDATE = 1, 2
-
-
-def refuse(qt_name: str, status: int, row: int, block: int, half: int):
-    """Raise the encoder's refusal of one half (``status`` NONFINITE or NO_CANDIDATE)."""
-    if status == NONFINITE:
-        why = "has a NaN or Inf value"
-        fix = "clean the source tensor"
-    else:
-        why = "has no finite-error candidate (an overflowing outlier, or negative/non-finite importance)"
-        fix = "clip the outlier or fix the importance vector"
-    raise EncodeRejectedError(
-        f"{qt_name} encoder rejects row {row}, block {block} (half {half}): the half {why}",
-        hint=fix,
-    )
-
-
-def check_status(qt, status: np.ndarray, hpr: int) -> None:
-    """Refuse (``refuse``) at the first refused half in row order, as the
-    reference stops there; ``hpr``: halves per row."""
-    bad = np.flatnonzero(status)
-    if len(bad):
-        g = int(bad[0])
-        refuse(qt.name, int(status[g]), g // hpr, (g % hpr) // 2, g % 2)
-
 
 def splits(books: np.ndarray) -> np.ndarray:
     """NL's split points per book: 0.5 * (level[j] + level[j+1]), sum rounded
@@ -539,38 +511,6 @@ def _choose_fixed_nb(h, wq, has_w, bits, out_e, codes, status):
                 out_e[g] = be[k]
 
 
-@numba.njit(cache=True, parallel=True, nogil=True)
-def pack_choices_nb(codes, out_b, out_e, mode, bits, out):
-    """Blocks from per-half codes (G, 16) and (book, byte): out (rows, row_bytes)."""
-    rows = out.shape[0]
-    qs_bytes = 32 * bits // 8
-    bb = qs_bytes + 2
-    nb = out.shape[1] // bb
-    for r in numba.prange(rows):
-        for blk in range(nb):
-            o = blk * bb
-            g = (r * nb + blk) * 2
-            if bits == 2:  # weight i at bits 2i..2i+1 (§3)
-                for j in range(8):
-                    hh = j // 4
-                    c = (j % 4) * 4
-                    out[r, o + j] = np.uint8(codes[g + hh, c] | (codes[g + hh, c + 1] << 2)
-                                             | (codes[g + hh, c + 2] << 4) | (codes[g + hh, c + 3] << 6))
-            else:  # 96-bit LE stream, weight i at bits 3i..3i+2 (§5): 8 codes per 3 bytes
-                for q in range(4):
-                    hh = q // 2
-                    c = (q % 2) * 8
-                    word = np.uint32(0)
-                    for i in range(8):
-                        word |= np.uint32(codes[g + hh, c + i]) << np.uint32(3 * i)
-                    out[r, o + 3 * q] = np.uint8(word & 0xFF)
-                    out[r, o + 3 * q + 1] = np.uint8((word >> 8) & 0xFF)
-                    out[r, o + 3 * q + 2] = np.uint8((word >> 16) & 0xFF)
-            for hh in range(2):
-                be = out_e[g + hh]
-                out[r, o + qs_bytes + hh] = np.uint8(be | (out_b[g + hh] << 7)) if mode == 1 else np.uint8(be)
-
-
 def _serial_twin(fn, name: str):
     """``fn``'s Python function compiled without parallel=True, under its own
     name: numba's cache is keyed by the function's name and line, not its
@@ -614,14 +554,3 @@ def choose(x: np.ndarray, importance, books: np.ndarray, mode: int, bits: int):
         fn = _choose_fixed_serial_nb if one else _choose_fixed_nb
         fn(h, wq, has_w, bits, out_e, codes, status)
     return out_b, out_e, codes, status
-
-
-def pack(qt, choices, mode: int, bits: int, rows: int, cols: int) -> np.ndarray:
-    """The blocks uint8 (rows, row_bytes) of ``choices`` (book, byte, codes,
-    status per half, as ``choose`` gives them on any tier), after refusing a
-    refused half as the reference does."""
-    out_b, out_e, codes, st = choices
-    check_status(qt, st, cols // HALF)
-    out = np.zeros((rows, qt.row_bytes(cols)), dtype=np.uint8)
-    pack_choices_nb(codes, out_b, out_e, mode, bits, out)
-    return out
