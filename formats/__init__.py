@@ -9,13 +9,17 @@ Public surface::
     components(qtype, data, cols, codebooks=None, modes=None) -> Components
     exact_parts(values) -> (mant, exp)   float32 as odd integer x 2^exp
 
+and the public modules ``components`` (the parts of a decoded weight, the
+runtime's row decoders), ``bits`` (bit packing), ``checks`` (the argument
+checks) and ``search`` (the measure stage's search engine and its tiers).
+
 Example::
 
     from ds4quant import formats
     q = formats.encode("rocmfp2", w)            # uint8 (rows, cols // 32 * 10)
     w2 = formats.decode("rocmfp2", q, w.shape[1])
 
-Arguments are validated here, once; a codec module only ever sees float32
+Arguments are validated here, once (``checks``); a codec module only ever sees float32
 C-contiguous (rows, cols) input whose cols are a multiple of its block.
 Importing this package does not import torch.
 """
@@ -30,8 +34,8 @@ from typing import Any, Optional
 import numpy as np
 
 from ds4quant.errors import BadInputError, CodebookError, ShapeError, UnsupportedFormatError
-from ds4quant.formats.checks import (as_blocks, as_rows, bf16_round, check_codebooks, check_cols, check_modes,
-                                     encode_input, numba_threads, split_experts)
+from ds4quant.formats.checks import (as_blocks, bf16_round, check_codebooks, check_cols, check_modes, encode_input,
+                                     numba_threads, split_experts)
 from ds4quant.formats.qtype import Codec, QType, all_qtypes, get_codec, get_qtype, qtypes_for_ggml_type
 
 # Modules in this package that are infrastructure, not codecs.
