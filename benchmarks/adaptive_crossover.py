@@ -1,4 +1,4 @@
-"""Where the measure stage's device path starts to pay (issue 14).
+"""Where the measure stage's device path starts to pay.
 
 ``--device cuda`` gives the CPU path's bytes at any size, but each search is
 a launch and a wait: on small matrices the workers' Python and the waits

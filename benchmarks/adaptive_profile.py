@@ -1,10 +1,10 @@
-"""Where one worker's measure stage spends its time on a device (issue 14).
+"""Where one worker's measure stage spends its time on a device.
 
 One DS4 Flash-shaped down matrix (4096 x 2048, FP4-grid values, log-normal
 importance; ``_adaptive_ds4shape``), every default candidate through
 ``adaptive.measure_matrix`` on one thread: wall and CPU seconds per candidate
 on the CPU (numba), on the device with the Triton kernels, and on the device
-with session 5's torch searches, all after a warm-up in the same run; then a
+with the torch tier's searches, all after a warm-up in the same run; then a
 cProfile of the Triton path (top functions by own time) and the device's
 kernel time under torch's profiler. Prints the figures and the digests of
 each path's measures (they must be equal).

@@ -1,4 +1,4 @@
-"""Where the measure stage's time goes at full width on a device (issue 14).
+"""Where the measure stage's time goes at full width on a device.
 
 One worker measures a DS4 Flash matrix several times faster than the same
 worker does among 16, so the workers contend for something. This runs N

@@ -40,8 +40,9 @@ as the fork's comparisons behave.
 
 The tables live in ``search.tables``, the reference in ``_scale_search_ref``,
 the fast path in ``_scale_search_nb`` (the rows' energies in
-``search.numba_scale``); this module packs blocks and builds the codecs, and
-re-exports the names the codec modules reach through ``ss.``.
+``search.numba_scale``); this module packs blocks and builds the codecs
+(``make_codec``), and re-exports the tables and the reference's steps for the
+codec tests, which reach them through ``ss.``.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def test_experts_calibration_never_reached_get_codes_and_are_listed(tmp_path, ca
 
 def test_expert_granularity_without_mix_says_ds4quant_only_and_reuses_measured_figures(tmp_path, cache,
                                                                                        monkeypatch):
-    # the defect of issue 8: compact stacks were stored as loadable by lucebox too
+    # compact stacks were once stored as loadable by lucebox too
     import importlib
 
     from ds4quant.artifact import read_manifest

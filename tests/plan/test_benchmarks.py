@@ -1,4 +1,4 @@
-"""Issue 14's measure-stage benchmarks at small shapes: the DS4-shape cost
+"""The measure-stage benchmarks at small shapes: the DS4-shape cost
 (``benchmarks/_adaptive_ds4shape.py``) holds the experts as a checkpoint does
 with ``reads`` (FP4 codes and E8M0 scales that dequantize to its matrices bit
 for bit) and gives the in-memory digest; the width benchmark's phases run and
