@@ -206,7 +206,7 @@ class TensorChoice:
             return v
 
         def ints(key: str, optional: bool = False):
-            v = get(key, list, optional)
+            v = get(key, (list, tuple), optional)  # a read manifest holds frozen tuples
             if v is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
                 raise BadInputError(f"plan entry field {key!r} is {v!r}", where=where)
             return None if v is None else tuple(v)

@@ -48,6 +48,8 @@ def test_a_recorded_plan_reads_back_as_tensor_choices():
     entries = json.loads(json.dumps([STACK.to_json(), DENSE.to_json()]))
     choices, problems = plan_from_json(entries)
     assert choices == [STACK, DENSE] and problems == []
+    frozen = {**STACK.to_json(), "shape": tuple(STACK.shape), "experts": tuple(STACK.experts)}  # a read manifest
+    assert plan_from_json([frozen]) == ([STACK], [])
 
 
 def test_an_entry_that_is_no_tensor_choice_is_named():
