@@ -5,11 +5,11 @@ where per-call overheads weigh more and the fitter's row sample (512 rows)
 covers every row. A DS4 Flash expert is gate/up 2048 x 4096 and down
 4096 x 2048: the Lloyd steps run on 512 sampled rows and the final error
 evaluations (reference books, refined books, fixed levels, the encode) on
-all rows. This times ``adaptive.measure_matrix`` for every candidate on N
-synthetic experts at those shapes (FP4-grid values: E2M1 levels times a
-power-of-two scale per 32, Student-t(3) before rounding; log-normal column
-importance), through ``adaptive_jobs.ordered_map`` as the measure stage runs
-them, and checks that every path gives the same figures and books.
+all rows. This times ``ds4quant.plan.measure_candidates`` on N synthetic
+experts at those shapes (FP4-grid values: E2M1 levels times a power-of-two
+scale per 32, Student-t(3) before rounding; log-normal column importance),
+through ``ds4quant.plan.ordered_map`` as the measure stage runs them, and
+checks that every path gives the same figures and books.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -60,39 +59,31 @@ def importance(key: str, cols: int) -> np.ndarray:
     return np.exp(_rng(key).standard_normal(cols)).astype(np.float32)
 
 
-@contextmanager
-def torch_searches():
-    """The device path as session 5 left it (the anchor of the Triton kernels,
-    issue 14, session 6): the MIX and non-MIX searches as torch operations
-    (``_mix_search_batch``'s shared batch, ``_scale_search_torch.search``)."""
-    from ds4quant.formats import _mix_search_batch as mb
-    from ds4quant.formats import _scale_search_torch as sst
+def torch_tier(backend):
+    """``backend``'s device with the torch tier: the device path before the
+    Triton kernels (their anchor), the MIX and non-MIX searches as torch
+    operations (the MIX batch shared by the workers)."""
+    from ds4quant.formats.search import Backend, Tier
 
-    old = (mb.USE_TRITON, sst.USE_TRITON)
-    mb.USE_TRITON, sst.USE_TRITON = False, False
-    try:
-        yield
-    finally:
-        mb.USE_TRITON, sst.USE_TRITON = old
+    return Backend(Tier.TORCH, backend.device, backend.index) if backend.on_device else backend
 
 
-def _measure_all(x, imp, cands, opts, dev) -> list:
+def _measure_all(x, imp, cands, opts, backend) -> list:
     """Every candidate's Measure (and books) of one matrix, as the measure
-    stage takes them (``adaptive.measure_candidates``: on a device the matrix
-    is uploaded once for all of them)."""
-    from ds4quant.adaptive import _fits, measure_candidates
+    stage takes them (``measure_candidates``: on a device the matrix is
+    uploaded once for all of them)."""
+    from ds4quant.plan import fits, measure_candidates
 
-    qs = [q for q in cands if _fits(q, x.shape[1])]
+    qs = [q for q in cands if fits(q, x.shape[1])]
     return [(q, m, None if bk is None else (bk[0].tobytes(), bk[1]))
-            for q, m, bk in measure_candidates(x, imp, imp.astype(np.float64), qs, opts, "ds4", dev)]
+            for q, m, bk in measure_candidates(x, imp, imp.astype(np.float64), qs, opts, "ds4", backend)]
 
 
 def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1, one_core: bool = True,
                     partial=None, device_first: bool = False, device_anchor: bool = False,
                     device_only: bool = False, shapes=None, reads: bool = False) -> dict:
-    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
-    from ds4quant.adaptive_jobs import ordered_map, resolve_device, worker_stream
     from ds4quant.formats import numba_threads
+    from ds4quant.plan import DEFAULT_CANDIDATES, AdaptiveOptions, ordered_map, worker_stream
 
     cands = tuple(candidates or DEFAULT_CANDIDATES)
     opts = AdaptiveOptions(target_bpw=2.7, candidates=cands)  # the default --fit-effort
@@ -117,14 +108,16 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
         ([(f"{threads} cores", threads, "cpu", False)] if threads > 1 and not device_only else [])
     dev_paths = [(f"{d} + {threads} cores", threads, d, False) for d in devices]
     if device_anchor:  # the pre-change device path, timed in the same run
-        dev_paths += [(f"{d} + {threads} cores, torch searches (session 5)", threads, d, True) for d in devices]
+        dev_paths += [(f"{d} + {threads} cores, torch searches", threads, d, True) for d in devices]
     # device_first: a run with little time left measures the device before the CPU rows
     paths = dev_paths + paths if device_first else paths + dev_paths
     out = {"experts": experts, "shape_gate_up": list(gate_up), "shape_down": list(down), "fp4_gb": gb,
            "candidates": list(cands), "reads": reads, "paths": {}}
     results = {}
     for label, jobs, device, anchor in paths:
-        dev = resolve_device(device)
+        dev = AdaptiveOptions(target_bpw=2.7, device=device).backend()
+        if anchor:
+            dev = torch_tier(dev)
 
         def items():
             for key, x, imp in mats:
@@ -134,11 +127,11 @@ def ds4_expert_cost(threads: int, devices=(), candidates=None, experts: int = 1,
 
         def work(p, dev=dev):
             x, imp = p
-            with worker_stream(dev):  # as adaptive._measure_expert runs them
+            with worker_stream(dev):  # as the measure stage runs them
                 return _measure_all(x, imp, cands, opts, dev)
 
         load = os.getloadavg()[0]
-        with numba_threads(jobs), (torch_searches() if anchor else nullcontext()):
+        with numba_threads(jobs):
             c0, t0 = time.process_time(), time.perf_counter()
             got = list(ordered_map(items(), work, jobs))
             sec, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -31,7 +31,7 @@ class Measured:
     experts the imatrix reached."""
 
     def __init__(self, cache: Path, routing: Optional[Path], imatrix: Optional[Path]):
-        from ds4quant.adaptive import expert_weights
+        from ds4quant.plan import expert_weights
 
         files = sorted(cache.glob("measure-*.json"))
         if len(files) != 1:

@@ -46,8 +46,8 @@ Writes ``adaptive-curve.png`` (matplotlib Agg, no timestamps) and
 ``adaptive-bench.json`` into --out (default: a new temp folder, printed).
 
 Before the curve, ``measure_cost`` (alone with ``--cost-only``) times the
-measure stage per GB of FP4 source: the pre-issue-14 kernels
-(``ds4quant.adaptive.legacy_kernels()``) on 1 thread as the anchor, then the
+measure stage per GB of FP4 source: the pre-speed-up kernels
+(``_legacy_kernels.legacy_kernels()``) on 1 thread as the anchor, then the
 current ones on 1 and all threads, each from an empty cache at 2.8333 bpw and
 warm at 2.7, with the weighted SQNR of both plans and a check that plans,
 errors and GGUF bytes agree.
@@ -189,7 +189,9 @@ class Runner:
                 effort: Optional[tuple] = None) -> dict:
         import contextlib
 
-        from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions, legacy_kernels
+        from _legacy_kernels import legacy_kernels
+
+        from ds4quant.plan import DEFAULT_CANDIDATES, AdaptiveOptions
         from ds4quant.convert import convert
 
         self.n += 1

@@ -1,4 +1,4 @@
-"""Where the measure stage's device path starts to pay (issue 14).
+"""Where the measure stage's device path starts to pay.
 
 ``--device cuda`` gives the CPU path's bytes at any size, but each search is
 a launch and a wait: on small matrices the workers' Python and the waits
@@ -7,7 +7,7 @@ full width (``_adaptive_ds4shape.ds4_expert_cost``: N synthetic experts,
 gate/up (r, c), down (c, r), every default candidate) for each shape of
 ``--shapes`` on the CPU cores and on the device, checks that both give one
 digest, and prints s/GB and the device's speed-up; the smallest shape where
-the device wins sets ``adaptive.DEVICE_MIN_WEIGHTS``.
+the device wins sets ``ds4quant.plan.job.DEVICE_MIN_WEIGHTS``.
 
     python benchmarks/adaptive_crossover.py --device cuda --experts 16 --shapes 128x512,512x1024,1024x2048,2048x4096
 """
@@ -34,10 +34,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
 
-    from ds4quant import adaptive
+    from ds4quant.plan import job
 
-    old = adaptive.DEVICE_MIN_WEIGHTS
-    adaptive.DEVICE_MIN_WEIGHTS = 0  # every matrix on the device: the rule is what this measures
+    old = job.DEVICE_MIN_WEIGHTS
+    job.DEVICE_MIN_WEIGHTS = 0  # every matrix on the device: the rule is what this measures
     rows = []
     try:
         for spec in args.shapes.split(","):
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
                   f"{args.device} {dev['s_per_gb']:8.1f} s/GB, device {row['speedup']:5.2f}x, identical {d['identical']}",
                   flush=True)
     finally:
-        adaptive.DEVICE_MIN_WEIGHTS = old
+        job.DEVICE_MIN_WEIGHTS = old
     if args.json:
         Path(args.json).write_text(json.dumps({"threads": args.threads, "experts": args.experts, "rows": rows},
                                               indent=2) + "\n")

@@ -1,9 +1,9 @@
-"""Where the measure stage's time goes at full width on a device (issue 14).
+"""Where the measure stage's time goes at full width on a device.
 
 One worker measures a DS4 Flash matrix several times faster than the same
 worker does among 16, so the workers contend for something. This runs N
 DS4-shaped experts (``_adaptive_ds4shape``: gate, up, down) through
-``adaptive_jobs.ordered_map`` as ``benchmarks/adaptive.py --ds4-shape``
+``ds4quant.plan.ordered_map`` as ``benchmarks/adaptive.py --ds4-shape``
 does, at each width of ``--widths``, and reports per matrix the seconds the
 workers spent inside the named phases below (inclusive: a phase's time
 contains the phases it calls; launches return when queued, so the GPU's
@@ -34,22 +34,23 @@ from _adaptive_ds4shape import DOWN, GATE_UP, _measure_all, fp4_matrix, importan
 
 # (module, attribute, label): where the device path's work happens
 PHASES = (
-    ("ds4quant.adaptive", "_fit_books", "MIX: the whole codebook fit"),
+    ("ds4quant.plan.job", "ExpertJob._fit", "MIX: the whole codebook fit"),
     ("ds4quant.codebooks.optimize", "fit_reference", "MIX: reference fitter (host histogram)"),
-    ("ds4quant.codebooks.optimize", "_terms_stats_nb", "MIX: Lloyd sums (host)"),
-    ("ds4quant.codebooks.optimize", "pairwise_sum_nb", "MIX: Lloyd step totals (host)"),
-    ("ds4quant.formats._mix_search_batch", "choose_batched", "MIX: Lloyd step search + copies"),
-    ("ds4quant.formats._mix_search_triton", "search_device", "MIX: search launch"),
-    ("ds4quant.formats._mix_search_triton", "terms_device", "MIX: terms launch"),
-    ("ds4quant.metrics_device", "pairwise_total", "MIX: error total (leaves, host tree)"),
-    ("ds4quant.formats._mix_search_triton", "decode_device", "MIX: decode of the choices"),
-    ("ds4quant.formats._scale_search_torch", "measure_on", "scale search + decode launch"),
-    ("ds4quant.formats", "encode_input", "input checks (host)"),
-    ("ds4quant.metrics_device", "error_sums_device", "error sums (device rows, host combine)"),
-    ("ds4quant.formats._scale_search_torch", "to_host", "copies to the host (waits for the stream)"),
-    ("ds4quant.formats._mix_search_triton", "to_host", "copies to the host (waits for the stream)"),
-    ("ds4quant.adaptive_device", "_upload", "uploads (pinned staging)"),
-    ("ds4quant.adaptive_device", "Resident.sigma2", "importance row energies (host)"),
+    ("ds4quant.formats.search", "terms_stats", "MIX: Lloyd sums (host)"),
+    ("ds4quant.formats.search", "pairwise_sum", "MIX: Lloyd step totals (host)"),
+    ("ds4quant.formats.search.torch_batch", "choose_batched", "MIX: Lloyd step search + copies"),
+    ("ds4quant.formats.search.triton_mix", "search_device", "MIX: search launch"),
+    ("ds4quant.formats.search.triton_mix", "terms_device", "MIX: terms launch"),
+    ("ds4quant.formats.search.triton_sums", "pairwise_total", "MIX: error total (leaves, host tree)"),
+    ("ds4quant.formats.search.triton_mix", "decode_device", "MIX: decode of the choices"),
+    ("ds4quant.formats.search", "measure_scale", "scale search + decode launch"),
+    ("ds4quant.plan.job", "encode_input", "input checks (host)"),
+    ("ds4quant.formats.search.triton_sums", "error_sums_device", "error sums (device rows, host combine)"),
+    ("ds4quant.formats.search", "to_host", "copies to the host (waits for the stream)"),
+    ("ds4quant.formats.search.triton_mix", "to_host", "copies to the host (waits for the stream)"),
+    ("ds4quant.formats.search.torch_batch", "to_host", "copies to the host (waits for the stream)"),
+    ("ds4quant.plan.job", "_upload", "uploads (pinned staging)"),
+    ("ds4quant.plan.job", "Resident.sigma2", "importance row energies (host)"),
 )
 
 
@@ -112,12 +113,11 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
-    from ds4quant.adaptive_jobs import ordered_map, resolve_device, worker_stream
     from ds4quant.formats import numba_threads
+    from ds4quant.plan import DEFAULT_CANDIDATES, AdaptiveOptions, ordered_map, worker_stream
 
-    dev = resolve_device(args.device)
-    opts = AdaptiveOptions(target_bpw=2.7)
+    opts = AdaptiveOptions(target_bpw=2.7, device=args.device)
+    dev = opts.backend()
     mats = []
     for e in range(args.experts):
         imp_in, imp_down = importance(f"in/{e}", GATE_UP[1]), importance(f"down/{e}", DOWN[1])
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 
     with numba_threads(1):  # warm-up: kernels compile, tables load
         _ = [work((x, imp)) for _, x, imp in mats[:3]]
-    out = {"device": str(dev), "experts": args.experts, "matrices": len(mats), "fp4_gb": gb, "widths": {}}
+    out = {"device": opts.device_name, "experts": args.experts, "matrices": len(mats), "fp4_gb": gb, "widths": {}}
     for width in [int(w) for w in args.widths.split(",")]:
         ph = Phases()
         ph.wrap()

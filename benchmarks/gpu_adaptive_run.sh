@@ -23,8 +23,8 @@ for p in formats codebooks runtime; do [ -e "ds4quant/$p" ] || ln -s "../$p" "ds
 cat "$OUT/device.txt"
 t0=$(date +%s)
 if [ "${T_TESTS:-240}" != 0 ]; then
-  timeout "${T_TESTS:-240}" python3 -m pytest -q -p no:cacheprovider -rfEs ${TESTS:-tests/test_metrics_device.py tests/test_adaptive_device.py \
-      tests/test_adaptive_triton.py tests/formats/test_scale_search_triton.py} -k "${TESTS_K:-not torch_cpu}" \
+  timeout "${T_TESTS:-240}" python3 -m pytest -q -p no:cacheprovider -rfEs ${TESTS:-tests/formats/search tests/plan/test_device.py} \
+      -k "${TESTS_K:-not torch_cpu}" \
       > "$OUT/tests.txt" 2>&1
   echo "tests rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -20

@@ -74,7 +74,7 @@ def _default_owner() -> str:
 
 def make_artifacts(work: Path, dims: dict, recipes: list[str]) -> dict[str, Path]:
     import make_synthetic
-    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.plan import AdaptiveOptions
     from ds4quant.convert import convert
 
     src = work / "source"

@@ -28,9 +28,6 @@ _HALF = 16
 _ZERO_HALF_MASS = 16.0  # a zero half adds 16.0 to population 0, bin 2048 (§10 step 3)
 _PEAKY_RATIO = 0.52  # rms/max below this -> population 0
 LLOYD_ITERATIONS = 24
-# True: Histogram.fit runs the numpy Lloyd and repair for every impl (the
-# pre-numba code path, kept as the timing anchor of benchmarks/adaptive.py).
-_LEGACY_LLOYD = False
 _REF_ROWS = 256  # rows per numpy-reference chunk
 
 # coord(b) as float32 (exact: 2b/4096 and the subtraction are exact).
@@ -201,7 +198,7 @@ class Histogram:
         books, repaired = [], []
         for p in range(2):
             hp = h[p] if _seq_sum(h[p]) > 0 else fallback
-            if self._impl == "ref" or _LEGACY_LLOYD:
+            if self._impl == "ref":
                 centres = _lloyd(hp, levels)
                 bits, rep = _bf16_repair(centres, p)
             else:

@@ -34,10 +34,9 @@ from ds4quant import formats
 from ds4quant.codebooks.histogram import (_bf16_repair, _bf16_repair_fast, _bf16_repair_nb, _check_importance,
                                           _check_matrix, _importance_list, fit_reference)
 from ds4quant.errors import BadInputError, CodebookError
-from ds4quant.formats._bits import unpack_bits
-from ds4quant.formats._mix_search import _choose, _serial
-from ds4quant.formats._mix_search_fit import _eval_books_nb, book_tables_nb, pairwise_sum_nb, terms_stats_nb
-from ds4quant.formats.rocmfp_mix import _FIXED_105, _FIXED_106, _check_status
+from ds4quant.formats import search
+from ds4quant.formats.bits import unpack_bits
+from ds4quant.formats.search import NUMBA, Backend, Tier
 from ds4quant.formats.ue4m3 import UE4M3
 
 
@@ -55,8 +54,8 @@ class OptimizedFit:
     refined_error: float
     # the encoder's choices for (books, mode) on every row of the single
     # matrix, per half (book int64 (G,), byte int64 (G,), codes uint8 (G, 16);
-    # uint8 torch tensors where the evaluations ran on a device), when the
-    # fast fitter evaluated them there: what encoding it again gives
+    # uint8 torch tensors where the evaluations ran on the Triton tier), when
+    # the fast fitter evaluated them there: what encoding it again gives
     encoding: Optional[tuple] = field(default=None, compare=False, repr=False)
 
 
@@ -180,20 +179,17 @@ class _Problem:
         return _project(levels.reshape(2, L)), total
 
 
-_terms_stats_nb = terms_stats_nb  # moved beside the one-pass evaluation
-
-
 class _FastProblem:
     """``_Problem`` with the vectorised MIX search and fused error / Lloyd
     sums: the same float64 figures and books bit for bit, no bytes packed or
     decoded, and each distinct (books, mode) evaluated once."""
 
-    def __init__(self, qtype: str, mats: list, imps: list, device=None, inputs=None) -> None:
+    def __init__(self, qtype: str, mats: list, imps: list, backend: Backend = NUMBA, inputs=None) -> None:
         self.qt = formats.get_qtype(qtype)
         self.mats = [np.ascontiguousarray(m, dtype=np.float32) for m in mats]
         self.imps = imps
         self.bits = 2 if self.qt.codebook_levels == 4 else 3
-        self.fixed = _FIXED_106 if self.bits == 2 else _FIXED_105
+        self.fixed = search.fixed_levels(self.bits)
         self._memo: dict = {}
         self._terms: list = [None] * len(self.mats)  # float64 scratch of the one-pass evaluation
         self._dterms: list = [None] * len(self.mats)  # and of the device search's Lloyd steps
@@ -201,17 +197,15 @@ class _FastProblem:
         self.keep = False
         self.kept: dict = {}
         self._kept_min = float("inf")
-        # on a torch device the search runs there (the matrices stay resident
+        # on a device tier the search runs there (the matrices stay resident
         # across the Lloyd steps); the Lloyd steps' float64 sums stay on the
         # host, an error-only evaluation's run there with Triton
-        self.device = device
+        self.backend = backend
         self._dev = None
         if inputs is not None:  # already there (the measure stage uploads an expert once)
             self._dev = list(inputs)
-        elif device is not None:
-            from ds4quant.formats._mix_search_torch import to_device
-
-            self._dev = [to_device(m, q, device) for m, q in zip(self.mats, imps)]
+        elif backend.on_device:
+            self._dev = [search.to_device(m, q, backend) for m, q in zip(self.mats, imps)]
 
     def _run(self, books: np.ndarray, mode: int, stats: bool):
         L = self.qt.codebook_levels
@@ -226,19 +220,20 @@ class _FastProblem:
             wq = q.reshape(-1, 16) if has_w else np.zeros((1, 16), np.float32)
             n1 = np.zeros(2 * L)
             d1 = np.zeros(2 * L)
-            if self._dev is None and mode == 1 and _serial(h.shape[0]):
+            if self._dev is None and mode == 1 and search.one_pass(h.shape[0]):
                 # one pass: search, error terms, np.sum's order, Lloyd sums
                 if split is None:
-                    split, ml = book_tables_nb(books)
+                    split, ml = search.book_tables(books)
                 if self._terms[i] is None:  # reused by every evaluation of this matrix
                     G = h.shape[0]
                     self._terms[i] = (np.empty(h.shape, np.float64), np.empty(G, np.int64), np.empty(G, np.int64),
                                       np.empty((G, 16), np.uint8), np.empty(G, np.int8))
-                t, bad, st = _eval_books_nb(h, wq, has_w, books, split, ml, stats, n1, d1, *self._terms[i], self.fixed)
+                t, bad, st = search.evaluate_books(h, wq, has_w, books, split, ml, stats, n1, d1, *self._terms[i],
+                                                   self.fixed)
                 if bad >= 0:
                     status = np.zeros(h.shape[0], np.int8)
                     status[bad] = st
-                    _check_status(self.qt, status, x.shape[1] // 16)
+                    search.check_status(self.qt, status, x.shape[1] // 16)
                 if self.keep and len(self.mats) == 1 and t < self._kept_min:
                     # the fitter keeps the first least error: only such books can be chosen
                     self._kept_min = t
@@ -248,23 +243,21 @@ class _FastProblem:
                 den += d1
                 continue
             if self._dev is not None:
-                from ds4quant.formats import _mix_search_batch as mb
-
-                if not stats and mb.triton_for(self.device):
-                    total += self._device_error(i, books, mode, x.shape[1] // 16)
+                if not stats and self.backend.tier is Tier.TRITON:
+                    total += self._device_error(i, books, mode)
                     continue
-                # shared with the other workers' searches: one set of launches for all
-                ob, oe, codes, st = mb.choose_batched(*self._dev[i], books, mode, self.bits)
+                # on the torch tier shared with the other workers' searches: one set of launches for all
+                ob, oe, codes, st = search.choose_mix(*self._dev[i], books, mode, self.bits, self.backend)
             else:
-                ob, oe, codes, st = _choose(x, q, books, mode, self.bits)
-            _check_status(self.qt, st, x.shape[1] // 16)
+                ob, oe, codes, st = search.choose_mix(x, q, books, mode, self.bits)
+            search.check_status(self.qt, st, x.shape[1] // 16)
             if self._dterms[i] is None:  # reused: a fresh 8 bytes a weight per evaluation costs its page faults
                 self._dterms[i] = np.empty(h.shape, np.float64)
             terms = self._dterms[i]
-            _terms_stats_nb(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
+            search.terms_stats(h, wq, has_w, books, ob, oe, codes, mode, self.fixed, terms, n1, d1, stats)
             # the legacy figure: np.sum over the (rows, cols) float64 array, in its
             # order by numba (which, unlike numpy's reduction, lets the other workers run)
-            t = 0.0 + pairwise_sum_nb(terms.reshape(-1), 0, terms.size)
+            t = search.pairwise_sum(terms)
             if self.keep and len(self.mats) == 1 and (mode == 0 or t < self._kept_min):
                 if mode == 1:
                     self._kept_min = t
@@ -274,21 +267,15 @@ class _FastProblem:
             den += d1
         return total, num, den
 
-    def _device_error(self, i: int, books: np.ndarray, mode: int, halves_per_row: int) -> float:
+    def _device_error(self, i: int, books: np.ndarray, mode: int) -> float:
         """An error without Lloyd sums, all on the device (Triton): the search,
         the float64 terms and np.sum's pairwise total; the choices a kept
         evaluation needs stay there (``OptimizedFit.encoding``)."""
-        from ds4quant.formats._mix_search_triton import search_device, terms_device
-        from ds4quant.formats._scale_search_torch import to_host
-        from ds4quant.metrics_device import pairwise_total
-
-        ch = search_device(*self._dev[i], books, mode, self.bits)
-        _check_status(self.qt, to_host(ch[3]), halves_per_row)
-        t = pairwise_total(terms_device(*self._dev[i], books, mode, self.bits, ch))
+        t, ch = search.mix_error_on_device(*self._dev[i], books, mode, self.qt, self.backend)
         if self.keep and len(self.mats) == 1 and (mode == 0 or t < self._kept_min):
             if mode == 1:
                 self._kept_min = t
-            self.kept[(mode, books.tobytes() if mode == 1 else b"")] = ch[:3]
+            self.kept[(mode, books.tobytes() if mode == 1 else b"")] = ch
         return t
 
     def error(self, books: np.ndarray, mode: int) -> float:
@@ -314,7 +301,7 @@ def fit_optimized(
     restarts: int = 2,
     max_rows: Optional[int] = None,
     impl: str = "fast",
-    device=None,
+    backend: Backend = NUMBA,
     inputs=None,
 ) -> OptimizedFit:
     """Fit one expert's book pair (and mode) for the MIX encoder's own error.
@@ -327,12 +314,12 @@ def fit_optimized(
         final choice is always made on all rows).
     impl: "fast" (vectorised search, fused sums, memoised errors) or
         "legacy" (encode + decode per step, the timing anchor); same result.
-    device: None (numba on the host) or a torch device ("cuda") for the
-        encoder's search of the "fast" fitter; the same result bit for bit.
-        Where the error evaluations run there (Triton), ``encoding`` holds
-        the choices as uint8 tensors on the device.
-    inputs: the matrices and importance already on ``device``, as
-        ``_mix_search_torch.to_device`` gives them (one (X, W) a matrix).
+    backend: where the "fast" fitter's encoder searches run
+        (``formats.search.Backend``; numba on the host by default); the same
+        result bit for bit. Where the error evaluations run on the device
+        (the Triton tier), ``encoding`` holds the choices as uint8 tensors there.
+    inputs: the matrices and importance already on the backend's device, as
+        ``formats.search.to_device`` gives them (one (X, W) a matrix).
     Returns an OptimizedFit whose error is <= the reference books' error.
     """
     qt = formats.get_qtype(qtype)
@@ -343,7 +330,7 @@ def fit_optimized(
     if impl not in ("fast", "legacy"):
         raise BadInputError(f"fit_optimized: impl must be 'fast' or 'legacy', got {impl!r}")
     if impl == "fast":
-        P = lambda q, m, w, dv: _FastProblem(q, m, w, device, dv)  # noqa: E731
+        P = lambda q, m, w, dv: _FastProblem(q, m, w, backend, dv)  # noqa: E731
     else:
         P = lambda q, m, w, dv: _Problem(q, m, w)  # noqa: E731
     project = _project_fast if impl == "fast" else _project
@@ -355,7 +342,7 @@ def fit_optimized(
         if not np.all(np.isfinite(m)):
             raise CodebookError(f"fit_optimized: matrix {i} has non-finite values")
     L = qt.codebook_levels
-    dev_in = inputs if device is not None and impl == "fast" else None
+    dev_in = inputs if backend.on_device and impl == "fast" else None
     full = P(qt.name, mats, imps, dev_in)
     if impl == "fast":
         full.keep = True  # the final encode of the chosen books reuses these choices

@@ -206,7 +206,7 @@ def sums_of_rows(part: np.ndarray, n: int, has_w: bool) -> Sums:
     """The Sums of per-row partials float64 (rows, 8) (sse, ssx, ssy, dot,
     max|d|, non-finite count, wsse, wssx; each a sequential sum over the row
     in column order), added in row order: ``error_sums``'s figures, wherever
-    the rows were summed (``ds4quant.metrics_device`` on a GPU)."""
+    the rows were summed (``ds4quant.formats.search.triton_sums`` on a GPU)."""
     tot = np.zeros(8)
     for r in range(part.shape[0]):  # fixed order: thread count never changes the figures
         tot += part[r]

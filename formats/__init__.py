@@ -9,20 +9,23 @@ Public surface::
     components(qtype, data, cols, codebooks=None, modes=None) -> Components
     exact_parts(values) -> (mant, exp)   float32 as odd integer x 2^exp
 
+and the public modules ``components`` (the parts of a decoded weight, the
+runtime's row decoders), ``bits`` (bit packing), ``checks`` (the argument
+checks) and ``search`` (the measure stage's search engine and its tiers).
+
 Example::
 
     from ds4quant import formats
     q = formats.encode("rocmfp2", w)            # uint8 (rows, cols // 32 * 10)
     w2 = formats.decode("rocmfp2", q, w.shape[1])
 
-Arguments are validated here, once; a codec module only ever sees float32
+Arguments are validated here, once (``checks``); a codec module only ever sees float32
 C-contiguous (rows, cols) input whose cols are a multiple of its block.
 Importing this package does not import torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import pkgutil
 from types import MappingProxyType
@@ -30,23 +33,20 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ds4quant.errors import (
-    BadInputError,
-    CodebookError,
-    ShapeError,
-    UnsupportedFormatError,
-)
+from ds4quant.errors import BadInputError, CodebookError, ShapeError, UnsupportedFormatError
+from ds4quant.formats.checks import (as_blocks, bf16_round, check_codebooks, check_cols, check_modes, encode_input,
+                                     numba_threads, split_experts)
 from ds4quant.formats.qtype import Codec, QType, all_qtypes, get_codec, get_qtype, qtypes_for_ggml_type
 
 # Modules in this package that are infrastructure, not codecs.
-_NOT_CODECS = {"qtype", "ue4m3"}
+_NOT_CODECS = {"qtype", "ue4m3", "bits", "checks", "components"}
 
 
 def _load_codecs() -> None:
     # Every public module in this folder is a codec that registers itself on
     # import; sorted so registration order (and `formats` listing) is stable.
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_") or info.name in _NOT_CODECS:
+        if info.ispkg or info.name.startswith("_") or info.name in _NOT_CODECS:
             continue
         importlib.import_module(f"{__name__}.{info.name}")
 
@@ -73,128 +73,7 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------
-# argument checks shared by encode/decode
-
-
-def _as_rows(x: Any, what: str) -> np.ndarray:
-    arr = np.asarray(x)
-    if arr.dtype.kind != "f":
-        raise BadInputError(f"{what} must be a floating-point array, got dtype {arr.dtype}")
-    if arr.ndim == 1:
-        arr = arr.reshape(1, -1)
-    if arr.ndim != 2:
-        raise ShapeError(f"{what} must be 2-D (rows, cols), got shape {arr.shape}")
-    return np.ascontiguousarray(arr, dtype=np.float32)
-
-
-def _check_cols(qt: QType, cols: int, what: str) -> None:
-    if cols <= 0 or cols % qt.block_size or cols % qt.row_multiple:
-        need = max(qt.block_size, qt.row_multiple)
-        raise ShapeError(
-            f"{what}: {qt.name} needs a column count that is a positive multiple of {need}, got {cols}"
-        )
-
-
-def bf16_round(values: Any) -> np.ndarray:
-    """Round float32 values to bf16 (nearest-even) and back; float32 array."""
-    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16) << 16
-    return r.astype(np.uint32).view(np.float32)
-
-
-def check_codebooks(qt: QType, codebooks: Any, what: str = "codebooks") -> np.ndarray:
-    """Validate MIX books: float32 (2, L) or (E, 2, L), finite, bf16-exact,
-    strictly increasing within each book. Returns a float32 C array."""
-    if codebooks is None:
-        raise CodebookError(f"{qt.name} needs codebooks of shape (2, {qt.codebook_levels})", where=what)
-    books = np.asarray(codebooks)
-    if books.dtype.kind != "f":
-        raise CodebookError(f"codebooks must be float, got dtype {books.dtype}", where=what)
-    books = np.ascontiguousarray(books, dtype=np.float32)
-    L = qt.codebook_levels
-    if books.shape[-2:] != (2, L) or books.ndim not in (2, 3):
-        raise CodebookError(f"{qt.name} codebooks must have shape (2, {L}) or (E, 2, {L}), got {books.shape}", where=what)
-    if not np.all(np.isfinite(books)):
-        raise CodebookError("codebook levels must be finite", where=what)
-    if not np.array_equal(bf16_round(books).view(np.uint32), books.view(np.uint32)):
-        raise CodebookError("codebook levels must be exactly representable in bf16", where=what)
-    if not np.all(np.diff(books, axis=-1) > 0):
-        raise CodebookError("codebook levels must be strictly increasing within each book", where=what)
-    return books
-
-
-def _check_modes(modes: Any, n_experts: int, what: str = "modes") -> np.ndarray:
-    if modes is None:
-        return np.ones(n_experts, dtype=np.uint8)
-    m = np.asarray(modes)
-    if m.ndim == 0:
-        m = np.full(n_experts, int(m), dtype=np.int64)
-    if m.shape != (n_experts,) or m.dtype.kind not in "iub":
-        raise CodebookError(f"modes must be an int or {n_experts} ints, got {np.asarray(modes)!r}", where=what)
-    if np.any((m != 0) & (m != 1)):
-        raise CodebookError("modes must be 0 (fixed levels) or 1 (codebook)", where=what)
-    return m.astype(np.uint8)
-
-
-def _check_importance(importance: Any, cols: int) -> Optional[np.ndarray]:
-    if importance is None:
-        return None
-    imp = np.asarray(importance)
-    if imp.dtype.kind not in "fiu":
-        raise BadInputError(f"importance must be numeric, got dtype {imp.dtype}")
-    imp = np.ascontiguousarray(imp, dtype=np.float32).reshape(-1)
-    if imp.shape != (cols,):
-        raise ShapeError(f"importance must have length {cols} (one per column), got {np.asarray(importance).shape}")
-    if not np.all(np.isfinite(imp)):
-        raise BadInputError("importance contains NaN or Inf")
-    if np.any(imp < 0):
-        raise BadInputError(f"importance must be >= 0; column {int(np.argmax(imp < 0))} is {float(imp[imp < 0][0])}")
-    return imp
-
-
-def _split_experts(rows: int, n_experts: int, what: str) -> int:
-    if n_experts <= 0 or rows % n_experts:
-        raise ShapeError(f"{what}: {rows} rows cannot be split evenly over {n_experts} experts")
-    return rows // n_experts
-
-
-@contextlib.contextmanager
-def numba_threads(threads: Optional[int]):
-    if threads is None:
-        yield
-        return
-    import numba
-
-    if threads < 1:
-        raise BadInputError(f"threads must be >= 1, got {threads}")
-    old = numba.get_num_threads()
-    numba.set_num_threads(min(int(threads), numba.config.NUMBA_NUM_THREADS))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(old)
-
-
-# --------------------------------------------------------------------------
 # public API
-
-
-def encode_input(qt: QType, x: Any, importance: Any = None, nonfinite: str = "reject"):
-    """``encode``'s checks of its input: (float32 rows, importance or None),
-    or the refusal ``encode`` gives (also for encoders outside the registry,
-    such as the measure stage's device search)."""
-    arr = _as_rows(x, f"{qt.name} input")
-    rows, cols = arr.shape
-    _check_cols(qt, cols, f"{qt.name} input")
-    if nonfinite not in ("reject", "reference"):
-        raise BadInputError(f"nonfinite must be 'reject' or 'reference', got {nonfinite!r}")
-    if (nonfinite == "reject" or qt.is_mix) and not np.all(np.isfinite(arr)):
-        bad = np.argwhere(~np.isfinite(arr))[0]
-        raise BadInputError(
-            f"{qt.name} input has a non-finite value at row {bad[0]}, column {bad[1]}",
-            hint="clean the source, or pass nonfinite='reference' to encode it as the reference codec does",
-        )
-    return arr, _check_importance(importance, cols)
 
 
 def encode(
@@ -237,7 +116,7 @@ def encode(
             if books.ndim == 2:
                 out = fn(arr, imp, books, **options)
             else:
-                per = _split_experts(rows, books.shape[0], f"{qt.name} input")
+                per = split_experts(rows, books.shape[0], f"{qt.name} input")
                 out = np.concatenate(
                     [fn(arr[i * per:(i + 1) * per], imp, books[i], **options) for i in range(books.shape[0])]
                 ) if rows else np.zeros((0, qt.row_bytes(cols)), np.uint8)
@@ -260,17 +139,6 @@ def _pick(ref, fast, impl: str, name: str, what: str):
     raise BadInputError(f"impl must be 'auto', 'ref' or 'fast', got {impl!r}")
 
 
-def _as_blocks(data: Any, qt: QType, cols: int) -> np.ndarray:
-    arr = np.asarray(data)
-    if arr.dtype != np.uint8:
-        raise BadInputError(f"{qt.name} data must be uint8, got dtype {arr.dtype}")
-    _check_cols(qt, cols, f"{qt.name} decode")
-    rb = qt.row_bytes(cols)
-    if arr.size % rb:
-        raise ShapeError(f"{qt.name} data of {arr.size} bytes is not a whole number of {rb}-byte rows ({cols} columns)")
-    return np.ascontiguousarray(arr.reshape(-1, rb))
-
-
 def decode(
     qtype: "str | QType",
     data: Any,
@@ -287,7 +155,7 @@ def decode(
     """
     qt = get_qtype(qtype)
     codec = get_codec(qt.name)
-    blocks = _as_blocks(data, qt, cols)
+    blocks = as_blocks(data, qt, cols)
     fn = _pick(codec.decode_ref, codec.decode_fast, impl, qt.name, "decoder")
     if not qt.is_mix:
         if codebooks is not None or modes is not None:
@@ -295,11 +163,11 @@ def decode(
         return fn(blocks, cols, None, None)
     books = check_codebooks(qt, codebooks)
     if books.ndim == 2:
-        m = _check_modes(modes, 1)
+        m = check_modes(modes, 1)
         return fn(blocks, cols, books, int(m[0]))
     n = books.shape[0]
-    m = _check_modes(modes, n)
-    per = _split_experts(blocks.shape[0], n, f"{qt.name} decode")
+    m = check_modes(modes, n)
+    per = split_experts(blocks.shape[0], n, f"{qt.name} decode")
     out = np.empty((blocks.shape[0], cols), dtype=np.float32)
     for i in range(n):
         out[i * per:(i + 1) * per] = fn(blocks[i * per:(i + 1) * per], cols, books[i], int(m[i]))
@@ -326,7 +194,7 @@ def decode_torch(
     t = data if isinstance(data, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(data))
     if t.dtype != torch.uint8:
         raise BadInputError(f"{qt.name} data must be uint8, got {t.dtype}")
-    _check_cols(qt, cols, f"{qt.name} decode")
+    check_cols(qt, cols, f"{qt.name} decode")
     rb = qt.row_bytes(cols)
     if t.numel() % rb:
         raise ShapeError(f"{qt.name} data of {t.numel()} bytes is not a whole number of {rb}-byte rows ({cols} columns)")
@@ -340,14 +208,15 @@ def decode_torch(
     )
     books = torch.from_numpy(books_np).to(t.device)
     if books_np.ndim == 2:
-        m = _check_modes(modes, 1)
+        m = check_modes(modes, 1)
         return codec.decode_torch(t, cols, books, int(m[0]))
     n = books_np.shape[0]
-    m = _check_modes(modes.detach().cpu().numpy() if isinstance(modes, torch.Tensor) else modes, n)
-    per = _split_experts(t.shape[0], n, f"{qt.name} decode")
+    m = check_modes(modes.detach().cpu().numpy() if isinstance(modes, torch.Tensor) else modes, n)
+    per = split_experts(t.shape[0], n, f"{qt.name} decode")
     parts = [codec.decode_torch(t[i * per:(i + 1) * per], cols, books[i], int(m[i])) for i in range(n)]
     return torch.cat(parts) if parts else torch.empty((0, cols), dtype=torch.float32, device=t.device)
 
 
-# Imported last: the components module reads the codec tables registered above.
-from ds4quant.formats._components import Components, components, exact_parts  # noqa: E402
+# After the codecs: components imports one codec module (mxfp4) itself, which
+# must not register ahead of the sorted order above.
+from ds4quant.formats.components import Components, components, exact_parts  # noqa: E402

@@ -4,7 +4,7 @@ Walks the candidates from ``N(max/top)`` outwards like the reference codec,
 abandons a candidate once its partial sum exceeds the best, and stops walking
 in a direction once a lower bound of every further candidate's error exceeds
 the best, so it returns exactly the argmin of ``_scale_search_ref`` (see
-``_scale_search`` for the rule and the bounds).
+``scale_codecs`` for the rule and the bounds).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ds4quant.formats._scale_tables import (
+from ds4quant.formats.search.numba_scale import row_energy_nb, row_energy_s40_nb
+from ds4quant.formats.search.tables import (
     BITS, F32, FP2, FP3, FP4, FP6, FP8, INIT_E, INIT_ERR, LEVELS, S40, SCALES, TOP,
 )
 from ds4quant.formats.ue4m3 import FLT_MAX, UE4M3, UE4M3_INV, nearest_nb
@@ -43,39 +44,6 @@ def _fp2_level_nb(v):
     bd = d if d < bd else bd
     d = abs(v - F32(2.0))
     return F32(2.0) if d < bd else lv
-
-
-@numba.njit(cache=True, nogil=True)
-def row_energy_nb(x):
-    """§2.1 for one float32 row (see row_energy_ref)."""
-    k = x.shape[0]
-    s = _ZERO
-    for i in range(k):
-        xi = x[i]
-        if not np.isfinite(xi):
-            continue
-        sq = xi * xi
-        if not np.isfinite(sq) or s > FLT_MAX - sq:
-            total = 0.0
-            for j in range(k):
-                if np.isfinite(x[j]):
-                    xd = np.float64(x[j])
-                    total += xd * xd
-            total = total / k
-            if total > np.float64(FLT_MAX):
-                total = np.float64(FLT_MAX)
-            return np.float32(total)
-        s += sq
-    return s / np.float32(k)
-
-
-@numba.njit(cache=True, nogil=True)
-def row_energy_s40_nb(x):
-    s = _ZERO
-    for i in range(x.shape[0]):
-        if np.isfinite(x[i]):
-            s += x[i] * x[i]
-    return s / np.float32(x.shape[0])
 
 
 @numba.njit(cache=True, inline="always")
@@ -517,11 +485,3 @@ def decode_rows_nb(fmt, data, group, out):
                 s = sc[row[off + qsb + h]]
                 for i in range(group):
                     out[r, blk * 32 + h * group + i] = lv[codes[h * group + i]] * s
-
-
-@numba.njit(cache=True, parallel=True, nogil=True)
-def row_energies_nb(x, out):
-    """out[r] = row_energy_nb(x[r]) (§2.1, the weights' sigma^2) for every row:
-    what the device search (``_scale_search_torch``) takes from the host."""
-    for r in numba.prange(x.shape[0]):
-        out[r] = row_energy_nb(x[r])

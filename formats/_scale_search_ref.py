@@ -4,14 +4,14 @@ Reads like the spec: the scale search evaluates all 126 candidates for every
 group at once, and sums each candidate's error terms with sequential float32
 adds in element order (never ``np.sum``, which adds pairwise and rounds
 differently). The rule it implements, and the fast path that must give the
-same bytes, are described in ``_scale_search``.
+same bytes, are described in ``scale_codecs``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ds4quant.formats._scale_tables import (
+from ds4quant.formats.search.tables import (
     F32, FP2, FP3, FP4, FP4_THRESHOLDS, FP6, FP8, INIT_E, INIT_ERR, LEVELS, S40, SCALES, TOP, ZERO_CODE,
 )
 from ds4quant.formats.ue4m3 import FLT_MAX, UE4M3, UE4M3_INV, nearest_ref

@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 from ds4quant.errors import CorruptDataError, ShapeError
-from ds4quant.formats._bits import pack_nibbles_split, unpack_nibbles_split
+from ds4quant.formats.bits import pack_nibbles_split, unpack_nibbles_split
 from ds4quant.formats.fp8 import check_fp4_layout
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_GGUF_PY, RT_LLAMA_CPP, RT_LUCEBOX, Codec, QType, register
 

@@ -22,8 +22,9 @@ set -- equivalently it encodes -x -- and sets bit 7 when the mirrored half's
 
 from __future__ import annotations
 
-from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.scale_codecs import make_codec
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
+from ds4quant.formats.search.tables import FP2
 
 _GROUP = 16  # one scale per 16-weight half
 
@@ -41,5 +42,5 @@ QTYPE = register(
         description="ROCmFP2 {-1,0,1,2} x per-16 UE4M3 scale, Lucebox default build; "
         "decodes fp2s mirrored halves; encode option fp2s=True picks the mirror per half",
     ),
-    ss.make_codec(ss.FP2, _GROUP, options={"fp2s": "mirror"}),
+    make_codec(FP2, _GROUP, options={"fp2s": "mirror"}),
 )

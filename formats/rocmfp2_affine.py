@@ -25,10 +25,11 @@ from typing import Optional
 import numba
 import numpy as np
 
-from ds4quant.formats._bits import pack_bits, unpack_bits
-from ds4quant.formats._scale_search_nb import _weight_nb, row_energy_nb
+from ds4quant.formats.bits import pack_bits, unpack_bits
+from ds4quant.formats._scale_search_nb import _weight_nb
 from ds4quant.formats._scale_search_ref import importance_weights_ref, row_energy_ref
-from ds4quant.formats._scale_tables import FP2
+from ds4quant.formats.search.numba_scale import row_energy_nb
+from ds4quant.formats.search.tables import FP2
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX_AFFINE, Codec, QType, register
 from ds4quant.formats.ue4m3 import UE4M3, nearest_nb, nearest_ref
 

@@ -35,8 +35,9 @@ e = 1 and amplify every value to +-2^-10.
 
 from __future__ import annotations
 
-from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.scale_codecs import make_codec
 from ds4quant.formats.qtype import RT_DS4QUANT, QType, register
+from ds4quant.formats.search.tables import S40
 
 _GROUP = 16
 
@@ -55,5 +56,5 @@ QTYPE = register(
         "llama.cpp forks (halo-box/strix-llama.cpp and kin), not Lucebox; option zero_seed=True "
         "follows the fork revision that also scores scale 0",
     ),
-    ss.make_codec(ss.S40, _GROUP, options={"zero_seed": "zero_seed"}),
+    make_codec(S40, _GROUP, options={"zero_seed": "zero_seed"}),
 )

@@ -13,8 +13,9 @@ Code bit 2 is the sign, bits 0-1 index magnitudes {0, 1, 2, 4}; code 4
 
 from __future__ import annotations
 
-from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.scale_codecs import make_codec
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
+from ds4quant.formats.search.tables import FP3
 
 _GROUP = 16
 
@@ -31,5 +32,5 @@ QTYPE = register(
         runtimes=(RT_DS4QUANT, RT_LUCEBOX),
         description="ROCmFP3 sign + {0,1,2,4} x per-16 UE4M3 scale (Q3_0_ROCMFPX)",
     ),
-    ss.make_codec(ss.FP3, _GROUP),
+    make_codec(FP3, _GROUP),
 )

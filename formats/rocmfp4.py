@@ -16,8 +16,9 @@ whose error is >= FLT_MAX is never chosen; if none is below, e = 0.
 
 from __future__ import annotations
 
-from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.scale_codecs import make_codec
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
+from ds4quant.formats.search.tables import FP4
 
 
 QTYPE = register(
@@ -32,7 +33,7 @@ QTYPE = register(
         runtimes=(RT_DS4QUANT, RT_LUCEBOX),
         description="ROCmFP4 sign + {0,1,2,3,4,6,8,10} x per-16 UE4M3 scale (Q4_0_ROCMFP4)",
     ),
-    ss.make_codec(ss.FP4, 16),
+    make_codec(FP4, 16),
 )
 
 QTYPE_FAST = register(
@@ -47,5 +48,5 @@ QTYPE_FAST = register(
         runtimes=(RT_DS4QUANT, RT_LUCEBOX),
         description="ROCmFP4 FAST sign + {0,1,2,3,4,6,8,10} x per-32 UE4M3 scale (Q4_0_ROCMFP4_FAST)",
     ),
-    ss.make_codec(ss.FP4, 32),
+    make_codec(FP4, 32),
 )

@@ -12,8 +12,9 @@ decodes as +0). Element quantiser m = lroundf(min(|x/S|, 31)). Encoder:
 
 from __future__ import annotations
 
-from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.scale_codecs import make_codec
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
+from ds4quant.formats.search.tables import FP6
 
 _GROUP = 16
 
@@ -30,5 +31,5 @@ QTYPE = register(
         runtimes=(RT_DS4QUANT, RT_LUCEBOX),
         description="ROCmFP6 sign + 0..31 x per-16 UE4M3 scale (Q6_0_ROCMFPX)",
     ),
-    ss.make_codec(ss.FP6, _GROUP),
+    make_codec(FP6, _GROUP),
 )

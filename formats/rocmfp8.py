@@ -13,8 +13,9 @@ with its float32 collapse towards 1 for huge targets). With importance,
 
 from __future__ import annotations
 
-from ds4quant.formats import _scale_search as ss
+from ds4quant.formats.scale_codecs import make_codec
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, QType, register
+from ds4quant.formats.search.tables import FP8
 
 _GROUP = 32
 
@@ -32,5 +33,5 @@ QTYPE = register(
         description="ROCmFP8 int8 in [-127,127] x per-32 UE4M3 scale (Q8_0_ROCMFPX); "
         "nearest scale without importance, scale search with it",
     ),
-    ss.make_codec(ss.FP8, _GROUP, fp8_nearest=True),
+    make_codec(FP8, _GROUP, fp8_nearest=True),
 )

@@ -34,42 +34,18 @@ from typing import Optional
 import numba
 import numpy as np
 
-from ds4quant.errors import BadInputError, EncodeRejectedError
-from ds4quant.formats._bits import pack_bits, unpack_bits
-from ds4quant.formats._mix_legacy import _encode_fixed_nb, _encode_nb
-from ds4quant.formats._mix_search import _HALF, _choose, _max_level, _pack_chosen_nb, _splits
+from ds4quant.errors import BadInputError
+from ds4quant.formats.bits import pack_bits, unpack_bits
 from ds4quant.formats.qtype import RT_DS4QUANT, RT_LUCEBOX, Codec, QType, register
+from ds4quant.formats.search import numba_mix, numba_pack
+from ds4quant.formats.search.numba_mix import max_level, splits
+from ds4quant.formats.search.numba_pack import NO_CANDIDATE, NONFINITE, refuse
+from ds4quant.formats.search.tables import FIXED_105, FIXED_106, HALF
 from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV, nearest_ref
 
 _HALF_CHUNK = 1 << 15  # halves per numpy-reference chunk (bounds memory of N(t))
 
-# Mode-0 fixed levels (§9.3), indexed by code.
-_FIXED_106 = np.array([-1.0, 0.0, 1.0, 2.0], dtype=np.float32)
-_FIXED_105 = np.array([0.0, 1.0, 2.0, 4.0, 0.0, -1.0, -2.0, -4.0], dtype=np.float32)
-_FIXED_106.setflags(write=False)
-_FIXED_105.setflags(write=False)
 _FIXED_SPLITS_106 = np.array([-0.5, 0.5, 1.5], dtype=np.float32)  # §3 thresholds
-
-# Failure reasons, shared by the reference and the fast path so both raise
-# the same message.
-_OK, _NONFINITE, _NO_CANDIDATE = 0, 1, 2
-
-# True: the fast encoder runs the pre-vectorisation kernels (_mix_legacy's
-# _encode_nb / _encode_fixed_nb), kept as the timing anchor of benchmarks/adaptive.py.
-_LEGACY_ENCODE = False
-
-
-def _reject(qt_name: str, status: int, row: int, block: int, half: int):
-    if status == _NONFINITE:
-        why = "has a NaN or Inf value"
-        fix = "clean the source tensor"
-    else:
-        why = "has no finite-error candidate (an overflowing outlier, or negative/non-finite importance)"
-        fix = "clip the outlier or fix the importance vector"
-    raise EncodeRejectedError(
-        f"{qt_name} encoder rejects row {row}, block {block} (half {half}): the half {why}",
-        hint=fix,
-    )
 
 
 # --------------------------------------------------------------------------
@@ -96,8 +72,8 @@ def _encode_halves_ref(h: np.ndarray, w: Optional[np.ndarray], books: np.ndarray
     Returns (meta uint8 (n,), codes uint8 (n, 16), status int8 (n,)).
     """
     n = h.shape[0]
-    split = _splits(books)
-    ml = _max_level(books)
+    split = splits(books)
+    ml = max_level(books)
     status = np.zeros(n, dtype=np.int8)
     with np.errstate(over="ignore", invalid="ignore"):
         finite = np.all(np.isfinite(h), axis=1)
@@ -105,7 +81,7 @@ def _encode_halves_ref(h: np.ndarray, w: Optional[np.ndarray], books: np.ndarray
         zero = m == 0
         if w is None:
             w_bad = np.zeros(n, dtype=bool)
-            wcol = np.ones((n, _HALF), dtype=np.float32)
+            wcol = np.ones((n, HALF), dtype=np.float32)
         else:
             w_bad = ~np.all(np.isfinite(w) & (w >= 0), axis=1)
             wcol = w
@@ -122,7 +98,7 @@ def _encode_halves_ref(h: np.ndarray, w: Optional[np.ndarray], books: np.ndarray
                 ec = np.clip(e, 1, 126)
                 s, inv = UE4M3[ec], UE4M3_INV[ec]
                 err = np.zeros(n, dtype=np.float32)
-                for i in range(_HALF):  # float32 sum in element order
+                for i in range(HALF):  # float32 sum in element order
                     xi = h[:, i]
                     j = _nl_ref(xi * inv, split[b])
                     d = xi - s * books[b][j]
@@ -138,8 +114,8 @@ def _encode_halves_ref(h: np.ndarray, w: Optional[np.ndarray], books: np.ndarray
         # zero half: book 0, byte 0 (§9.4 step 2)
         best_b[zero] = 0
         best_e[zero] = 0
-        status[~zero & (best_err == np.inf)] = _NO_CANDIDATE
-        status[~finite] = _NONFINITE
+        status[~zero & (best_err == np.inf)] = NO_CANDIDATE
+        status[~finite] = NONFINITE
         # codes: NL(x * (1/S)) in the chosen book; NL(0) when S = 0
         inv = UE4M3_INV[best_e][:, None]
         v = np.where(zero[:, None], np.float32(0.0), h * inv).astype(np.float32)
@@ -163,19 +139,19 @@ def _encode_halves_fixed_ref(h: np.ndarray, w: Optional[np.ndarray], bits: int):
     the byte e in 1..126 with the least raw-weighted error (ties to the smaller
     byte), fixed levels, meta = e (bit 7 clear). Same refusals as mode 1."""
     n = h.shape[0]
-    fixed = _FIXED_106 if bits == 2 else _FIXED_105
+    fixed = FIXED_106 if bits == 2 else FIXED_105
     status = np.zeros(n, dtype=np.int8)
     with np.errstate(over="ignore", invalid="ignore"):
         finite = np.all(np.isfinite(h), axis=1)
         zero = np.abs(h).max(axis=1) == 0
         w_bad = np.zeros(n, dtype=bool) if w is None else ~np.all(np.isfinite(w) & (w >= 0), axis=1)
-        wcol = np.ones((n, _HALF), dtype=np.float32) if w is None else w
+        wcol = np.ones((n, HALF), dtype=np.float32) if w is None else w
         best_err = np.full(n, np.inf, dtype=np.float32)
         best_e = np.ones(n, dtype=np.int64)
         for e in range(1, 127):
             s, inv = UE4M3[e], UE4M3_INV[e]
             err = np.zeros(n, dtype=np.float32)
-            for i in range(_HALF):
+            for i in range(HALF):
                 xi = h[:, i]
                 d = xi - s * fixed[_fixed_codes_ref(xi * inv, bits)]
                 err = err + (wcol[:, i] * d) * d
@@ -184,8 +160,8 @@ def _encode_halves_fixed_ref(h: np.ndarray, w: Optional[np.ndarray], bits: int):
             best_err = np.where(adopt, err, best_err)
             best_e = np.where(adopt, e, best_e)
         best_e[zero] = 0
-        status[~zero & (best_err == np.inf)] = _NO_CANDIDATE
-        status[~finite] = _NONFINITE
+        status[~zero & (best_err == np.inf)] = NO_CANDIDATE
+        status[~finite] = NONFINITE
         v = (h * UE4M3_INV[best_e][:, None]).astype(np.float32)
         v[zero] = 0
         codes = _fixed_codes_ref(v, bits)
@@ -197,21 +173,21 @@ def _encode_ref(x: np.ndarray, importance, books: np.ndarray, *, qt: QType, bits
     if mode not in (0, 1):
         raise BadInputError(f"{qt.name} encoder: mode must be 0 or 1, got {mode!r}")
     rows, cols = x.shape
-    hpr = cols // _HALF  # halves per row
+    hpr = cols // HALF  # halves per row
     nb = cols // 32
     qs_bytes = 32 * bits // 8
     out = np.zeros((rows, nb, qs_bytes + 2), dtype=np.uint8)
-    w_row = None if importance is None else importance.reshape(hpr, _HALF)
+    w_row = None if importance is None else importance.reshape(hpr, HALF)
     rows_per_chunk = max(1, _HALF_CHUNK // hpr)
     for r0 in range(0, rows, rows_per_chunk):
         r1 = min(rows, r0 + rows_per_chunk)
-        h = x[r0:r1].reshape(-1, _HALF)
+        h = x[r0:r1].reshape(-1, HALF)
         w = None if w_row is None else np.tile(w_row, (r1 - r0, 1))
         meta, codes, status = _encode_halves_ref(h, w, books) if mode == 1 else _encode_halves_fixed_ref(h, w, bits)
         bad = np.flatnonzero(status)
         if len(bad):  # the reference stops at the first bad half in row order
             i = int(bad[0])
-            _reject(qt.name, int(status[i]), r0 + i // hpr, (i % hpr) // 2, i % 2)
+            refuse(qt.name, int(status[i]), r0 + i // hpr, (i % hpr) // 2, i % 2)
         out[r0:r1, :, :qs_bytes] = pack_bits(codes.reshape(-1, 32), bits).reshape(r1 - r0, nb, qs_bytes)
         out[r0:r1, :, qs_bytes:] = meta.reshape(r1 - r0, nb, 2)
     return out.reshape(rows, nb * (qs_bytes + 2))
@@ -222,7 +198,7 @@ def _decode_ref(data: np.ndarray, cols: int, books: np.ndarray, modes: int, *, b
     nb = cols // 32
     qs_bytes = 32 * bits // 8
     blk = data.reshape(rows * nb, qs_bytes + 2)
-    codes = unpack_bits(blk[:, :qs_bytes], bits, 32).astype(np.int64).reshape(-1, 2, _HALF)
+    codes = unpack_bits(blk[:, :qs_bytes], bits, 32).astype(np.int64).reshape(-1, 2, HALF)
     meta = blk[:, qs_bytes:].astype(np.int64)[:, :, None]  # (blocks, 2, 1)
     if modes == 1:
         scale = UE4M3[meta & 0x7F]
@@ -234,15 +210,8 @@ def _decode_ref(data: np.ndarray, cols: int, books: np.ndarray, modes: int, *, b
 
 
 # --------------------------------------------------------------------------
-# numba fast path: the search and packing of _mix_search (or _mix_legacy's
-# kernels), the refusals, and the decode
-
-
-def _check_status(qt: QType, status: np.ndarray, hpr: int) -> None:
-    bad = np.flatnonzero(status)
-    if len(bad):  # the first bad half in row order, as the reference stops
-        g = int(bad[0])
-        _reject(qt.name, int(status[g]), g // hpr, (g % hpr) // 2, g % 2)
+# numba fast path: the search of ``search.numba_mix`` and the packing of
+# ``search.numba_pack`` (its refusals are the reference's), and the decode
 
 
 def _encode_fast(x: np.ndarray, importance, books: np.ndarray, *, qt: QType, bits: int, mode: int = 1) -> np.ndarray:
@@ -250,29 +219,9 @@ def _encode_fast(x: np.ndarray, importance, books: np.ndarray, *, qt: QType, bit
     if mode not in (0, 1):
         raise BadInputError(f"{qt.name} encoder: mode must be 0 or 1, got {mode!r}")
     rows, cols = x.shape
-    out = np.zeros((rows, qt.row_bytes(cols)), dtype=np.uint8)
-    status = np.zeros(rows, dtype=np.int8)
-    fail_half = np.zeros(rows, dtype=np.int64)
-    has_w = importance is not None
-    w = importance if has_w else np.zeros(1, dtype=np.float32)
-    books = np.ascontiguousarray(books, dtype=np.float32)
-    if _LEGACY_ENCODE:
-        if mode == 1:
-            _encode_nb(x, w, has_w, books, np.ascontiguousarray(_splits(books)), _max_level(books), bits, out, status,
-                       fail_half)
-        else:
-            _encode_fixed_nb(x, w, has_w, _FIXED_106 if bits == 2 else _FIXED_105, bits, out, status, fail_half)
-        bad = np.flatnonzero(status)
-        if len(bad):
-            r = int(bad[0])
-            hidx = int(fail_half[r])
-            _reject(qt.name, int(status[r]), r, hidx // 2, hidx % 2)
-        return out
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out_b, out_e, codes, st = _choose(x, importance, books, mode, bits)
-    _check_status(qt, st, cols // _HALF)
-    _pack_chosen_nb(codes, out_b, out_e, mode, bits, out)
-    return out
+    choices = numba_mix.choose(np.ascontiguousarray(x, dtype=np.float32), importance,
+                               np.ascontiguousarray(books, dtype=np.float32), mode, bits)
+    return numba_pack.pack(qt, choices, mode, bits, rows, cols)
 
 
 @numba.njit(cache=True, parallel=True, nogil=True)
@@ -322,7 +271,7 @@ def _decode_torch(data, cols: int, books, modes: int, *, bits: int, fixed: np.nd
     shifts = torch.arange(8, device=dev, dtype=torch.int64)
     stream = ((blk[:, :qs_bytes, None] >> shifts) & 1).reshape(-1, 32, bits)
     weights = torch.tensor([1 << j for j in range(bits)], device=dev, dtype=torch.int64)
-    codes = (stream * weights).sum(dim=2).reshape(-1, 2, _HALF)
+    codes = (stream * weights).sum(dim=2).reshape(-1, 2, HALF)
     meta = blk[:, qs_bytes:].reshape(-1, 2, 1)
     table = torch.from_numpy(UE4M3.copy()).to(dev)
     if modes == 1:
@@ -385,7 +334,7 @@ ROCMFP3_MIX = QType(
     ),
 )
 
-for _qt, _bits, _fixed in ((ROCMFP2_MIX, 2, _FIXED_106), (ROCMFP3_MIX, 3, _FIXED_105)):
+for _qt, _bits, _fixed in ((ROCMFP2_MIX, 2, FIXED_106), (ROCMFP3_MIX, 3, FIXED_105)):
     register(
         _qt,
         Codec(

@@ -433,7 +433,7 @@ def exact_matmul(kind: int, p0: int, p1: int, data: np.ndarray, cols: int, lut: 
                  x: np.ndarray, quant, *, what: str, spans=None) -> np.ndarray:
     """D of every row of x against one expert's encoded rows: float32 (T, rows).
 
-    kind/p0/p1: ``formats._components.row_kind``; lut/mode: ``row_lut`` and the
+    kind/p0/p1: ``formats.components.row_kind``; lut/mode: ``row_lut`` and the
     MIX expert's mode. quant: ``quantize_rows(x)``. spans: ``row_spans`` of
     the same rows (computed here when None).
     """

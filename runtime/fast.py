@@ -30,9 +30,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ds4quant.formats import _scale_search as _ss
-from ds4quant.formats._components import K_MIX, K_SCALE, UE4M3, decode_row_nb
-from ds4quant.formats._components import _chunk_nb as _chunk  # chunk c of a block's code stream
+from ds4quant.formats.components import BITS, K_MIX, K_SCALE, SCALES, decode_row_nb
+from ds4quant.formats.components import chunk_nb as _chunk  # chunk c of a block's code stream
+from ds4quant.formats.ue4m3 import UE4M3
 from ds4quant.runtime.jit import jit_call, parallel, readonly
 
 TILE_BYTES = 4 << 20  # decoded tile for the BLAS path: a few MiB of float32 (L3 resident)
@@ -43,8 +43,8 @@ LANE_MIN_TOKENS = 4  # lane families: the GEMV costs one pass per token; BLAS ti
 
 def lane_bits(kind: int, p0: int, p1: int) -> int:
     """Code width (2 or 3) of a lane-family layout, else 0."""
-    if kind == K_SCALE and p1 == 16 and int(_ss.BITS[p0]) in (2, 3):
-        return int(_ss.BITS[p0])
+    if kind == K_SCALE and p1 == 16 and int(BITS[p0]) in (2, 3):
+        return int(BITS[p0])
     if kind == K_MIX and p0 in (2, 3):
         return p0
     return 0
@@ -132,7 +132,7 @@ def lane_matmul_nb(kind, p0, bits, data, cols, lut, mode, x, out):
     rows = data.shape[0]
     T = x.shape[0]
     nb = cols // 32
-    sc = _ss.SCALES[p0] if kind == K_SCALE else _ss.SCALES[0]
+    sc = SCALES[p0] if kind == K_SCALE else SCALES[0]
     for c in numba.prange((rows + _ROW_CHUNK - 1) // _ROW_CHUNK):
         for j in range(c * _ROW_CHUNK, min(rows, c * _ROW_CHUNK + _ROW_CHUNK)):
             row = data[j]
@@ -147,14 +147,14 @@ def lane_matmul_nb(kind, p0, bits, data, cols, lut, mode, x, out):
 def decode_row_fast(kind, p0, p1, row, cols, lut, mode, out, out_bits):
     """``decode_row_nb`` with the lane families' vectorisable decoder (same bits)."""
     nb = cols // 32
-    if kind == K_SCALE and p1 == 16 and _ss.BITS[p0] == 2:
-        _lane_decode(kind, 2, row, nb, lut, mode, _ss.SCALES[p0], out)
-    elif kind == K_SCALE and p1 == 16 and _ss.BITS[p0] == 3:
-        _lane_decode(kind, 3, row, nb, lut, mode, _ss.SCALES[p0], out)
+    if kind == K_SCALE and p1 == 16 and BITS[p0] == 2:
+        _lane_decode(kind, 2, row, nb, lut, mode, SCALES[p0], out)
+    elif kind == K_SCALE and p1 == 16 and BITS[p0] == 3:
+        _lane_decode(kind, 3, row, nb, lut, mode, SCALES[p0], out)
     elif kind == K_MIX and p0 == 2:
-        _lane_decode(kind, 2, row, nb, lut, mode, _ss.SCALES[0], out)
+        _lane_decode(kind, 2, row, nb, lut, mode, SCALES[0], out)
     elif kind == K_MIX and p0 == 3:
-        _lane_decode(kind, 3, row, nb, lut, mode, _ss.SCALES[0], out)
+        _lane_decode(kind, 3, row, nb, lut, mode, SCALES[0], out)
     else:
         decode_row_nb(kind, p0, p1, row, cols, lut, mode, out, out_bits)
 

@@ -108,7 +108,7 @@ def decode_experts_into(model, art: Path) -> dict:
 def main(argv=None) -> int:
     import torch
 
-    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.plan import AdaptiveOptions
     from ds4quant.calibrate import calibrate
     from ds4quant.convert import convert
     from ds4quant.runtime import fidelity as fd

@@ -74,7 +74,7 @@ def _calibration_current(calib: Path) -> bool:
 
 def run(out: Path) -> dict:
     """Run the pipeline into ``out``; return the rows of the summary table."""
-    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.plan import AdaptiveOptions
     from ds4quant.calibrate import calibrate
     from ds4quant.convert import convert
     from ds4quant.publish import publish
@@ -135,7 +135,7 @@ def run(out: Path) -> dict:
                       fidelity=True, protocol=PROTOCOL, mode=MODE)
     return {"rows": rows, "release": str(release.release), "calibrate_seconds": t_calib,
             "publish_seconds": time.perf_counter() - t0, "mode": MODE,
-            "adaptive_qtype_share": (adaptive.adaptive or {}).get("qtype_share")}
+            "adaptive_qtype_share": dict(adaptive.adaptive.qtype_share) if adaptive.adaptive else None}
 
 
 def _fmt(v, spec: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ds4quant.adaptive import AdaptiveOptions
+from ds4quant.plan import AdaptiveOptions
 from ds4quant.convert import convert
 from ds4quant.convert.assemble import normalized_command
 
@@ -31,7 +31,7 @@ def test_manifest_and_sums_are_identical_across_runs_threads_and_caches(tmp_path
     cold = _run(tmp_path / "a", tmp_path / "cache1", threads=1)          # cold cache
     warm = _run(tmp_path / "b", tmp_path / "cache1", threads=2)          # warm cache, other threads
     # the run itself differs (timing, cache hits): the report says so, the artifact does not
-    assert cold.adaptive["measures_reused"] == 0 and warm.adaptive["measures_reused"] > 0
+    assert cold.adaptive.measures_reused == 0 and warm.adaptive.measures_reused > 0
     other = _run(tmp_path / "c", tmp_path / "cache2", threads=2)         # another cold cache
     for name in ("manifest.json", "SHA256SUMS", "tiny.gguf"):
         a = (tmp_path / "a" / name).read_bytes()
@@ -40,7 +40,7 @@ def test_manifest_and_sums_are_identical_across_runs_threads_and_caches(tmp_path
     assert "measure_seconds" not in man["recipe"]["allocation"]
     assert "measures_reused" not in man["recipe"]["allocation"]
     assert not {"--threads", "--cache-dir", "--json"} & set(man["command"])
-    assert other.adaptive["measure_seconds"] >= 0  # kept for --json and the report
+    assert other.adaptive.measure_seconds >= 0  # kept for --json and the report
 
 
 def test_the_recorded_command_drops_only_options_that_cannot_change_bytes():

@@ -25,7 +25,7 @@ from ds4quant.cli import cli
 from ds4quant.convert import WORK_DIR, convert
 from ds4quant.convert.outdir import LOCK_NAME, OutLock
 from ds4quant.errors import BadInputError, OutputError, OutputLockedError, ResumeMismatchError
-from ds4quant.recipes import Override, get_recipe, plan_tensors
+from ds4quant.plan import Override, get_recipe, plan_tensors
 from ds4quant.sources import open_any_source
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ds4quant import __version__
-from ds4quant.adaptive import AdaptiveOptions
+from ds4quant.plan import AdaptiveOptions
 from ds4quant.artifact import read_gguf_set, sha256_file
 from ds4quant.convert import FIXED, WORK_DIR, convert
 from ds4quant.convert.resume import JOURNAL, Journal, differences, resume_options
@@ -139,9 +139,9 @@ def test_changing_an_adaptive_option_is_refused_before_measuring(killed, tmp_pat
                                dense_type="bf16", imatrix_sha=None, routing_sha=None,
                                adaptive=AdaptiveOptions(**_A0))
     j.save()
-    import ds4quant.adaptive as adaptive
+    from ds4quant.plan import planner
 
-    monkeypatch.setattr(adaptive, "measure", lambda *a, **k: pytest.fail("measured before refusing"))
+    monkeypatch.setattr(planner, "measure", lambda *a, **k: pytest.fail("measured before refusing"))
     asked = AdaptiveOptions(**{**_A0, **change, "cache_dir": str(tmp_path / "cache")})
     assert named in _refusal(src, out, "adaptive", adaptive=asked)
 

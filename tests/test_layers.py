@@ -3,7 +3,7 @@
 Layers, bottom up, one row per folder:
 
     leaf       ds4quant/*.py: errors, names, metrics, records, progress, sizes (import nothing of ours above)
-    formats    formats/        (ds4quant.formats)
+    formats    formats/        (ds4quant.formats; formats/search is its measure-stage engine)
     codebooks  codebooks/      (ds4quant.codebooks)
     artifact   ds4quant/artifact/, ds4quant/sources/, ds4quant/calib/ (the routing, imatrix and
                sensitivity file formats the runtime and the pipeline read)
@@ -53,12 +53,6 @@ PACKAGE_DIRS = {
 # (repository path glob, layer); the first matching row wins. "**" matches any depth.
 PLACEMENT = (
     ("ds4quant/__main__.py", "cli"),  # `python -m ds4quant` is the command line
-    # top-level files the regroup-formats branch moves into ds4quant/plan/ and formats/search/;
-    # these rows leave with them
-    ("ds4quant/metrics_device.py", "formats"),
-    ("ds4quant/adaptive*.py", "pipeline"),
-    ("ds4quant/allocate.py", "pipeline"),
-    ("ds4quant/recipes.py", "pipeline"),
     ("ds4quant/*.py", "leaf"),
     ("formats/**", "formats"),
     ("codebooks/**", "codebooks"),

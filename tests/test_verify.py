@@ -498,3 +498,23 @@ def test_a_foreign_lucebox_style_gguf_decodes_with_its_sidecar_books(arts, tmp_p
     for n in ("blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight", "blk.2.ffn_down_exps.weight"):
         assert by[n].errors.expert_sqnr_db == ref[n].errors.expert_sqnr_db
     assert any("untagged" in c.detail for c in rep.checks if c.name == "types")
+
+
+def test_a_recorded_plan_entry_that_is_no_tensor_choice_is_named(arts, tmp_path):
+    """recipe.plan reads back as TensorChoice records (``ds4quant.plan.plan_from_json``):
+    an entry that is none fails manifest.consistency with its index and field."""
+    _, mix = arts
+
+    def edit(o):
+        plan = o["recipe"]["plan"]
+        plan[0] = {**plan[0], "shape": "wide"}
+        plan.append(7)
+
+    art = rewrite(mix, tmp_path / "plan", manifest_edit=edit)
+    bad = [c.detail for c in verify(art).failed if c.name == "manifest.consistency"]
+    n = len(read_manifest(mix / "manifest.json").recipe["plan"])
+    assert bad == ["recipe.plan has an entry that is no tensor choice: entry 0 "
+                   f"({read_manifest(mix / 'manifest.json').recipe['plan'][0]['name']}): plan entry field 'shape' "
+                   "is 'wide'",
+                   f"recipe.plan has an entry that is no tensor choice: entry {n}: a plan entry must be an object, "
+                   "got int"], bad

@@ -71,8 +71,8 @@ def measure_sensitivity(model, seqs: Sequence[Sequence[int]], imatrix, counts: n
     allocator's units. The model's weights are restored before returning."""
     import torch
 
-    from ds4quant.adaptive import expert_weights
     from ds4quant.calib.imatrix import importance_for
+    from ds4quant.plan import expert_weights
     from ds4quant.runtime.reference import moe_blocks
 
     if not seqs:

@@ -66,7 +66,7 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
       ds4quant convert samples/ds4-tiny out/tiny-strix --recipe rocmfp2-strix
       ds4quant convert ckpt/ out/ --recipe rocmfp3 --imatrix imatrix.gguf --tensor-type 'blk\\.0\\..*exps=rocmfp4'
     """
-    from ds4quant.adaptive import DEFAULT_CANDIDATES, AdaptiveOptions
+    from ds4quant.plan import DEFAULT_CANDIDATES, AdaptiveOptions
     from ds4quant.convert import convert
 
     adaptive = None

@@ -4,7 +4,7 @@ Stages (a job with a journal, so a killed run resumes), one module each:
 
 1. ``plan``: open + validate the source; build the plan (recipes.plan_tensors;
    for the adaptive recipe, measure every candidate and allocate under the
-   budget, ds4quant.adaptive). Nothing is written until the plan is valid, so
+   budget, ds4quant.plan). Nothing is written until the plan is valid, so
    bad input leaves OUTDIR untouched;
 2. ``resume``: the journal under ``OUTDIR/.ds4quant-work`` and the table of
    options that may and may not change on ``--resume``;
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ds4quant import __version__
-from ds4quant.adaptive import AdaptiveOptions, Books
+from ds4quant.plan import AdaptiveOptions, Books, Override, Recipe, get_recipe, plan_tensors
 from ds4quant.artifact import sha256_file, write_manifest
 from ds4quant.convert.assemble import assemble, codebook_table, manifest
 from ds4quant.convert.encode import mxfp4_payload, run_encode
@@ -58,7 +58,6 @@ from ds4quant.convert.resume import (
 from ds4quant.errors import BadInputError, Ds4quantError, OutputError
 from ds4quant.formats import get_qtype, numba_threads
 from ds4quant.progress import ProgressEvent, ProgressFn
-from ds4quant.recipes import Override, Recipe, get_recipe, plan_tensors
 from ds4quant.sizes import parse_size
 from ds4quant.sources.naming import deepseek4_kvs
 
@@ -213,7 +212,7 @@ class _Job:
         plan, adaptive = self.plan, self.adaptive
         with numba_threads(self.threads):
             if rec.adaptive:
-                from ds4quant.adaptive import plan_adaptive
+                from ds4quant.plan import plan_adaptive
 
                 plan, adaptive_info, figures = plan_adaptive(self.src, plan, self.members, adaptive, self.imx,
                                                              self.imx_sha, books, self.progress)

@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Optional
 import numpy as np
 
 from ds4quant import __version__
-from ds4quant.adaptive import Books
+from ds4quant.plan import Books, PlanSummary, Recipe
 from ds4quant.artifact import FileEntry, GGUFWriter, Manifest, TensorEntry, atomic_write_bytes
 from ds4quant.artifact.runtimes import loadable_by
 from ds4quant.errors import UnsupportedFormatError
@@ -33,7 +33,6 @@ from ds4quant.names import (
     expert_ids_key,
     sidecar_suffix,
 )
-from ds4quant.recipes import Recipe
 from ds4quant.sources.base import Source
 
 _CHUNK = 8 << 20
@@ -82,7 +81,7 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
 
 
 def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, split_bytes: Optional[int],
-             source_fp: str, table, loose_sidecars: bool, adaptive_info: Optional[dict]):
+             source_fp: str, table, loose_sidecars: bool, adaptive_info: Optional[PlanSummary]):
     """Write the GGUF set (all splits or none) and loose sidecars; (files, codebook bytes, runtimes)."""
     # Files of an earlier attempt (this name or, on a resume under a new --name, the one its
     # manifest lists) and temp files a killed write left would confuse readers and the sums.
@@ -143,10 +142,6 @@ def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, spl
 _NO_BYTES_FLAGS = ("--json", "--resume", "--force")
 _NO_BYTES_VALUED = ("--threads", "--cache-dir", "--jobs", "--device")
 
-# Figures of how a run went, not of what it made: kept for the report and --json only.
-_RUN_ONLY_KEYS = ("measure_seconds", "measures_reused")
-
-
 def normalized_command(argv) -> tuple[str, ...]:
     """``argv`` without options that cannot change bytes (--threads N, --cache-dir D, --json,
     --resume, --force; ``--opt=value`` forms too)."""
@@ -163,11 +158,6 @@ def normalized_command(argv) -> tuple[str, ...]:
             continue
         out.append(a)
     return tuple(out)
-
-
-def artifact_allocation(adaptive_info: dict) -> dict:
-    """The adaptive allocation as the artifact records it: no timings or cache statistics."""
-    return {k: v for k, v in adaptive_info.items() if k not in _RUN_ONLY_KEYS}
 
 
 def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, overrides, imatrix, imx_sha, command,
@@ -188,7 +178,7 @@ def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, override
     recipe["imatrix"] = ({"path": str(imatrix), "sha256": imx_sha} if imatrix is not None else None)
     recipe["runtimes"] = list(runtimes)
     if adaptive_info is not None:
-        recipe["allocation"] = artifact_allocation(adaptive_info)
+        recipe["allocation"] = adaptive_info.artifact_json()
     recipe["plan"] = [c.to_json() for c in plan]
     return Manifest(
         tool_version=__version__,

@@ -17,7 +17,7 @@ from typing import Iterator, Mapping, Optional
 
 import numpy as np
 
-from ds4quant.adaptive import Books, Measure
+from ds4quant.plan import Books, Measure, TensorChoice
 from ds4quant.artifact import atomic_write, sha256_file
 from ds4quant.convert.plan import importance, load, members_of
 from ds4quant.convert.report import TensorResult
@@ -26,7 +26,6 @@ from ds4quant.errors import BadInputError, Ds4quantError
 from ds4quant.formats import decode, encode, get_qtype, numba_threads
 from ds4quant.metrics import error_sums
 from ds4quant.progress import Meter, ProgressFn
-from ds4quant.recipes import TensorChoice
 from ds4quant.sources.base import Source
 
 # Non-expert 2-D tensors are encoded in row blocks of about this many bytes

@@ -12,11 +12,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ds4quant import __version__
-from ds4quant.adaptive import Books
+from ds4quant.plan import Books, Recipe, TensorChoice, TensorSpec
 from ds4quant.errors import BadInputError
 from ds4quant.formats import QTYPES, get_qtype
 from ds4quant.names import layer_of
-from ds4quant.recipes import Recipe, TensorChoice, TensorSpec
 from ds4quant.sources.base import Source
 from ds4quant.sources.naming import Mapped
 

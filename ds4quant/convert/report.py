@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from ds4quant.recipes import TensorChoice
+from ds4quant.plan import PlanSummary, TensorChoice
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class ConvertReport:
     source_fingerprint: str
     runtimes: tuple[str, ...]
     reused: int = 0
-    adaptive: Optional[dict] = None
+    adaptive: Optional[PlanSummary] = None
     # (file name, padded tensor bytes, its one tensor) of every split over --split-max-size:
     # a tensor larger than the limit gets a split of its own, as llama.cpp's gguf-split does
     oversize_splits: tuple[tuple[str, int, str], ...] = ()
@@ -124,7 +124,7 @@ class ConvertReport:
             "reused_tensors": self.reused,
             "runtimes": list(self.runtimes),
             "recipe": self.recipe,
-            "adaptive": self.adaptive,
+            "adaptive": None if self.adaptive is None else self.adaptive.to_json(),
             "source_fingerprint": self.source_fingerprint,
             "plan": [c.to_json() for c in self.plan],
             "oversize_splits": [{"file": f, "bytes": b, "tensor": t} for f, b, t in self.oversize_splits],

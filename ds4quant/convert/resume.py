@@ -71,7 +71,7 @@ def resume_options(*, source_fingerprint: str, tool_version: str, recipe: str, t
     }
     if adaptive is not None:
         d.update(target_bpw=adaptive.target_bpw, max_bytes=adaptive.max_bytes, candidates=list(adaptive.candidates),
-                 granularity=adaptive.granularity, fitter=adaptive.fitter,
+                 granularity=adaptive.granularity.value, fitter=adaptive.fitter.value,
                  fit_effort=[adaptive.fit_iterations, adaptive.fit_restarts, adaptive.fit_max_rows],
                  lucebox=adaptive.lucebox)
     if set(d) != set(FIXED):  # a bug: the table and the recorded options must agree

@@ -13,6 +13,7 @@ from typing import Mapping, Optional
 from ds4quant import names
 from ds4quant.errors import CorruptDataError, Ds4quantError
 from ds4quant.metrics import sqnr_db
+from ds4quant.plan import plan_from_json
 from ds4quant.records import MANIFEST
 from ds4quant.verify._run import Context, show_digests
 
@@ -181,24 +182,26 @@ def _check_manifest(ctx: Context) -> None:
     plan = manifest.recipe.get("plan")
     if isinstance(plan, (list, tuple)):
         bases = {names.base_name(n) for n in g.tensors}
-        for c in plan:
-            if not hasattr(c, "get") or not isinstance(c.get("name"), str):
-                run.fail("manifest.consistency", "recipe.plan has an entry without a tensor name", MANIFEST)
-                continue
-            n = c["name"]
+        choices, problems = plan_from_json(plan)
+        for p in problems:
+            run.fail("manifest.consistency", f"recipe.plan has an entry that is no tensor choice: {p}", MANIFEST)
+        for c in choices:
+            n = c.name
             info = g.tensors.get(n)
             if info is None:
                 if n not in bases:
                     run.fail("manifest.consistency", "recipe.plan names a tensor the GGUF lacks", MANIFEST, n)
                 continue
-            if c.get("qtype") != info.qtype or list(c.get("shape") or ()) != list(info.shape):
-                run.fail("manifest.consistency", f"recipe.plan says {c.get('qtype')} {list(c.get('shape') or ())}, "
+            if c.qtype != info.qtype or list(c.shape) != list(info.shape):
+                run.fail("manifest.consistency", f"recipe.plan says {c.qtype} {list(c.shape)}, "
                                                  f"the GGUF holds {info.qtype} {list(info.shape)}", MANIFEST, n)
             sn = names.parse_stack(n)
+            got = {"layer": c.layer}
             want: dict = {"layer": names.layer_of(n)}
             if sn is not None:
+                got.update(surface=c.surface, **{"class": c.tensor_class})
                 want.update(surface=sn.proj.value, **{"class": "routed_expert"})
-            bad = sorted(k for k, v in want.items() if k in c and c[k] != v)
+            bad = sorted(k for k, v in want.items() if got[k] != v)
             if bad:
                 run.fail("manifest.consistency", f"recipe.plan field(s) {', '.join(bad)} contradict the tensor name",
                          MANIFEST, n)

@@ -20,6 +20,7 @@ import numpy as np
 from ds4quant import names
 from ds4quant.errors import Ds4quantError
 from ds4quant.metrics import ErrorFigures, Sums, error_sums, sqnr_db
+from ds4quant.plan import plan_from_json
 from ds4quant.records import MANIFEST
 from ds4quant.verify._run import Context, show_digests
 
@@ -135,7 +136,8 @@ def _measure_all(ctx: Context, src, imx) -> None:
     manifest = v.manifest
     entries = {t.name: t for t in manifest.tensors} if manifest is not None else {}
     plan = manifest.recipe.get("plan") if manifest is not None else None
-    plan = {c.get("name"): c for c in plan if hasattr(c, "get")} if isinstance(plan, (list, tuple)) else {}
+    # an entry that is no tensor choice is manifest.consistency's finding
+    plan = {c.name: c for c in plan_from_json(plan)[0]} if isinstance(plan, (list, tuple)) else {}
     stacks = {s.name: s for s in v.stacks}
     covered: set[str] = set()
     t_start = time.perf_counter()
@@ -149,8 +151,8 @@ def _measure_all(ctx: Context, src, imx) -> None:
             continue
         covered.add(base)
         pc = plan.get(name) or plan.get(base)
-        if pc is not None and "source_dtype" in pc and pc["source_dtype"] != src.info(members[0].name).dtype:
-            ctx.fail("numbers.manifest", f"recipe.plan says source dtype {pc['source_dtype']!r}, the source holds "
+        if pc is not None and pc.source_dtype != src.info(members[0].name).dtype:
+            ctx.fail("numbers.manifest", f"recipe.plan says source dtype {pc.source_dtype!r}, the source holds "
                                          f"{src.info(members[0].name).dtype!r}", MANIFEST, name)
         qt = QTYPES.get(info.qtype)
         if qt is None or not info.decodable:

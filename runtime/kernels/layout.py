@@ -15,7 +15,7 @@ A weight is ``levels[table, code] * scales[s_byte]`` where ``scales`` is a
 256-entry float32 LUT of the byte and ``levels`` a small float32 table
 (one per format; two per expert for MIX, the book picked by bit 7 of the
 meta byte). These are the same products ``formats.decode`` forms
-(``_components``: level x scale), so decoding the planes reproduces
+(``formats.components``: level x scale), so decoding the planes reproduces
 ``formats.decode`` bit for bit (a test checks it on the CPU device); the
 kernels' sums are fast mode's, not exact mode's.
 
@@ -39,7 +39,7 @@ import numpy as np
 
 from ds4quant.errors import UnsupportedFormatError
 
-# scale-search qtype -> (format code of _scale_search, code bits); MIX qtype -> code bits
+# scale-search qtype -> (format code of scale_codecs, code bits); MIX qtype -> code bits
 _SCALE = {"rocmfp2": (0, 2), "rocmfp2_s40": (5, 2), "rocmfp3": (1, 3), "rocmfp4": (4, 4),
           "rocmfp4_fast": (4, 4), "rocmfp6": (2, 6), "rocmfp8": (3, 8)}
 _GROUPS = {"rocmfp4_fast": 32, "rocmfp8": 32}
@@ -98,12 +98,11 @@ def kernel_format(qtype: str) -> Optional[Format]:
 
 def scale_lut(qtype: str) -> np.ndarray:
     """float32 (256,): the decoded value of every scale / meta byte."""
-    from ds4quant.formats import _scale_search as ss
-    from ds4quant.formats._components import E8M0_HALF
+    from ds4quant.formats.components import E8M0_HALF, SCALES
     from ds4quant.formats.ue4m3 import UE4M3
 
     if qtype in _SCALE:
-        return np.array(ss.SCALES[_SCALE[qtype][0]], dtype=np.float32)
+        return np.array(SCALES[_SCALE[qtype][0]], dtype=np.float32)
     if qtype in _MIX:
         return np.asarray(UE4M3, dtype=np.float32)[np.arange(256) & 0x7F].copy()  # bit 7 picks the book
     if qtype == "mxfp4":
@@ -118,19 +117,19 @@ def level_lut(qtype: str, books=None, modes=None) -> np.ndarray:
     expert (2e + book) from the registered books; a mode-0 expert decodes
     with the fixed levels and its whole meta byte as the scale, so a meta
     with bit 7 set gives 0: its book-1 table is all zeros."""
-    from ds4quant.formats import _scale_search as ss
+    from ds4quant.formats.components import FP2, FP3, LEVELS
     from ds4quant.formats.mxfp4 import KV
 
     if qtype in _SCALE:
         fmt, bits = _SCALE[qtype]
-        return np.array(ss.LEVELS[fmt][: 1 << bits], dtype=np.float32)[None, :]
+        return np.array(LEVELS[fmt][: 1 << bits], dtype=np.float32)[None, :]
     if qtype == "mxfp4":
         return np.array(KV, dtype=np.float32)[None, :]
     if qtype == AFFINE:
         return np.arange(4, dtype=np.float32)[None, :]
     if qtype in _MIX:
         bits = _MIX[qtype]
-        fixed = np.array(ss.LEVELS[ss.FP2 if bits == 2 else ss.FP3][: 1 << bits], dtype=np.float32)
+        fixed = np.array(LEVELS[FP2 if bits == 2 else FP3][: 1 << bits], dtype=np.float32)
         b = np.array(books, dtype=np.float32).reshape(-1, 2, 1 << bits).copy()
         for i, m in enumerate(np.asarray(modes).reshape(-1)):
             if int(m) == 0:

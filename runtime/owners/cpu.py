@@ -31,7 +31,7 @@ import numpy as np
 
 from ds4quant.errors import BadInputError, ShapeError
 from ds4quant.formats import QTYPES, numba_threads
-from ds4quant.formats._components import row_kind, row_lut
+from ds4quant.formats.components import row_kind, row_lut
 from ds4quant.runtime import exact as X
 from ds4quant.runtime.fast import fast_matmul
 from ds4quant.runtime.jit import readonly

@@ -26,7 +26,7 @@ KINDS = ("strix", "split", "adaptive-tensor", "handmade") + UNIFORM + tuple(ADAP
 
 
 def _build(kind: str, root: Path, cache: Path) -> Path:
-    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.plan import AdaptiveOptions
     from ds4quant.convert import convert
     from tests._verify_util import mix_artifact
 

@@ -285,7 +285,7 @@ def test_shape_error_names_the_file(tmp_path):
 def test_adaptive_convert_names_a_misshapen_profile(tmp_path):
     """The adaptive recipe's expert-count check (16 experts in the sample, 15 in
     the profile) names the profile file."""
-    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.plan import AdaptiveOptions
     from ds4quant.convert import convert
 
     bad = tmp_path / "routing-15.csv"

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4quant.adaptive import AdaptiveOptions, Measure, Measurements, resolve
+from ds4quant.plan import AdaptiveOptions, Measure, Measurements, resolve
 from ds4quant.errors import BadInputError, CorruptDataError
 from ds4quant.calib.sensitivity import read_sensitivity
 

@@ -7,7 +7,7 @@ import pytest
 
 from ds4quant import formats
 from ds4quant.errors import UnsupportedFormatError
-from ds4quant.formats import _components as C
+from ds4quant.formats.components import decode_row_nb, row_kind, row_lut
 
 QTYPES = ("rocmfp2", "rocmfp2_affine", "rocmfp2_s40", "rocmfp3", "rocmfp4", "rocmfp4_fast", "rocmfp6",
           "rocmfp8", "rocmfp2_mix", "rocmfp3_mix", "mxfp4", "q8_0", "bf16", "f16", "f32")
@@ -60,7 +60,7 @@ def test_recompose_is_decode(name):
 @pytest.mark.parametrize("name", QTYPES)
 def test_numba_row_decoder_is_decode(name):
     qt = formats.QTYPES[name]
-    kind, p0, p1 = C.row_kind(name)
+    kind, p0, p1 = row_kind(name)
     out = np.empty(COLS, np.float32)
     for case, data, kw in _cases(name):
         ref = formats.decode(name, data, COLS, **kw)
@@ -68,7 +68,7 @@ def test_numba_row_decoder_is_decode(name):
         for r in range(data.shape[0]):
             books = kw["codebooks"][r // per] if qt.is_mix else None
             mode = int(kw["modes"][r // per]) if qt.is_mix else 1
-            C.decode_row_nb(kind, p0, p1, data[r], COLS, C.row_lut(name, books, mode), mode, out, out.view(np.uint32))
+            decode_row_nb(kind, p0, p1, data[r], COLS, row_lut(name, books, mode), mode, out, out.view(np.uint32))
             assert np.array_equal(out.view(np.uint32), ref[r].view(np.uint32)), f"{name} {case} row {r}"
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ds4quant import formats
 from ds4quant.errors import BadInputError, EncodeRejectedError, ShapeError
-from ds4quant.formats._bits import unpack_bits
+from ds4quant.formats.bits import unpack_bits
 from ds4quant.formats.ue4m3 import UE4M3
 from tests.golden import describe_float_mismatch, describe_mismatch
 
@@ -331,7 +331,7 @@ def test_mode0_fixed_levels_106():
 
 def test_mode0_fixed_levels_105_sign_magnitude():
     codes = np.arange(32, dtype=np.uint8) % 8  # 0..7: 0, 1, 2, 4, +0, -1, -2, -4
-    from ds4quant.formats._bits import pack_bits
+    from ds4quant.formats.bits import pack_bits
 
     blk = np.zeros((1, 14), dtype=np.uint8)
     blk[0, :12] = pack_bits(codes[None], 3)[0]

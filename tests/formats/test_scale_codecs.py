@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ds4quant import formats
 from ds4quant.errors import BadInputError, ShapeError
-from ds4quant.formats import _scale_search as ss
+from ds4quant.formats import scale_codecs as ss
 from ds4quant.formats.ue4m3 import FLT_MAX, UE4M3
 from tests.golden import describe_float_mismatch, describe_mismatch, load_cases
 

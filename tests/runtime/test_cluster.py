@@ -53,7 +53,7 @@ def arts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adaptive_arts(arts, tmp_path_factory):
-    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.plan import AdaptiveOptions
 
     root = tmp_path_factory.mktemp("cluster-adaptive")
     out = dict(arts)

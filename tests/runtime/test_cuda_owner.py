@@ -119,7 +119,7 @@ def _artifact(artifacts, tmp_path_factory, recipe):
 
     out = tmp_path_factory.mktemp("gpu") / recipe
     if recipe == "adaptive":
-        from ds4quant.adaptive import AdaptiveOptions
+        from ds4quant.plan import AdaptiveOptions
 
         calib = ROOT / "samples" / "ds4-tiny-calib"
         opts = AdaptiveOptions(routing=str(calib / "routing.csv"), cache_dir=str(out.parent / "cache"),

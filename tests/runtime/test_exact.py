@@ -10,7 +10,7 @@ import pytest
 
 from ds4quant import formats
 from ds4quant.errors import BadInputError
-from ds4quant.formats._components import row_kind, row_lut
+from ds4quant.formats.components import row_kind, row_lut
 from ds4quant.runtime import exact as X
 from ds4quant.runtime.jit import readonly
 from tests.runtime import _synth as S

@@ -75,7 +75,7 @@ def test_exact_matmul_fallback_uses_it_and_equals_the_reference():
     cols = 128
     w = (r.standard_normal((6, cols)) * np.exp2(r.integers(-60, 60, (6, cols)))).astype(np.float32)
     from ds4quant import formats
-    from ds4quant.formats._components import row_kind, row_lut
+    from ds4quant.formats.components import row_kind, row_lut
 
     w = formats.bf16_round(w)
     x = (r.standard_normal((3, cols)) * np.exp2(r.integers(-50, 50, (3, cols // 32)).repeat(32, axis=1))).astype(np.float32)

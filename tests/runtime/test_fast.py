@@ -11,7 +11,7 @@ import pytest
 
 from ds4quant import formats
 from ds4quant.formats import numba_threads
-from ds4quant.formats._components import row_kind, row_lut
+from ds4quant.formats.components import row_kind, row_lut
 from ds4quant.runtime import fast as Fm
 from ds4quant.runtime import jit
 from ds4quant.runtime.jit import jit_call

@@ -278,7 +278,7 @@ def test_load_refuses_and_cleans_up(strix):
 
 @pytest.fixture(scope="module")
 def adaptive(tmp_path_factory):
-    from ds4quant.adaptive import AdaptiveOptions
+    from ds4quant.plan import AdaptiveOptions
 
     calib = ROOT / "samples" / "ds4-tiny-calib"
     out = tmp_path_factory.mktemp("rt") / "adaptive"
