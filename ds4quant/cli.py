@@ -51,6 +51,12 @@ def cli() -> None:
     """
 
 
+def _echo_excluded(excluded) -> None:
+    """One line per engine that cannot load the artifact, with why (artifact.runtimes.decide)."""
+    for eng, why in excluded.items():
+        click.echo(f"not loadable by {eng}: {'; '.join(why)}")
+
+
 def _emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=1, sort_keys=False))
 
@@ -130,7 +136,9 @@ def formats_cmd(as_json: bool) -> None:
               help="adaptive: run the measure stage's MIX and scale searches on a CUDA device through torch. "
                    "Never changes bytes.")
 @click.option("--no-lucebox", is_flag=True, help="adaptive: allow layouts only ds4quant's runtime loads.")
-@click.option("--loose-sidecars", is_flag=True, help="Also write NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF.")
+@click.option("--loose-sidecars/--no-loose-sidecars", default=True, show_default=True,
+              help="Write Lucebox MIX codebooks also as NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF (some "
+                   "Lucebox loaders read only these; without them the key says lucebox-mix-embedded).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in OUTDIR (same source and recipe).")
 @click.option("--force", is_flag=True,
               help="Replace an earlier convert's artifact in OUTDIR. Removes only files convert writes; "
@@ -176,6 +184,7 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
     click.echo(f"routed experts: {j['bpw_experts']:.4f} bpw, SQNR {j['expert_sqnr_db'] or float('inf'):.2f} dB; "
                f"{j['seconds']:.1f} s" + (f" ({j['reused_tensors']} tensors resumed)" if j["reused_tensors"] else ""))
     click.echo(f"loadable by: {', '.join(j['runtimes']) or 'no known runtime'}")
+    _echo_excluded(j.get("runtimes_excluded") or {})
     a = j.get("adaptive")
     if a:
         click.echo(f"adaptive: {a['method']}, {a['allocated_bytes']:,} of {a['budget_bytes']:,} budget bytes "
@@ -228,9 +237,10 @@ def inspect_cmd(artifact, variant_107, as_json):
 
     for r in ins.runtimes:
         click.echo(f"  {r}: {needs(r)}")
-    if ins.stored_runtimes is not None and set(ins.stored_runtimes) != set(ins.runtimes):
+    _echo_excluded(ins.runtimes_excluded)
+    if ins.stored_runtimes is not None and not set(ins.stored_runtimes) <= set(ins.runtimes):
         click.echo(f"note: its ds4quant.runtimes key says {', '.join(ins.stored_runtimes) or 'none'}, "
-                   "which its contents do not allow (ds4quant verify fails it)")
+                   "more than its contents allow (ds4quant verify fails it)")
     alloc = ((ins.manifest or {}).get("recipe") or {}).get("allocation")
     if alloc:
         click.echo(f"adaptive plan: {alloc['method']}, {alloc['allocated_bytes']:,} of {alloc['budget_bytes']:,} "

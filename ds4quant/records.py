@@ -162,6 +162,7 @@ class VerifyReport:
     stored_runtimes: Optional[tuple[str, ...]] = None
     fidelity: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({"requested": False}))
     seconds: float = 0.0
+    runtimes_excluded: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # engine -> why not
 
     @property
     def ok(self) -> bool:
@@ -216,6 +217,7 @@ class VerifyReport:
             "flagged": [t.name for t in self.tensors if t.flagged],
             "codebook_tables": list(self.codebook_tables),
             "runtimes": list(self.runtimes),
+            "runtimes_excluded": {k: list(v) for k, v in self.runtimes_excluded.items()},
             "groups": [g.to_json() for g in self.groups],
         }
 

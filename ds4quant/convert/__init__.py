@@ -31,7 +31,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -83,7 +83,7 @@ def convert(
     name: Optional[str] = None,
     split_max_size: Optional[str] = None,
     adaptive: Optional[AdaptiveOptions] = None,
-    loose_sidecars: bool = False,
+    loose_sidecars: bool = True,
     resume: bool = False,
     force: bool = False,
     command: Optional[Sequence[str]] = None,
@@ -106,7 +106,7 @@ def convert(
     rec = get_recipe(recipe)
     if dense_qtype is not None:
         get_qtype(dense_qtype)
-        rec = Recipe(rec.name, rec.description, rec.experts, dense_qtype, rec.adaptive)
+        rec = replace(rec, dense_qtype=dense_qtype)
     if rec.adaptive:
         if adaptive is None:
             raise BadInputError("the adaptive recipe needs --target-bpw or --max-bytes")
@@ -239,7 +239,7 @@ class _Job:
                 results = run_encode(self.src, plan, self.members, self.imx, books, pieces, journal, self.threads,
                                      self.progress, figures)
                 table = codebook_table(plan, books, self.src.config.n_routed_experts)
-                files, cb_bytes, runtimes, oversize, file_sha = assemble(
+                files, cb_bytes, decision, oversize, file_sha = assemble(
                     out, self.art_name, rec, plan,
                     deepseek4_kvs(self.src.config) + tokenizer_kvs(self.src.path, self.src.config.vocab_size),
                     pieces, self.split_bytes,
@@ -250,6 +250,7 @@ class _Job:
                 if created_out:
                     shutil.rmtree(out, ignore_errors=True)
                 raise
+            runtimes = tuple(sorted(decision.runtimes))
             man = manifest(out, files, self.src, rec, plan, results, self.overrides, self.imatrix, self.imx_sha,
                            self.command, self.source_fp, runtimes, adaptive_info, table, file_sha)
             write_manifest(out / MANIFEST, man)
@@ -264,11 +265,11 @@ class _Job:
             raise fs_error(e, out, work, created_out) from None
 
         return _report(out, files, plan, results, cb_bytes, rec, self.source_fp, runtimes, adaptive_info, t_start,
-                       oversize)
+                       oversize, decision.excluded)
 
 
 def _report(out, files, plan, results, cb_bytes, rec, source_fp, runtimes, adaptive_info, t_start,
-            oversize=()) -> ConvertReport:
+            oversize=(), excluded=None) -> ConvertReport:
     expert_bytes = sum(r.nbytes for r, c in zip(results, plan) if c.tensor_class == "routed_expert")
     expert_weights = sum(int(np.prod(c.shape)) for c in plan if c.tensor_class == "routed_expert")
     return ConvertReport(
@@ -287,4 +288,5 @@ def _report(out, files, plan, results, cb_bytes, rec, source_fp, runtimes, adapt
         reused=sum(1 for r in results if r.reused),
         adaptive=adaptive_info,
         oversize_splits=tuple(oversize),
+        runtimes_excluded=dict(excluded or {}),
     )

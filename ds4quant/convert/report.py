@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -83,6 +83,8 @@ class ConvertReport:
     # (file name, padded tensor bytes, its one tensor) of every split over --split-max-size:
     # a tensor larger than the limit gets a split of its own, as llama.cpp's gguf-split does
     oversize_splits: tuple[tuple[str, int, str], ...] = ()
+    # engine -> why it cannot load the artifact (artifact.runtimes.decide); empty when not decided here
+    runtimes_excluded: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def bpw_experts(self) -> float:
@@ -122,6 +124,7 @@ class ConvertReport:
             "seconds": self.seconds,
             "reused_tensors": self.reused,
             "runtimes": list(self.runtimes),
+            "runtimes_excluded": {k: list(v) for k, v in self.runtimes_excluded.items()},
             "recipe": self.recipe,
             "adaptive": self.adaptive,
             "source_fingerprint": self.source_fingerprint,

@@ -25,7 +25,8 @@ its stages (``STAGES``), one module each, run in order:
    of every layer exactly once;
 2. ``codebooks``: own table and Lucebox blobs valid, covering every resident
    MIX tensor exactly once, agreeing; then ``ds4quant.runtimes`` against what
-   the contents allow (``artifact.runtimes.loadable_by``);
+   the whole header and tensor list allow (``artifact.runtimes.decide``): a
+   key claiming more fails;
 3. ``manifest``: per-tensor and per-file sha256 (one read of each file)
    against ``manifest.json``, its fields against the GGUF, ``SHA256SUMS``;
 4. ``numbers`` (``source=``): every tensor decoded and compared with the
@@ -173,7 +174,7 @@ def _report(ctx: Context, seconds: float) -> VerifyReport:
     return VerifyReport(v.layout.path, v.kind, tuple(v.gguf_paths) + tuple(v.sidecars), tuple(ctx.checks),
                         tuple(records), group_records(records), ctx.numbers_from, v.manifest, MappingProxyType(kv),
                         fp, tuple(v.codebook_tables), v.lucebox_books, v.runtimes, v.stored_runtimes,
-                        MappingProxyType(dict(ctx.fidelity)), seconds)
+                        MappingProxyType(dict(ctx.fidelity)), seconds, MappingProxyType(dict(v.runtimes_excluded)))
 
 
 def _kv_plain(kv) -> Any:
