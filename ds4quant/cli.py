@@ -136,6 +136,9 @@ def formats_cmd(as_json: bool) -> None:
               help="adaptive: run the measure stage's MIX and scale searches on a CUDA device through torch. "
                    "Never changes bytes.")
 @click.option("--no-lucebox", is_flag=True, help="adaptive: allow layouts only ds4quant's runtime loads.")
+@click.option("--gate-up-books", type=click.Choice(["separate", "joint"]), default="separate", show_default=True,
+              help="MIX qtypes chosen with --tensor-type: fit each expert's gate and up codebooks apart, or one "
+                   "pair over both and shared (as Lucebox's converter does).")
 @click.option("--loose-sidecars/--no-loose-sidecars", default=True, show_default=True,
               help="Write Lucebox MIX codebooks also as NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF (some "
                    "Lucebox loaders read only these; without them the key says lucebox-mix-embedded).")
@@ -146,7 +149,7 @@ def formats_cmd(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end; no progress lines.")
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
                 target_bpw, max_bytes, candidates, granularity, routing, sensitivity, fitter, fit_effort, cache_dir,
-                jobs, measure_device, no_lucebox, loose_sidecars, resume, force, as_json):
+                jobs, measure_device, no_lucebox, gate_up_books, loose_sidecars, resume, force, as_json):
     """Convert a DeepSeek-V4 checkpoint (official layout folder, or a F32/F16/BF16/Q8_0/MXFP4 GGUF) into a
     ROCmFPX artifact.
 
@@ -171,7 +174,7 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
     progress = progress_printer(not as_json and sys.stderr.isatty())
     rep = convert(source, outdir, recipe, threads=threads, imatrix=imatrix, tensor_types=tensor_types,
                   dense_qtype=dense_qtype, name=name, split_max_size=split_max_size, adaptive=adaptive,
-                  loose_sidecars=loose_sidecars, resume=resume, force=force,
+                  gate_up_books=gate_up_books, loose_sidecars=loose_sidecars, resume=resume, force=force,
                   command=["ds4quant", *sys.argv[1:]], progress=progress)
     for f, nbytes, tensor in rep.oversize_splits:
         click.echo(f"ds4quant: warning: {f} holds {nbytes:,} bytes, over --split-max-size {split_max_size}: "

@@ -60,7 +60,7 @@ from ds4quant.convert.resume import (
 from ds4quant.errors import BadInputError, Ds4quantError, OutputError
 from ds4quant.formats import get_qtype, numba_threads
 from ds4quant.progress import ProgressEvent, ProgressFn
-from ds4quant.recipes import Override, Recipe, get_recipe, plan_tensors
+from ds4quant.recipes import GATE_UP_BOOKS, Override, Recipe, get_recipe, plan_tensors
 from ds4quant.sources.naming import deepseek4_kvs
 
 MANIFEST = "manifest.json"
@@ -80,6 +80,7 @@ def convert(
     imatrix: "str | os.PathLike | None" = None,
     tensor_types: Sequence[str] = (),
     dense_qtype: Optional[str] = None,
+    gate_up_books: str = "separate",
     name: Optional[str] = None,
     split_max_size: Optional[str] = None,
     adaptive: Optional[AdaptiveOptions] = None,
@@ -92,6 +93,9 @@ def convert(
     """Convert a DeepSeek-V4 checkpoint (official folder or GGUF) into an artifact folder.
 
     ``adaptive`` (an AdaptiveOptions) is required by the ``adaptive`` recipe.
+    ``gate_up_books="joint"`` fits one codebook pair per expert over its gate
+    and up and shares it (as Lucebox's converter does) for MIX qtypes chosen
+    with ``tensor_types``; the default fits each matrix on its own.
     ``progress`` gets a ProgressEvent per measured expert (stage "measure") and
     per encoded tensor (stage "encode"). Returns a ConvertReport; raises a
     Ds4quantError for bad input, leaving no artifact in ``outdir``. The bytes
@@ -107,6 +111,14 @@ def convert(
     if dense_qtype is not None:
         get_qtype(dense_qtype)
         rec = replace(rec, dense_qtype=dense_qtype)
+    if gate_up_books not in GATE_UP_BOOKS:
+        raise BadInputError(f"must be one of {', '.join(GATE_UP_BOOKS)}, got {gate_up_books!r}",
+                            where="--gate-up-books")
+    if gate_up_books != "separate":
+        if rec.adaptive:
+            raise BadInputError("the adaptive recipe fits its own codebooks; --gate-up-books applies to MIX "
+                                "qtypes chosen with --tensor-type", where="--gate-up-books")
+        rec = replace(rec, gate_up_books=gate_up_books)
     if rec.adaptive:
         if adaptive is None:
             raise BadInputError("the adaptive recipe needs --target-bpw or --max-bytes")
@@ -219,7 +231,8 @@ class _Job:
                 plan, adaptive_info, figures = plan_adaptive(self.src, plan, self.members, adaptive, self.imx,
                                                              self.imx_sha, books, self.progress)
             else:
-                fit_fixed_mix_books(plan, self.members, self.src, self.imx, books)
+                fit_fixed_mix_books(plan, self.members, self.src, self.imx, books,
+                                    joint_gate_up=rec.gate_up_books == "joint")
         plan_fp = plan_fingerprint(rec, plan, self.imx_sha, adaptive.key() if rec.adaptive else None)
         if finished:
             return finished_report(out, self.art_name, self.src, rec, plan, self.options, self.overrides,
