@@ -37,7 +37,10 @@ Which figures fail the check (``LIMITS``); every figure is reported either way:
   broken conversion: the 2-3 bpw artifacts of samples/ds4-copy measure far below);
 - ``fidelity.exact_copy``: the candidate copies fewer than the source's own
   passes minus ``LIMITS["exact_copy_slack"]`` trials;
-- ``fidelity.identity``: exact mode with two placements and different hashes.
+- ``fidelity.identity``: exact mode with two placements and different hashes;
+- ``fidelity.<engine>.kl`` / ``.exact_copy``: the same limits for another engine
+  (``engines``: llama.cpp through llama-cpp-python, ``verify/engines.py``), whose
+  figures go to ``engines[<engine>]`` with the engine named.
 
 The tokenizer keys (``tokenizer.ggml.*``) are checked against the source's
 tokenizer.json whenever a source is given (``tokenizer_check``).
@@ -237,6 +240,16 @@ def measure(ctx: Context) -> dict:
         c = first["copy"].to_json()
         res["exact_copy"] = {"passes": c["passes"], "trials": c["trials"], "failed": c["failed"], "task": c["task"],
                              "reference_passes": ref_copy.passes}
+    if o.engines:
+        from ds4quant.verify.engines import measure_engine
+
+        with C.one_thread():
+            res["engines"] = {e: measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt, tok,
+                                                task, o.protocol, RESPONSE_TOKENS,
+                                                ref_copy.passes if ref_copy is not None else None)
+                              for e in o.engines}
+        for f in res["engines"].values():
+            f["response_matches_reference"] = f["response_sha256"] == ref_resp.sha256
     clusters = [r["cluster"] for r in runs if "cluster" in r]
     if clusters:
         res["cluster"] = clusters
@@ -268,26 +281,9 @@ def check_placements(view, placements) -> None:
 
 
 def _checks(ctx: Context, res: dict) -> None:
-    kl = res["kl_mean"]
-    if not math.isfinite(kl) or kl > LIMITS["kl_mean"]:
-        worst = max(res["layers"], key=lambda r: r["moe_rel_error"]) if res["layers"] else None
-        ctx.fail("fidelity.kl", f"mean KL {kl:.4g} nats over {res['eval_tokens']} tokens exceeds "
-                                f"{LIMITS['kl_mean']:g}" + (f"; worst MoE layer {worst['layer']} (rel. error "
-                                                            f"{worst['moe_rel_error']:.3g})" if worst else ""),
-                 ctx.first)
-    else:
-        ctx.ok("fidelity.kl", f"mean KL {kl:.4g} nats (p99 {res['kl_p99']:.4g}), top-1 {100 * res['top1']:.2f}% over "
-                              f"{res['eval_tokens']} tokens ({res['mode']} mode); limit {LIMITS['kl_mean']:g}",
-               ctx.first)
-    ec = res["exact_copy"]
-    if ec is not None:
-        need = ec["reference_passes"] - LIMITS["exact_copy_slack"]
-        text = f"{ec['passes']}/{ec['trials']} exact copies (the source: {ec['reference_passes']}/{ec['trials']})"
-        if ec["passes"] < need:
-            ctx.fail("fidelity.exact_copy", f"{text}; fewer than the source's minus {LIMITS['exact_copy_slack']}",
-                     ctx.first)
-        else:
-            ctx.ok("fidelity.exact_copy", text, ctx.first)
+    _quality_checks(ctx, res, "fidelity", res["mode"] + " mode")
+    for name, f in (res.get("engines") or {}).items():
+        _quality_checks(ctx, dict(f, layers=[], eval_tokens=res["eval_tokens"]), f"fidelity.{name}", name)
     sp = res.get("second_placement")
     if sp is not None and res["mode"] == "exact":
         if sp["identical"]:
@@ -297,3 +293,27 @@ def _checks(ctx: Context, res: dict) -> None:
             ctx.fail("fidelity.identity", f"placements differ: MoE output {res['moe_output_sha256'][:16]} vs "
                                           f"{sp['moe_output_sha256'][:16]}, response {res['response_sha256'][:16]} "
                                           f"vs {sp['response_sha256'][:16]}", ctx.first)
+
+
+def _quality_checks(ctx: Context, res: dict, check: str, what: str) -> None:
+    """KL and exact-copy against LIMITS, as ``check``.kl / ``check``.exact_copy; ``what`` names the run."""
+    kl = res["kl_mean"]
+    if not math.isfinite(kl) or kl > LIMITS["kl_mean"]:
+        worst = max(res["layers"], key=lambda r: r["moe_rel_error"]) if res["layers"] else None
+        ctx.fail(f"{check}.kl", f"mean KL {kl:.4g} nats over {res['eval_tokens']} tokens exceeds "
+                                f"{LIMITS['kl_mean']:g}" + (f"; worst MoE layer {worst['layer']} (rel. error "
+                                                            f"{worst['moe_rel_error']:.3g})" if worst else ""),
+                 ctx.first)
+    else:
+        ctx.ok(f"{check}.kl", f"mean KL {kl:.4g} nats (p99 {res['kl_p99']:.4g}), top-1 {100 * res['top1']:.2f}% over "
+                              f"{res['eval_tokens']} tokens ({what}); limit {LIMITS['kl_mean']:g}",
+               ctx.first)
+    ec = res["exact_copy"]
+    if ec is not None:
+        need = ec["reference_passes"] - LIMITS["exact_copy_slack"]
+        text = f"{ec['passes']}/{ec['trials']} exact copies (the source: {ec['reference_passes']}/{ec['trials']})"
+        if ec["passes"] < need:
+            ctx.fail(f"{check}.exact_copy", f"{text}; fewer than the source's minus {LIMITS['exact_copy_slack']}",
+                     ctx.first)
+        else:
+            ctx.ok(f"{check}.exact_copy", text + ("" if check == "fidelity" else f" ({what})"), ctx.first)
