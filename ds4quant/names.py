@@ -48,6 +48,20 @@ KEY_EXPERT_FFN_LENGTH = f"{ARCH}.expert_feed_forward_length"
 KEY_HASH_LAYER_COUNT = f"{ARCH}.hash_layer_count"
 KEY_EXPERT_WEIGHTS_SCALE = f"{ARCH}.expert_weights_scale"
 KEY_SWIGLU_CLAMP = f"{ARCH}.swiglu_clamp_exp"
+KEY_EXPERT_WEIGHTS_NORM = f"{ARCH}.expert_weights_norm"
+KEY_EXPERT_GATING_FUNC = f"{ARCH}.expert_gating_func"
+KEY_CONTEXT_LENGTH = f"{ARCH}.context_length"
+KEY_COMPRESS_RATIOS = f"{ARCH}.attention.compress_ratios"
+KEY_ROPE_SCALING_TYPE = f"{ARCH}.rope.scaling.type"
+KEY_ROPE_SCALING_FACTOR = f"{ARCH}.rope.scaling.factor"
+KEY_ROPE_SCALING_ORIG_CTX = f"{ARCH}.rope.scaling.original_context_length"
+KEY_ROPE_YARN_BETA_FAST = f"{ARCH}.rope.scaling.yarn_beta_fast"
+KEY_ROPE_YARN_BETA_SLOW = f"{ARCH}.rope.scaling.yarn_beta_slow"
+KEY_ROPE_YARN_EXT_FACTOR = f"{ARCH}.rope.scaling.yarn_ext_factor"
+KEY_ROPE_YARN_ATTN_FACTOR = f"{ARCH}.rope.scaling.yarn_attn_factor"
+
+# deepseek4.expert_gating_func values (llama.cpp's expert gating enum)
+GATING_FUNC = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
 
 # The one DS4 header table: every UINT32 ``deepseek4.*`` key convert writes, and
 # whether the Lucebox loader requires it (LOADER ``kRequiredU32Keys``, spec

@@ -230,6 +230,37 @@ class PlacementRun:
 
 
 @dataclass(frozen=True)
+class EngineFigures:
+    """The same figures for the artifact run by another engine (``verify --engine``):
+    its next-token distributions against the reference, its greedy response and,
+    with the protocol, its exact copies."""
+
+    engine: str
+    logits: LogitFigures
+    response_token_ids: tuple[int, ...]
+    response_sha256: str
+    response_matches_reference: bool
+    exact_copy: Optional[ExactCopyScore] = None
+    seconds: float = 0.0
+
+    def to_json(self, seconds: bool = False) -> dict:
+        out = {"engine": self.engine, **self.logits.to_json(), "response_token_ids": list(self.response_token_ids),
+               "response_sha256": self.response_sha256, "response_matches_reference": self.response_matches_reference,
+               "exact_copy": None if self.exact_copy is None else self.exact_copy.to_json()}
+        if seconds:
+            out["seconds"] = self.seconds
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "EngineFigures":
+        ec = obj.get("exact_copy") if isinstance(obj, dict) else None
+        return cls(_need(obj, "engine", str), LogitFigures.from_json(obj),
+                   tuple(int(t) for t in _need(obj, "response_token_ids", list)), _need(obj, "response_sha256", str),
+                   _need(obj, "response_matches_reference", bool), None if ec is None else ExactCopyScore.from_json(ec),
+                   float(obj.get("seconds", 0.0)))
+
+
+@dataclass(frozen=True)
 class FidelityReport:
     """What verify's fidelity stage measured (``verify/fidelity.py`` says how).
 
@@ -259,6 +290,7 @@ class FidelityReport:
     exact_copy: Optional[ExactCopyScore] = None
     cluster: tuple[Mapping[str, Any], ...] = ()
     seconds: float = 0.0
+    engines: tuple[EngineFigures, ...] = ()
 
     @classmethod
     def not_measured(cls, detail: str, requested: bool = False) -> "FidelityReport":
@@ -310,6 +342,8 @@ class FidelityReport:
                "moe_output_sha256": self.moe_output_sha256,
                "fast_moe_output_sha256": first.moe_output_sha256 if self.mode == "fast" else None,
                "exact_copy": None if self.exact_copy is None else self.exact_copy.to_json()}
+        if self.engines:
+            out["engines"] = {e.engine: e.to_json(seconds) for e in self.engines}
         if self.cluster:
             out["cluster"] = [dict(c) for c in self.cluster]
         s = self.second
@@ -348,7 +382,9 @@ class FidelityReport:
             reference_response_sha256=_need(obj, "reference_response_sha256", str),
             exact_copy=None if ec is None else ExactCopyScore.from_json(ec),
             cluster=tuple(MappingProxyType(dict(c)) for c in _need(obj, "cluster", list)) if "cluster" in obj else (),
-            seconds=float(obj.get("seconds", 0.0)))
+            seconds=float(obj.get("seconds", 0.0)),
+            engines=tuple(EngineFigures.from_json(e) for e in _need(obj, "engines", dict).values())
+            if "engines" in obj else ())
 
 
 @dataclass(frozen=True)
@@ -378,6 +414,7 @@ class VerifyReport:
     stored_runtimes: Optional[tuple[str, ...]] = None
     fidelity: FidelityReport = field(default_factory=FidelityReport)
     seconds: float = 0.0
+    runtimes_excluded: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # engine -> why not
 
     @property
     def ok(self) -> bool:
@@ -432,6 +469,7 @@ class VerifyReport:
             "flagged": [t.name for t in self.tensors if t.flagged],
             "codebook_tables": list(self.codebook_tables),
             "runtimes": list(self.runtimes),
+            "runtimes_excluded": {k: list(v) for k, v in self.runtimes_excluded.items()},
             "groups": [g.to_json() for g in self.groups],
         }
 

@@ -144,9 +144,10 @@ def mix_artifact(strix: Path, out: Path, *, loose_gumix: bool = False, lucebox: 
             continue
         value = kv.value
         if key == "ds4quant.runtimes":
-            # what the contents allow (artifact.runtimes.loadable_by): compact stacks load in ds4quant only,
-            # and Lucebox needs its blobs to cover every MIX tensor
-            value = ("ds4quant", "lucebox-mix") if lucebox and not compact else ("ds4quant",)
+            # what the contents allow (artifact.runtimes.decide): compact stacks load in ds4quant only,
+            # Lucebox needs its blobs to cover every MIX tensor; the p4mix blob is embedded only, so only
+            # loaders that read embedded blobs qualify; the strix base holds rocmfp2 (107): no affine build
+            value = ("ds4quant", "lucebox-mix-embedded") if lucebox and not compact else ("ds4quant",)
         w.add_kv(key, value, kv.type, kv.sub_type)
     w.add_blob("ds4quant.codebooks", write_table(table))
     full = CodebookTable(tuple(e for e in entries if e.expert_ids is None))
@@ -226,13 +227,15 @@ def rewrite(folder: Path, out: Path, *, kv: Optional[dict] = None, qtypes: Optio
     payloads = payloads or {}
     if qtypes and "ds4quant.runtimes" in g.kv and "ds4quant.runtimes" not in kv:
         # retagging changes which runtimes can load it: keep the key true to the contents
-        from ds4quant.artifact.runtimes import loadable_by
+        from ds4quant.artifact.runtimes import LuceboxBooks, Tensor, decide
         from ds4quant.artifact.view import open_artifact
         from ds4quant.names import parse_stack
 
-        books = open_artifact(folder).lucebox_books
-        rts = loadable_by([(qtypes.get(n, i.qtype), bool(parse_stack(n) and parse_stack(n).compact))
-                           for n, i in g.tensors.items()], books)
+        v0 = open_artifact(folder)
+        rts = decide(g.kv, {n: Tensor(qtypes.get(n, i.qtype), tuple(i.shape),
+                                      bool(parse_stack(n) and parse_stack(n).compact))
+                            for n, i in g.tensors.items()},
+                     LuceboxBooks(v0.lucebox_books, v0.lucebox_loose_books)).runtimes
         kv["ds4quant.runtimes"] = (list(rts), VT.ARRAY, VT.STRING)
     w = GGUFWriter(out / src_gguf.name, tags=tags)
     for key, v in g.kv.items():

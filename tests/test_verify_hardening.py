@@ -19,7 +19,7 @@ from gguf import GGUFValueType as VT
 
 from ds4quant.artifact import read_gguf_set
 from ds4quant.artifact.ds4 import shape_problems
-from ds4quant.artifact.runtimes import loadable_by, needs
+from ds4quant.artifact.runtimes import needs
 from ds4quant.verify import verify
 from ds4quant.verify._run import show_digests
 from tests._verify_util import SAMPLE, gguf_of, rewrite, strix_artifact, write_artifact_sums
@@ -174,13 +174,37 @@ def test_the_shipped_sample_config_reads_two_ways_and_verify_says_so(strix, tmp_
 
 
 def test_runtimes_say_which_lucebox_build_an_artifact_needs():
-    assert loadable_by([("rocmfp2", False), ("rocmfp3", False)], False) == ("ds4quant", "lucebox")
-    assert loadable_by([("rocmfp2_mix", False), ("rocmfp3", False)], True) == ("ds4quant", "lucebox-mix")
-    assert loadable_by([("rocmfp2_mix", False)], False) == ("ds4quant",)
-    assert loadable_by([("rocmfp2_affine", False), ("f32", False)], False) == ("ds4quant", "lucebox-affine")
-    assert loadable_by([("rocmfp2_affine", False), ("rocmfp2_mix", False)], True) == ("ds4quant",
-                                                                                      "lucebox-mix-affine")
-    assert loadable_by([("mxfp4", False), ("f32", False)], False) == ("ds4quant", "lucebox", "llama.cpp", "gguf-py")
-    assert loadable_by([("rocmfp3", True)], False) == ("ds4quant",)
-    assert loadable_by([("nope", False)], False) == ()
+    from ds4quant.artifact import make_kv
+    from ds4quant.artifact.runtimes import LuceboxBooks, decide
+    from ds4quant.sources import deepseek4_kvs
+    from ds4quant.sources.official import open_source
+
+    with open_source(SAMPLE) as s:
+        kv = {k.key: make_kv(k.value, k.type, k.sub_type) for k in deepseek4_kvs(s.config)}
+
+    def rts(*qs, books=LuceboxBooks(), compact=False, header=kv):
+        return decide(header, {f"t{i}": (q, (32,), compact) for i, q in enumerate(qs)}, books)
+
+    assert rts("rocmfp2", "rocmfp3").runtimes == ("ds4quant", "lucebox")
+    # no type 107: builds with and without ROCMFP2_AFFINE both load it
+    assert rts("rocmfp3", "f32").runtimes == ("ds4quant", "lucebox", "lucebox-affine")
+    assert rts("rocmfp2_affine", "f32").runtimes == ("ds4quant", "lucebox-affine")
+    both = rts("rocmfp2_affine", "rocmfp2")
+    assert both.runtimes == ("ds4quant",) and "107" in " ".join(both.excluded["lucebox"])
+    full = LuceboxBooks(any=True, loose=True)
+    embedded = LuceboxBooks(any=True, loose=False)
+    assert rts("rocmfp2_mix", "rocmfp2", books=full).runtimes == ("ds4quant", "lucebox-mix")
+    assert rts("rocmfp2_mix", "rocmfp3", books=full).runtimes == ("ds4quant", "lucebox-mix", "lucebox-mix-affine")
+    assert rts("rocmfp2_mix", "rocmfp2", books=embedded).runtimes == ("ds4quant", "lucebox-mix-embedded")
+    assert rts("rocmfp2_affine", "rocmfp2_mix", books=full).runtimes == ("ds4quant", "lucebox-mix-affine")
+    assert rts("rocmfp2_mix").runtimes == ("ds4quant",)
+    # mxfp4 everywhere, but this header has no tokenizer (and the sample's shape): not llama.cpp
+    mx = rts("mxfp4", "f32")
+    assert mx.runtimes == ("ds4quant", "lucebox", "lucebox-affine", "gguf-py")
+    assert any("tokenizer.ggml.model is missing" in w for w in mx.excluded["llama.cpp"])
+    assert rts("rocmfp3", compact=True).runtimes == ("ds4quant",)
+    assert rts("nope").runtimes == ()
+    # a header without the keys Lucebox's loader requires: no Lucebox claim
+    assert "lucebox" in rts("rocmfp3", header={}).excluded
     assert "MIX" in needs("lucebox-mix") and "AFFINE" in needs("lucebox-affine")
+    assert "loose" in needs("lucebox-mix") and "embedded" in needs("lucebox-mix-embedded")

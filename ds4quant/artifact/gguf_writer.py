@@ -44,7 +44,8 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import numpy as np
 from gguf import GGUFValueType as VT
@@ -167,6 +168,11 @@ class GGUFWriter:
         self._headers: list[bytes] = []
 
     # ------------------------------------------------------------ collecting
+    @property
+    def kv(self) -> "Mapping[str, KV]":
+        """The KVs added so far (read-only; the writer's own keys are added at write time)."""
+        return MappingProxyType(self._kv)
+
     def _need(self, state: str) -> None:
         if self._state != state:
             raise RuntimeError(f"GGUFWriter is {self._state}; this call needs it {state}")

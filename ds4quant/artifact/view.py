@@ -15,8 +15,9 @@ opens it in a fixed order, each step raising the validating readers'
    Lucebox blobs (``deepseek4.{p4mix,gumix,dmix}.sidecar`` embedded, or loose
    ``NAME.gguf.<kind>.bin``), valid, covering every resident MIX tensor once
    and agreeing with each other;
-6. the runtimes that can load it, from its contents (``runtimes.loadable_by``),
-   against the stored ``ds4quant.runtimes`` key.
+6. the runtimes that can load it, decided from its whole header and tensor
+   list (``runtimes.decide``), against the stored ``ds4quant.runtimes`` key
+   (a key that claims a runtime the decision does not allow is a problem).
 
 Steps 4-6 never raise on content: what is wrong is a ``Problem`` (check name,
 detail, file, tensor) in ``problems()``, and the caller decides whether a
@@ -232,18 +233,21 @@ class ArtifactView:
             self._kv_int(names.KEY_BLOCK_COUNT), self._kv_int(names.KEY_EXPERT_COUNT),
             self._kv_int(names.KEY_EXPERT_USED_COUNT), self._kv_int(names.KEY_EMBEDDING_LENGTH),
             self._kv_int(names.KEY_EXPERT_FFN_LENGTH), self._kv_int(names.KEY_VOCAB_SIZE),
-            self._kv_int(names.KEY_HASH_LAYER_COUNT), self._kv_float(names.KEY_SWIGLU_CLAMP),
+            self._kv_int(names.KEY_HASH_LAYER_COUNT), self._kv_clamp(),
             self._kv_float(names.KEY_EXPERT_WEIGHTS_SCALE))
         self._stacks = self._read_stacks()
         self.stacks: tuple[StackInfo, ...] = tuple(self._stacks.values())
-        self._books, self.codebook_tables, self.lucebox_books = self._read_codebooks()
+        self._books, self.codebook_tables, self.lucebox_books, self.lucebox_loose_books = self._read_codebooks()
         self.mix_tensors: tuple[str, ...] = tuple(n for n, i in self.gguf.tensors.items() if i.needs_codebooks)
-        self.runtimes: tuple[str, ...] = self._runtimes()
+        self.runtime_decision = self._runtimes()
+        self.runtimes: tuple[str, ...] = self.runtime_decision.runtimes
+        # engine -> why it cannot load the artifact (inspect and the model card print it)
+        self.runtimes_excluded: Mapping[str, tuple[str, ...]] = self.runtime_decision.excluded
         self.stored_runtimes = self._stored_runtimes()
-        if self.stored_runtimes is not None and set(self.stored_runtimes) != set(self.runtimes):
-            self._problem("runtimes", f"{names.KEY_RUNTIMES} lists [{', '.join(self.stored_runtimes)}], but its "
-                                      f"contents load in [{', '.join(self.runtimes) or 'no known runtime'}]",
-                          self.rel(self.gguf.path))
+        if self.stored_runtimes is not None:
+            for why in self.runtime_decision.claim_problems(self.stored_runtimes):
+                self._problem("runtimes", f"{names.KEY_RUNTIMES} claims more than the contents allow: {why}",
+                              self.rel(self.gguf.path))
 
     # -- plain accessors ------------------------------------------------------
 
@@ -294,6 +298,18 @@ class ArtifactView:
         if kv is None or isinstance(kv.value, (np.ndarray, tuple, str, bytes, bool)):
             return None
         return float(kv.value)
+
+    def _kv_clamp(self) -> Optional[float]:
+        """The SwiGLU clamp: one number, or one per block (llama.cpp's converter's form), all equal."""
+        kv = self.kv.get(names.KEY_SWIGLU_CLAMP)
+        if kv is None or not isinstance(kv.value, np.ndarray):
+            return self._kv_float(names.KEY_SWIGLU_CLAMP)
+        vals = [float(x) for x in kv.value.reshape(-1)]
+        if vals and all(v == vals[0] for v in vals):
+            return vals[0]
+        self._problem("ds4_keys", f"{names.KEY_SWIGLU_CLAMP} gives the blocks different clamps; DeepSeek-V4 "
+                                  "clamps every layer alike", self.first_file)
+        return None
 
     # -- stacks ---------------------------------------------------------------
 
@@ -441,9 +457,10 @@ class ArtifactView:
 
     # -- codebooks ------------------------------------------------------------
 
-    def _read_codebooks(self) -> tuple[dict, tuple[str, ...], bool]:
+    def _read_codebooks(self) -> tuple[dict, tuple[str, ...], bool, bool]:
         """(tensor -> CodebookEntry to decode with, tables found, Lucebox blobs
-        hold valid books for every resident MIX tensor)."""
+        hold valid books for every resident MIX tensor (embedded preferred, as
+        the loaders that read embedded blobs do), the loose files alone do)."""
         from ds4quant.codebooks import from_lucebox, read_table
         from ds4quant.codebooks.dmix import read_dmix
         from ds4quant.codebooks.gumix import check_gumix_coverage, read_gumix
@@ -489,6 +506,7 @@ class ArtifactView:
 
         # Lucebox blobs: embedded KV (the loader's preference) and loose files.
         blobs: dict[str, bytes] = {}
+        loose_blobs: dict[str, bytes] = {}
         readers = {"p4mix": read_p4mix, "gumix": read_gumix, "dmix": read_dmix}
         for kind in names.LUCEBOX_KINDS:
             skey = names.sidecar_key(kind)
@@ -516,20 +534,32 @@ class ArtifactView:
                                   what if not what.startswith("KV ") else first)
             if good:
                 blobs[kind] = good[0][1]
-        lucebox = False
-        if blobs:
-            full = {n: mix[n] for n, st in stacks.items() if n in mix and not st.compact}
-            surface = {Proj.GATE: 0, Proj.UP: 1, Proj.DOWN: 2}
+            loose_good = [d for what, d in good if not what.startswith("KV ")]
+            if loose_good:
+                loose_blobs[kind] = loose_good[0]
+        full = {n: mix[n] for n, st in stacks.items() if n in mix and not st.compact}
+        surface = {Proj.GATE: 0, Proj.UP: 1, Proj.DOWN: 2}
+
+        def lucebox_table(bl: dict):
+            if "p4mix" in bl:
+                check_p4mix_coverage(read_p4mix(bl["p4mix"]), {
+                    stacks[n].layer: (i.shape[2], i.shape[1], i.shape[0])
+                    for n, i in full.items() if i.ggml_type == 105 and stacks[n].proj == Proj.DOWN})
+            if "gumix" in bl:
+                check_gumix_coverage(read_gumix(bl["gumix"]), {
+                    (stacks[n].layer, surface[stacks[n].proj]): (i.shape[2], i.shape[1], i.shape[0])
+                    for n, i in full.items() if i.ggml_type == 106})
+            return from_lucebox(bl.get("p4mix"), bl.get("gumix"), bl.get("dmix")).table
+
+        lucebox = loose = False
+        if loose_blobs and mix:
             try:
-                if "p4mix" in blobs:
-                    check_p4mix_coverage(read_p4mix(blobs["p4mix"]), {
-                        stacks[n].layer: (i.shape[2], i.shape[1], i.shape[0])
-                        for n, i in full.items() if i.ggml_type == 105 and stacks[n].proj == Proj.DOWN})
-                if "gumix" in blobs:
-                    check_gumix_coverage(read_gumix(blobs["gumix"]), {
-                        (stacks[n].layer, surface[stacks[n].proj]): (i.shape[2], i.shape[1], i.shape[0])
-                        for n, i in full.items() if i.ggml_type == 106})
-                lb = from_lucebox(blobs.get("p4mix"), blobs.get("gumix"), blobs.get("dmix")).table
+                loose = set(mix) <= set(lucebox_table(loose_blobs).names)
+            except Ds4quantError:
+                loose = False  # the problem is reported below when these are the blobs a loader reads
+        if blobs:
+            try:
+                lb = lucebox_table(blobs)
             except Ds4quantError as e:
                 self._problem("codebooks", e.one_line(), first)
             else:
@@ -545,7 +575,7 @@ class ArtifactView:
                         self._problem("codebooks", f"in a Lucebox blob but not in {key}", first, e.name)
                     if e.name not in books and e.name in resident and resident[e.name] == (e.qtype, e.n_experts):
                         books[e.name] = e  # foreign (Lucebox) files: decode with the blob's books
-        return books, tuple(tables), lucebox
+        return books, tuple(tables), lucebox, lucebox and loose
 
     def book_entry(self, tensor: str):
         """The ``codebooks.CodebookEntry`` to decode ``tensor`` with (own table,
@@ -554,11 +584,12 @@ class ArtifactView:
 
     # -- runtimes -------------------------------------------------------------
 
-    def _runtimes(self) -> tuple[str, ...]:
-        from ds4quant.artifact.runtimes import loadable_by
+    def _runtimes(self):
+        from ds4quant.artifact.runtimes import LuceboxBooks, Tensor, decide
 
-        return loadable_by(((i.qtype, (s := names.parse_stack(n)) is not None and s.compact)
-                            for n, i in self.gguf.tensors.items()), self.lucebox_books)
+        tensors = {n: Tensor(i.qtype, tuple(i.shape), (s := names.parse_stack(n)) is not None and s.compact)
+                   for n, i in self.gguf.tensors.items()}
+        return decide(self.kv, tensors, LuceboxBooks(self.lucebox_books, self.lucebox_loose_books))
 
     def _stored_runtimes(self) -> Optional[tuple[str, ...]]:
         kv = self.kv.get(names.KEY_RUNTIMES)

@@ -9,7 +9,7 @@ import click
 
 from ds4quant.cli.group import cli
 from ds4quant.cli.options import PATH, imatrix_option, json_option, size_option
-from ds4quant.cli.output import emit_json, progress_printer
+from ds4quant.cli.output import echo_excluded, emit_json, progress_printer
 
 
 @cli.command("convert")
@@ -49,7 +49,12 @@ from ds4quant.cli.output import emit_json, progress_printer
               help="adaptive: run the measure stage's MIX and scale searches on a CUDA device through torch. "
                    "Never changes bytes.")
 @click.option("--no-lucebox", is_flag=True, help="adaptive: allow layouts only ds4quant's runtime loads.")
-@click.option("--loose-sidecars", is_flag=True, help="Also write NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF.")
+@click.option("--gate-up-books", type=click.Choice(["separate", "joint"]), default="separate", show_default=True,
+              help="MIX qtypes chosen with --tensor-type: fit each expert's gate and up codebooks apart, or one "
+                   "pair over both and shared (as Lucebox's converter does).")
+@click.option("--loose-sidecars/--no-loose-sidecars", default=True, show_default=True,
+              help="Write Lucebox MIX codebooks also as NAME.gguf.gumix.bin / .p4mix.bin beside the GGUF (some "
+                   "Lucebox loaders read only these; without them the key says lucebox-mix-embedded).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in OUTDIR (same source and recipe).")
 @click.option("--force", is_flag=True,
               help="Replace an earlier convert's artifact in OUTDIR. Removes only files convert writes; "
@@ -57,7 +62,7 @@ from ds4quant.cli.output import emit_json, progress_printer
 @json_option(help="Print one JSON object at the end; no progress lines.")
 def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qtype, name, split_max_size,
                 target_bpw, max_bytes, candidates, granularity, routing, sensitivity, fitter, fit_effort, cache_dir,
-                jobs, measure_device, no_lucebox, loose_sidecars, resume, force, as_json):
+                jobs, measure_device, no_lucebox, gate_up_books, loose_sidecars, resume, force, as_json):
     """Convert a DeepSeek-V4 checkpoint (official layout folder, or a F32/F16/BF16/Q8_0/MXFP4 GGUF) into a
     ROCmFPX artifact.
 
@@ -82,7 +87,7 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
     progress = progress_printer(not as_json and sys.stderr.isatty())
     rep = convert(source, outdir, recipe, threads=threads, imatrix=imatrix, tensor_types=tensor_types,
                   dense_qtype=dense_qtype, name=name, split_max_size=split_max_size, adaptive=adaptive,
-                  loose_sidecars=loose_sidecars, resume=resume, force=force,
+                  gate_up_books=gate_up_books, loose_sidecars=loose_sidecars, resume=resume, force=force,
                   command=["ds4quant", *sys.argv[1:]], progress=progress)
     for f, nbytes, tensor in rep.oversize_splits:
         click.echo(f"ds4quant: warning: {f} holds {nbytes:,} bytes, over --split-max-size {split_max_size}: "
@@ -95,6 +100,7 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
     click.echo(f"routed experts: {j['bpw_experts']:.4f} bpw, SQNR {j['expert_sqnr_db'] or float('inf'):.2f} dB; "
                f"{j['seconds']:.1f} s" + (f" ({j['reused_tensors']} tensors resumed)" if j["reused_tensors"] else ""))
     click.echo(f"loadable by: {', '.join(j['runtimes']) or 'no known runtime'}")
+    echo_excluded(j.get("runtimes_excluded") or {})
     a = j.get("adaptive")
     if a:
         click.echo(f"adaptive: {a['method']}, {a['allocated_bytes']:,} of {a['budget_bytes']:,} budget bytes "

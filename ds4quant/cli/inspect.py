@@ -6,7 +6,7 @@ import click
 
 from ds4quant.cli.group import cli
 from ds4quant.cli.options import PATH, json_option, variant_107_option
-from ds4quant.cli.output import echo_table, emit_json
+from ds4quant.cli.output import echo_excluded, echo_table, emit_json
 
 
 @cli.command("inspect")
@@ -45,9 +45,10 @@ def inspect_cmd(artifact, variant_107, as_json):
     click.echo(f"loadable by: {', '.join(ins.runtimes) or 'no known runtime'}")
     for r in ins.runtimes:
         click.echo(f"  {r}: {needs(r)}")
-    if ins.stored_runtimes is not None and set(ins.stored_runtimes) != set(ins.runtimes):
+    echo_excluded(ins.runtimes_excluded)
+    if ins.stored_runtimes is not None and not set(ins.stored_runtimes) <= set(ins.runtimes):
         click.echo(f"note: its ds4quant.runtimes key says {', '.join(ins.stored_runtimes) or 'none'}, "
-                   "which its contents do not allow (ds4quant verify fails it)")
+                   "more than its contents allow (ds4quant verify fails it)")
     alloc = ((ins.manifest or {}).get("recipe") or {}).get("allocation")
     if alloc:
         click.echo(f"adaptive plan: {alloc['method']}, {alloc['allocated_bytes']:,} of {alloc['budget_bytes']:,} "

@@ -27,6 +27,12 @@ def echo_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, rstrip: 
         click.echo(line)
 
 
+def echo_excluded(excluded) -> None:
+    """One line per engine that cannot load the artifact, with why (artifact.runtimes.decide)."""
+    for eng, why in excluded.items():
+        click.echo(f"not loadable by {eng}: {'; '.join(why)}")
+
+
 def size_cell(n) -> str:
     return "-" if n is None else f"{n:,}"
 

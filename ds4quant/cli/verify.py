@@ -41,9 +41,12 @@ from ds4quant.cli.output import emit_json, verify_progress
               help="Evaluation text for --fidelity (UTF-8; blank-line-separated documents, the source's tokenizer).")
 @protocol_option(help="Also run the exact-copy protocol (20 identifiers x 3 contexts; needs the source's "
                       "tokenizer.json and task.json).")
+@click.option("--engine", "engines", multiple=True, type=click.Choice(["llama.cpp"]),
+              help="With --fidelity: also run the artifact through this engine (llama.cpp via llama-cpp-python, "
+                   "which scripts/interop.sh installs) and report the same figures for it.")
 @json_option(help="Print one JSON object {ok, checks, tensors, summary[, fidelity]}.")
 def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, fidelity, placements, mode,
-               tokens_file, text_file, protocol, as_json):
+               tokens_file, text_file, protocol, engines, as_json):
     """Check that an artifact (or release folder, or bare .gguf) is sound:
     types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
     file hashes against manifest.json (and SHA256SUMS). With --source, decode
@@ -57,6 +60,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
       ds4quant verify out/tiny-strix --source samples/ds4-tiny --report out/tiny-strix-report
       ds4quant verify release/ --json
       ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --protocol exact-copy
+      ds4quant verify out/llama-mxfp4 --source SRC --fidelity --engine llama.cpp
       ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --mode exact \\
           --placement a.json --placement b.json
       ds4quant verify out/copy-strix --source samples/ds4-copy --fidelity --mode exact \\
@@ -71,7 +75,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
     progress = verify_progress(source is not None and not as_json and sys.stderr.isatty())
     rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
-                 text=text_file, protocol=protocol)
+                 text=text_file, protocol=protocol, engines=tuple(engines))
     report_path = None
     if report_dir is not None:
         from ds4quant.publish.report import write_report
@@ -103,6 +107,13 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
             if f.exact_copy:
                 line += f", exact copy {f.exact_copy.passes}/{f.exact_copy.trials}"
             click.echo(line)
+            for e in f.engines:
+                line = (f"fidelity ({e.engine}): KL mean {e.logits.kl_mean:.4g} p99 {e.logits.kl_p99:.4g}, top-1 "
+                        f"{100 * e.logits.top1:.2f}%, PPL ratio {e.logits.ppl_ratio:.4f}, "
+                        f"response {e.response_sha256[:16]}")
+                if e.exact_copy:
+                    line += f", exact copy {e.exact_copy.passes}/{e.exact_copy.trials}"
+                click.echo(line)
             for c in f.cluster:
                 click.echo(f"cluster: {c['n_ranks']} ranks started once in {c['start_s']:.1f} s, {c['calls']} layer "
                            f"calls, {c['call_ms_median']:.1f} ms median; expert bytes read per rank "

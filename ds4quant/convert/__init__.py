@@ -31,7 +31,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from ds4quant import __version__
@@ -59,6 +59,7 @@ from ds4quant.errors import BadInputError, Ds4quantError, OutputError
 from ds4quant.formats import get_qtype, numba_threads
 from ds4quant.progress import ProgressEvent, ProgressFn
 from ds4quant.sizes import parse_size
+from ds4quant.plan.recipes import GATE_UP_BOOKS
 from ds4quant.sources.naming import deepseek4_kvs
 
 MANIFEST = "manifest.json"
@@ -78,10 +79,11 @@ def convert(
     imatrix: "str | os.PathLike | None" = None,
     tensor_types: Sequence[str] = (),
     dense_qtype: Optional[str] = None,
+    gate_up_books: str = "separate",
     name: Optional[str] = None,
     split_max_size: "str | int | None" = None,
     adaptive: Optional[AdaptiveOptions] = None,
-    loose_sidecars: bool = False,
+    loose_sidecars: bool = True,
     resume: bool = False,
     force: bool = False,
     command: Optional[Sequence[str]] = None,
@@ -90,6 +92,9 @@ def convert(
     """Convert a DeepSeek-V4 checkpoint (official folder or GGUF) into an artifact folder.
 
     ``adaptive`` (an AdaptiveOptions) is required by the ``adaptive`` recipe.
+    ``gate_up_books="joint"`` fits one codebook pair per expert over its gate
+    and up and shares it (as Lucebox's converter does) for MIX qtypes chosen
+    with ``tensor_types``; the default fits each matrix on its own.
     ``progress`` gets a ProgressEvent per measured expert (stage "measure") and
     per encoded tensor (stage "encode"). Returns a ConvertReport; raises a
     Ds4quantError for bad input, leaving no artifact in ``outdir``. The bytes
@@ -104,7 +109,15 @@ def convert(
     rec = get_recipe(recipe)
     if dense_qtype is not None:
         get_qtype(dense_qtype)
-        rec = Recipe(rec.name, rec.description, rec.experts, dense_qtype, rec.adaptive)
+        rec = replace(rec, dense_qtype=dense_qtype)
+    if gate_up_books not in GATE_UP_BOOKS:
+        raise BadInputError(f"must be one of {', '.join(GATE_UP_BOOKS)}, got {gate_up_books!r}",
+                            where="--gate-up-books")
+    if gate_up_books != "separate":
+        if rec.adaptive:
+            raise BadInputError("the adaptive recipe fits its own codebooks; --gate-up-books applies to MIX "
+                                "qtypes chosen with --tensor-type", where="--gate-up-books")
+        rec = replace(rec, gate_up_books=gate_up_books)
     if rec.adaptive:
         if adaptive is None:
             raise BadInputError("the adaptive recipe needs --target-bpw or --max-bytes")
@@ -217,7 +230,8 @@ class _Job:
                 plan, adaptive_info, figures = plan_adaptive(self.src, plan, self.members, adaptive, self.imx,
                                                              self.imx_sha, books, self.progress)
             else:
-                fit_fixed_mix_books(plan, self.members, self.src, self.imx, books)
+                fit_fixed_mix_books(plan, self.members, self.src, self.imx, books,
+                                    joint_gate_up=rec.gate_up_books == "joint")
         plan_fp = plan_fingerprint(rec, plan, self.imx_sha, adaptive.key() if rec.adaptive else None)
         if finished:
             return finished_report(out, self.art_name, self.src, rec, plan, self.options, self.overrides,
@@ -237,7 +251,7 @@ class _Job:
                 results = run_encode(self.src, plan, self.members, self.imx, books, pieces, journal, self.threads,
                                      self.progress, figures)
                 table = codebook_table(plan, books, self.src.config.n_routed_experts)
-                files, cb_bytes, runtimes, oversize, file_sha = assemble(
+                files, cb_bytes, decision, oversize, file_sha = assemble(
                     out, self.art_name, rec, plan,
                     deepseek4_kvs(self.src.config) + tokenizer_kvs(self.src.path, self.src.config.vocab_size),
                     pieces, self.split_bytes,
@@ -248,6 +262,7 @@ class _Job:
                 if created_out:
                     shutil.rmtree(out, ignore_errors=True)
                 raise
+            runtimes = tuple(sorted(decision.runtimes))
             man = manifest(out, files, self.src, rec, plan, results, self.overrides, self.imatrix, self.imx_sha,
                            self.command, self.source_fp, runtimes, adaptive_info, table, file_sha)
             write_manifest(out / MANIFEST, man)
@@ -262,4 +277,4 @@ class _Job:
             raise fs_error(e, out, work, created_out) from None
 
         return build_report(out, files, plan, results, cb_bytes, rec, self.source_fp, runtimes, adaptive_info,
-                            t_start, oversize)
+                            t_start, oversize, decision.excluded)

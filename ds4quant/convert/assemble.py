@@ -1,8 +1,12 @@
 """Stage 4 of convert: the GGUF (or splits) from the pieces, the codebook tables, the manifest.
 
-The runtimes key comes from ``artifact.runtimes.loadable_by`` over the
-planned tensors, the same rule the artifact view applies when it reads the
-result, so convert, inspect, verify and the model card cannot disagree.
+The runtimes key comes from ``artifact.runtimes.decide`` over the KVs and
+planned tensors about to be written, the same decision the artifact view
+makes when it reads the result, so convert, inspect, verify and the model
+card cannot disagree. Whenever the artifact carries Lucebox codebook blobs
+they are written twice, embedded and as loose ``NAME.gguf.*.bin`` files
+(unless ``loose_sidecars=False``), because some Lucebox loaders read only the
+loose files (docs/runtimes.md); the key then says ``lucebox-mix``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 from ds4quant import __version__
 from ds4quant.plan import Books, PlanSummary, Recipe
 from ds4quant.artifact import FileEntry, GGUFWriter, Manifest, TensorEntry, atomic_write_bytes
-from ds4quant.artifact.runtimes import loadable_by
+from ds4quant.artifact.runtimes import Decision, LuceboxBooks, Tensor, decide
 from ds4quant.errors import UnsupportedFormatError
 from ds4quant.formats import QTYPES, get_qtype
 from ds4quant.names import (
@@ -82,7 +86,8 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
 
 def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, split_bytes: Optional[int],
              source_fp: str, table, loose_sidecars: bool, adaptive_info: Optional[PlanSummary]):
-    """Write the GGUF set (all splits or none) and loose sidecars; (files, codebook bytes, runtimes)."""
+    """Write the GGUF set (all splits or none) and loose sidecars;
+    (files, codebook bytes, runtimes decision, oversize splits, file sha256s)."""
     # Files of an earlier attempt (this name or, on a resume under a new --name, the one its
     # manifest lists) and temp files a killed write left would confuse readers and the sums.
     from ds4quant.convert.outdir import LOCK_NAME, WORK_DIR, own_files
@@ -112,12 +117,13 @@ def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, spl
             for key, blob in ((KEY_GUMIX, blobs.gumix), (KEY_P4MIX, blobs.p4mix)):
                 if blob is not None:
                     w.add_blob(key, blob)
-    # sorted: the order artifacts have always stored (loadable_by lists them in qtype order)
-    runtimes = tuple(sorted(loadable_by([(c.qtype, c.experts is not None) for c in plan],
-                                        lucebox_books=blobs is not None)))
+    loose = loose_sidecars and blobs is not None
+    decision = decide(w.kv, {c.name: Tensor(c.qtype, tuple(c.shape), c.experts is not None) for c in plan},
+                      LuceboxBooks(any=blobs is not None, loose=loose))
     from gguf import GGUFValueType as VT
 
-    w.add_array(KEY_RUNTIMES, list(runtimes), VT.STRING)
+    # sorted: the order artifacts have always stored (the decision lists them in engine order)
+    w.add_array(KEY_RUNTIMES, sorted(decision.runtimes), VT.STRING)
     for c in plan:
         if c.experts is not None:
             w.add_array(expert_ids_key(c.name), list(c.experts), VT.UINT32)
@@ -127,14 +133,14 @@ def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, spl
     files = list(w.write())
     file_sha = dict(w.sha256)  # hashed while streaming
     oversize = w.oversize
-    if loose_sidecars and blobs is not None:
+    if loose:
         for kind, blob in (("gumix", blobs.gumix), ("p4mix", blobs.p4mix)):
             if blob is not None:
                 side = files[0].with_name(files[0].name + sidecar_suffix(kind))
                 atomic_write_bytes(side, blob)
                 files.append(side)
                 file_sha[side] = hashlib.sha256(blob).hexdigest()
-    return files, cb_bytes, runtimes, oversize, file_sha
+    return files, cb_bytes, decision, oversize, file_sha
 
 
 # Options that never change bytes (resume.MAY_CHANGE's output-side subset): dropped from the

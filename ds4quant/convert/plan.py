@@ -15,7 +15,7 @@ from ds4quant import __version__
 from ds4quant.plan import Books, Recipe, TensorChoice, TensorSpec
 from ds4quant.errors import BadInputError
 from ds4quant.formats import QTYPES, get_qtype
-from ds4quant.names import layer_of
+from ds4quant.names import Proj, layer_of, parse_stack, stack_name
 from ds4quant.sources.base import Source
 from ds4quant.sources.naming import Mapped
 
@@ -86,18 +86,50 @@ def load(src: Source, m: Mapped, cols: int) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(-1, cols), dtype=np.float32)
 
 
-def fit_fixed_mix_books(plan, members, src: Source, imx, books: Books) -> None:
+def fit_fixed_mix_books(plan, members, src: Source, imx, books: Books, joint_gate_up: bool = False) -> None:
     """MIX qtypes chosen outright (--tensor-type ...=rocmfp2_mix): the reference
-    fitter per expert, as the Lucebox converter does (per surface here)."""
+    fitter per expert, as the Lucebox converter does.
+
+    joint_gate_up=False fits each surface's matrix on its own. True fits, for
+    every expert whose gate and up are both the same MIX qtype, one book pair
+    over the gate rows then the up rows (each with its own importance) and
+    gives it to both, which is the rule of Lucebox's converter for its 106
+    gate/up tensors: its GUMIXs1 sidecar repeats the one pair for both
+    surfaces. Matrices without such a partner are fitted alone.
+    """
     from ds4quant.codebooks import fit_reference
 
+    mix = []
     for c in plan:
         qt = get_qtype(c.qtype) if c.qtype in QTYPES else None
-        if qt is None or not qt.is_mix:
-            continue
+        if qt is not None and qt.is_mix:
+            mix.append((c, qt))
+    partner: dict[tuple[str, Optional[int], str], tuple] = {}
+    if joint_gate_up:
+        # (gate base, expert, qtype) -> the up matrix's (choice, member)
+        for c, qt in mix:
+            sn = parse_stack(c.base)
+            if sn is not None and sn.proj == Proj.UP:
+                for m in members_of(c, members):
+                    partner[(stack_name(sn.layer, Proj.GATE), m.expert, qt.name)] = (c, m)
+    done = set()
+    for c, qt in mix:
         for m in members_of(c, members):
+            if (c.base, m.expert, qt.name) in done:
+                continue
             x = load(src, m, c.shape[0])
             imp = importance(imx, c.base, m.expert, c.shape[0])
-            b, _ = fit_reference([x], qt.codebook_levels, imp)
-            books.put(c.base, m.expert, qt.name, b, 1)
+            up = partner.get((c.base, m.expert, qt.name))
+            if up is None:
+                b, _ = fit_reference([x], qt.codebook_levels, imp)
+                books.put(c.base, m.expert, qt.name, b, 1)
+            else:
+                uc, um = up
+                xu = load(src, um, uc.shape[0])
+                b, _ = fit_reference([x, xu], qt.codebook_levels,
+                                     [imp, importance(imx, uc.base, um.expert, uc.shape[0])])
+                for base in (c.base, uc.base):
+                    books.put(base, m.expert, qt.name, b, 1)
+                done.add((uc.base, um.expert, qt.name))
+                src.release(um.name)
             src.release(m.name)

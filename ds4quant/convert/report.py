@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -84,6 +84,8 @@ class ConvertReport:
     # (file name, padded tensor bytes, its one tensor) of every split over --split-max-size:
     # a tensor larger than the limit gets a split of its own, as llama.cpp's gguf-split does
     oversize_splits: tuple[tuple[str, int, str], ...] = ()
+    # engine -> why it cannot load the artifact (artifact.runtimes.decide); empty when not decided here
+    runtimes_excluded: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def bpw_experts(self) -> float:
@@ -123,6 +125,7 @@ class ConvertReport:
             "seconds": self.seconds,
             "reused_tensors": self.reused,
             "runtimes": list(self.runtimes),
+            "runtimes_excluded": {k: list(v) for k, v in self.runtimes_excluded.items()},
             "recipe": self.recipe,
             "adaptive": None if self.adaptive is None else self.adaptive.to_json(),
             "source_fingerprint": self.source_fingerprint,
@@ -132,7 +135,7 @@ class ConvertReport:
 
 
 def build_report(out: Path, files, plan, results, cb_bytes: int, rec, source_fp: str, runtimes, adaptive_info,
-                 t_start: float, oversize=()) -> ConvertReport:
+                 t_start: float, oversize=(), excluded=None) -> ConvertReport:
     """The ConvertReport of a finished run (a fresh one, or one ``--resume`` recognised);
     ``seconds`` counts from ``t_start`` (``time.perf_counter``)."""
     expert_bytes = sum(r.nbytes for r, c in zip(results, plan) if c.tensor_class == "routed_expert")
@@ -153,4 +156,5 @@ def build_report(out: Path, files, plan, results, cb_bytes: int, rec, source_fp:
         reused=sum(1 for r in results if r.reused),
         adaptive=adaptive_info,
         oversize_splits=tuple(oversize),
+        runtimes_excluded=dict(excluded or {}),
     )

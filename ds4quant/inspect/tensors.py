@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from ds4quant import names
 
@@ -64,6 +64,7 @@ class Inspection:
     notes: tuple[str, ...]
     runtimes: tuple[str, ...] = ()  # from the contents (ArtifactView.runtimes)
     stored_runtimes: Optional[tuple[str, ...]] = None  # the ds4quant.runtimes key
+    runtimes_excluded: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # engine -> why not
 
     @property
     def total_bytes(self) -> int:
@@ -103,6 +104,7 @@ class Inspection:
             "runtimes": list(self.runtimes),
             "runtime_needs": {r: _needs(r) for r in self.runtimes},
             "stored_runtimes": None if self.stored_runtimes is None else list(self.stored_runtimes),
+            "runtimes_excluded": {k: list(v) for k, v in self.runtimes_excluded.items()},
             "tensors": [t.to_json() for t in self.tensors],
         }
 
@@ -138,7 +140,7 @@ def inspect_artifact(path: "str | os.PathLike", *, variant_107: Optional[str] = 
         kv[names.KEY_RUNTIMES] = list(v.stored_runtimes)
     return Inspection(p, tuple(v.gguf_paths), tuple(rows), tuple(tables),
                       manifest.to_json() if manifest is not None else None, kv, tuple(v.gguf.notes),
-                      v.runtimes, v.stored_runtimes)
+                      v.runtimes, v.stored_runtimes, dict(v.runtimes_excluded))
 
 
 def _needs(runtime: str) -> str:

@@ -57,6 +57,10 @@ class Recipe:
 
     experts: surface ("gate" | "up" | "down") -> qtype for routed experts, or
     the special value "mxfp4-lossless" (bit-exact repack of the FP4 source).
+    gate_up_books: how MIX codebooks of qtypes chosen outright (``--tensor-type
+    ...=rocmfp2_mix``) are fitted for an expert's gate and up: "separate" (one
+    book pair per matrix, the default) or "joint" (one pair fitted over both
+    and shared, as Lucebox's converter does; GATE_UP_BOOKS).
     """
 
     name: str
@@ -64,18 +68,25 @@ class Recipe:
     experts: Mapping[str, str]
     dense_qtype: str = "bf16"
     adaptive: bool = False
+    gate_up_books: str = "separate"
 
     def expert_qtype(self, surface: str) -> str:
         return self.experts[surface]
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "name": self.name,
             "description": self.description,
             "experts": dict(self.experts),
             "dense_qtype": self.dense_qtype,
             "adaptive": self.adaptive,
         }
+        if self.gate_up_books != "separate":  # the default leaves the recipe's bytes as they were
+            d["gate_up_books"] = self.gate_up_books
+        return d
+
+
+GATE_UP_BOOKS = ("separate", "joint")
 
 
 def _uniform(name: str, qtype: str, description: str) -> Recipe:

@@ -31,8 +31,8 @@ __all__ = ["model_card", "runtimes"]
 
 
 def runtimes(rep: VerifyReport) -> tuple[str, ...]:
-    """Runtimes that can load the artifact: the view's answer from its contents
-    (``artifact.runtimes.loadable_by``), which verify also holds the stored key to."""
+    """Runtimes that can load the artifact: the view's decision from its whole header
+    (``artifact.runtimes.decide``), which verify also holds the stored key to."""
     return tuple(rep.runtimes)
 
 
@@ -143,6 +143,8 @@ def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plot
     L += ["Runtimes that can load every tensor of this artifact: " +
           (", ".join(f"**{r}**" for r in rts) if rts else "none listed") + ".", ""]
     L += [f"- **{r}**: {needs(r)}" for r in rts] + ([""] if rts else [])
+    L += [f"Not loadable by **{eng}**: {'; '.join(why)}." for eng, why in rep.runtimes_excluded.items()]
+    L += [""] if rep.runtimes_excluded else []
     L += ["## Checksums", "", f"`{SUMS_NAME}` lists every file of this folder (`sha256sum -c {SUMS_NAME}`). "
                               "The artifact files:", ""]
     L += md_table(["file", "bytes", "sha256"], [[f"`{f.name}`", f"{f.bytes:,}", f"`{f.sha256}`"] for f in man.files]

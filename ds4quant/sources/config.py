@@ -46,12 +46,24 @@ _FLOAT_DEFAULTS = {
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """YaRN scaling of the compressed-attention RoPE (factor 1.0 = none)."""
+    """YaRN scaling of the compressed-attention RoPE (factor 1.0 = none).
+
+    ext_factor / attn_factor: the source's ``extrapolation_factor`` and
+    ``attention_factor`` (or ``attn_factor``) when it states them, else None
+    (engines then derive their own).
+    """
 
     factor: float = 1.0
     original_context_length: int = 0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    ext_factor: Optional[float] = None
+    attn_factor: Optional[float] = None
+
+    @property
+    def kind(self) -> str:
+        """"yarn", or "none" when the factor is 1 (no scaling)."""
+        return "none" if self.factor == 1.0 else "yarn"
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,7 @@ class Ds4Config:
     rope_scaling: RopeScaling
     expert_dtype: Optional[str]  # "fp4" for the official FP4 experts
     fp8_block: Optional[tuple[int, int]]  # weight_block_size of the FP8 quantization_config
+    norm_topk_prob: bool = True  # the top-k routing weights are renormalized to sum 1
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -149,11 +162,14 @@ def _rope_scaling(cfg: Mapping, where: str, max_pos: int) -> RopeScaling:
         return RopeScaling(1.0, max_pos)
     if kind != "yarn":
         raise UnsupportedFormatError(f"rope scaling type {kind!r} is not supported (yarn or none)", where=where)
+    attn = rs.get("attention_factor", rs.get("attn_factor"))
     return RopeScaling(
         factor=_float(rs, "factor", where, 1.0),
         original_context_length=_int(rs, "original_max_position_embeddings", where, max_pos),
         beta_fast=_float(rs, "beta_fast", where, 32.0),
         beta_slow=_float(rs, "beta_slow", where, 1.0),
+        ext_factor=_float(rs, "extrapolation_factor", where, 1.0) if "extrapolation_factor" in rs else None,
+        attn_factor=_float({"f": attn}, "f", where, 1.0) if attn is not None else None,
     )
 
 
@@ -221,6 +237,9 @@ def parse_config(cfg: Mapping[str, Any], where: str = "config.json") -> Ds4Confi
         n_hash = _int(cfg, "num_hash_layers", where, 3, minimum=0)
         mlp_types = tuple([HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash))
 
+    norm_topk = cfg.get("norm_topk_prob", True)
+    if not isinstance(norm_topk, bool):
+        raise BadInputError(f"norm_topk_prob must be true or false, got {norm_topk!r}", where=where)
     scoring = cfg.get("scoring_func", "sqrtsoftplus")
     if scoring not in ("sqrtsoftplus", "sigmoid"):
         raise UnsupportedFormatError(f"scoring_func {scoring!r} is not supported (sqrtsoftplus, sigmoid)", where=where)
@@ -252,6 +271,7 @@ def parse_config(cfg: Mapping[str, Any], where: str = "config.json") -> Ds4Confi
         rope_scaling=_rope_scaling(cfg, where, ints["max_position_embeddings"]),
         expert_dtype=expert_dtype,
         fp8_block=fp8_block,
+        norm_topk_prob=norm_topk,
         raw=MappingProxyType(dict(cfg)),
     )
 

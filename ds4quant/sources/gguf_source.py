@@ -62,6 +62,7 @@ from ds4quant.artifact.qtypes import ROCMFPX_IDS
 from ds4quant.errors import BadInputError, CorruptDataError, Ds4quantError, ShapeError, UnsupportedFormatError
 from ds4quant.names import (
     ARCH,
+    GATING_FUNC,
     KEY_ARCH,
     KEY_BLOCK_COUNT,
     KEY_EMBEDDING_LENGTH,
@@ -131,14 +132,17 @@ _FLOAT_KEYS = MappingProxyType({
     "rms_norm_eps": (_P + "attention.layer_norm_rms_epsilon", 1e-6),
     "hc_eps": (_P + "hyper_connection.epsilon", 1e-6),
     "routed_scaling_factor": (KEY_EXPERT_WEIGHTS_SCALE, 1.5),
-    "swiglu_limit": (KEY_SWIGLU_CLAMP, 10.0),
 })
+KEY_ROPE_EXT = _P + "rope.scaling.yarn_ext_factor"
+KEY_ROPE_ATTN = _P + "rope.scaling.yarn_attn_factor"
+KEY_GATING = _P + "expert_gating_func"
+KEY_WEIGHTS_NORM = _P + "expert_weights_norm"
 _ROPE_FLOATS = {"beta_fast": (_P + "rope.scaling.yarn_beta_fast", 32.0),
                 "beta_slow": (_P + "rope.scaling.yarn_beta_slow", 1.0)}
 _INT_TYPES = (VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64)
 # config field names in messages (parse_config's, the shape table's) -> the GGUF key
 _KEY_OF = {**{f: k for f, k in _INT_KEYS.items()}, **{f: k for f, (k, _) in _FLOAT_KEYS.items()},
-           "max_position_embeddings": KEY_CONTEXT}
+           "max_position_embeddings": KEY_CONTEXT, "swiglu_limit": KEY_SWIGLU_CLAMP}
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,30 @@ def _kv_float(g, key: str, where: str, default: Optional[float]) -> float:
     return v
 
 
+def _kv_swiglu(g, where: str) -> float:
+    """The clamp: one FLOAT32, or (as llama.cpp's converter writes it) one per block, all equal."""
+    kv = g.kv.get(KEY_SWIGLU_CLAMP)
+    if kv is None or kv.type != VT.ARRAY:
+        return _kv_float(g, KEY_SWIGLU_CLAMP, where, 10.0)
+    vals = [float(x) for x in kv.value] if kv.sub_type in (VT.FLOAT32, VT.FLOAT64) else []
+    if not vals or any(v != vals[0] or not np.isfinite(v) for v in vals):
+        raise BadInputError(f"KV {KEY_SWIGLU_CLAMP!r} must be a number or an array of one finite number per "
+                            "block; DeepSeek-V4 clamps every layer alike", where=where)
+    return vals[0]
+
+
+def _kv_scoring(g, where: str) -> str:
+    kv = g.kv.get(KEY_GATING)
+    if kv is None:
+        return "sqrtsoftplus"  # what every DeepSeek-V4 uses; files before the key existed
+    by_id = {v: k for k, v in GATING_FUNC.items()}
+    got = by_id.get(int(kv.value)) if kv.type in _INT_TYPES else None
+    if got not in ("sqrtsoftplus", "sigmoid"):
+        raise UnsupportedFormatError(f"KV {KEY_GATING!r} = {kv.value!r} is not sqrtsoftplus (4) or sigmoid (2)",
+                                     where=where)
+    return got
+
+
 def config_from_kvs(g, tensor_names: Iterable[str], where: str) -> Ds4Config:
     """A Ds4Config from a GGUF's ``deepseek4.*`` keys (see module doc, step 3).
 
@@ -273,6 +301,13 @@ def config_from_kvs(g, tensor_names: Iterable[str], where: str) -> Ds4Config:
     cfg["max_position_embeddings"] = 1048576 if ctx is None else ctx  # V4-Flash, as config.py defaults
     for f, (k, d) in _FLOAT_KEYS.items():
         cfg[f] = _kv_float(g, k, where, d)
+    cfg["swiglu_limit"] = _kv_swiglu(g, where)
+    cfg["scoring_func"] = _kv_scoring(g, where)
+    norm = g.kv.get(KEY_WEIGHTS_NORM)
+    if norm is not None:
+        if norm.type != VT.BOOL:
+            raise BadInputError(f"KV {KEY_WEIGHTS_NORM!r} must be a BOOL, got {norm.type.name}", where=where)
+        cfg["norm_topk_prob"] = bool(norm.value)
     if KEY_ROPE_FACTOR not in g.kv:
         raise BadInputError(f"no KV {KEY_ROPE_FACTOR!r}; ds4quant will not guess it", where=where,
                             hint="a DS4 loader's default is 16, 'no YaRN' is 1.0; add the key")
@@ -285,6 +320,8 @@ def config_from_kvs(g, tensor_names: Iterable[str], where: str) -> Ds4Config:
         or cfg["max_position_embeddings"],
         beta_fast=_kv_float(g, _ROPE_FLOATS["beta_fast"][0], where, _ROPE_FLOATS["beta_fast"][1]),
         beta_slow=_kv_float(g, _ROPE_FLOATS["beta_slow"][0], where, _ROPE_FLOATS["beta_slow"][1]),
+        ext_factor=_kv_float(g, KEY_ROPE_EXT, where, None) if KEY_ROPE_EXT in g.kv else None,
+        attn_factor=_kv_float(g, KEY_ROPE_ATTN, where, None) if KEY_ROPE_ATTN in g.kv else None,
     )
     try:
         config = parse_config(cfg, where=where)

@@ -12,7 +12,10 @@ and the transformers table in ds4-reference-model.md:
 
 ``deepseek4_kvs`` computes every key Lucebox's loader requires
 (``kRequiredU32Keys``, plus ``attention.value_length`` that newer loaders also
-require) and the optional float / array keys it reads, from a ``Ds4Config``.
+require) and the optional float / array keys it reads, and every key
+llama.cpp's DeepSeek-V4 loader requires, in the types it checks
+(``artifact/llama_cpp.py`` holds that list as data; docs/runtimes.md), from a
+``Ds4Config``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Iterable, NamedTuple, Optional
 
+from ds4quant import names as N
 from ds4quant.errors import BadInputError, UnsupportedFormatError
 from ds4quant.names import WRITTEN_U32_KEYS as REQUIRED_U32_KEYS  # noqa: F401 (re-exported: names.DS4_U32_KEYS is the one table)
 from ds4quant.names import layer_of, parse_stack, stack_name
@@ -328,17 +332,12 @@ def hf_name(name: str) -> tuple[str, Optional[tuple[int, str]]]:
 
 
 class GgufKv(NamedTuple):
-    """(key, value, gguf.GGUFValueType); ARRAY values are uint32 lists (``sub_type``)."""
+    """(key, value, gguf.GGUFValueType, element type of an ARRAY value)."""
 
     key: str
     value: Any
     type: Any
-
-    @property
-    def sub_type(self):
-        from gguf import GGUFValueType
-
-        return GGUFValueType.UINT32 if self.type == GGUFValueType.ARRAY else None
+    sub_type: Any = None
 
 
 def deepseek4_kvs(config: Ds4Config) -> list[GgufKv]:
@@ -379,22 +378,36 @@ def deepseek4_kvs(config: Ds4Config) -> list[GgufKv]:
         "deepseek4.hyper_connection.count": c.hc_mult,
         "deepseek4.hyper_connection.sinkhorn_iterations": c.hc_sinkhorn_iters,
     }
+    rs = c.rope_scaling
     kvs = [GgufKv("general.architecture", "deepseek4", V.STRING)]
-    kvs.append(GgufKv("deepseek4.context_length", c.max_position_embeddings, V.UINT32))
+    kvs.append(GgufKv(N.KEY_CONTEXT_LENGTH, c.max_position_embeddings, V.UINT32))
     kvs += [GgufKv(k, int(v), V.UINT32) for k, v in u32.items()]
+    # Arrays in the element types llama.cpp's converter writes (python ints -> INT32, floats ->
+    # FLOAT32), one entry per block: both llama.cpp and Lucebox read these forms (docs/runtimes.md).
     kvs += [
-        GgufKv("deepseek4.attention.compress_ratios", [int(r) for r in c.compress_ratios], V.ARRAY),
+        GgufKv(N.KEY_COMPRESS_RATIOS, [int(r) for r in c.compress_ratios], V.ARRAY, V.INT32),
         GgufKv("deepseek4.rope.freq_base", c.rope_theta, V.FLOAT32),
         GgufKv("deepseek4.attention.compress_rope_freq_base", c.compress_rope_theta, V.FLOAT32),
-        # factor 1.0 (no YaRN) is written rather than omitted: the loader's default is 16
-        GgufKv("deepseek4.rope.scaling.factor", c.rope_scaling.factor, V.FLOAT32),
-        GgufKv("deepseek4.rope.scaling.yarn_beta_fast", c.rope_scaling.beta_fast, V.FLOAT32),
-        GgufKv("deepseek4.rope.scaling.yarn_beta_slow", c.rope_scaling.beta_slow, V.FLOAT32),
-        GgufKv("deepseek4.rope.scaling.original_context_length", c.rope_scaling.original_context_length, V.UINT64),
+        # "none" or "yarn": without it llama.cpp would apply *linear* scaling by the factor
+        GgufKv(N.KEY_ROPE_SCALING_TYPE, rs.kind, V.STRING),
+        # factor 1.0 (no YaRN) is written rather than omitted: the Lucebox loader's default is 16
+        GgufKv(N.KEY_ROPE_SCALING_FACTOR, rs.factor, V.FLOAT32),
+        GgufKv(N.KEY_ROPE_YARN_BETA_FAST, rs.beta_fast, V.FLOAT32),
+        GgufKv(N.KEY_ROPE_YARN_BETA_SLOW, rs.beta_slow, V.FLOAT32),
+        # UINT32: llama.cpp type-checks it (Lucebox reads UINT32 or UINT64)
+        GgufKv(N.KEY_ROPE_SCALING_ORIG_CTX, rs.original_context_length, V.UINT32),
+    ]
+    if rs.ext_factor is not None:
+        kvs.append(GgufKv(N.KEY_ROPE_YARN_EXT_FACTOR, rs.ext_factor, V.FLOAT32))
+    if rs.attn_factor is not None:
+        kvs.append(GgufKv(N.KEY_ROPE_YARN_ATTN_FACTOR, rs.attn_factor, V.FLOAT32))
+    kvs += [
         GgufKv("deepseek4.attention.layer_norm_rms_epsilon", c.rms_norm_eps, V.FLOAT32),
         GgufKv("deepseek4.hyper_connection.epsilon", c.hc_eps, V.FLOAT32),
-        GgufKv("deepseek4.expert_weights_scale", c.routed_scaling_factor, V.FLOAT32),
-        GgufKv("deepseek4.swiglu_clamp_exp", c.swiglu_limit, V.FLOAT32),
+        GgufKv(N.KEY_EXPERT_WEIGHTS_SCALE, c.routed_scaling_factor, V.FLOAT32),
+        GgufKv(N.KEY_EXPERT_WEIGHTS_NORM, bool(c.norm_topk_prob), V.BOOL),
+        GgufKv(N.KEY_EXPERT_GATING_FUNC, N.GATING_FUNC[c.scoring_func], V.UINT32),
+        GgufKv(N.KEY_SWIGLU_CLAMP, [float(c.swiglu_limit)] * c.num_hidden_layers, V.ARRAY, V.FLOAT32),
     ]
     for kv in kvs:
         if kv.type == V.UINT32 and not (0 <= kv.value < 2**32):

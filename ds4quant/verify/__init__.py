@@ -25,7 +25,8 @@ its stages (``STAGES``), one module each, run in order:
    of every layer exactly once;
 2. ``codebooks``: own table and Lucebox blobs valid, covering every resident
    MIX tensor exactly once, agreeing; then ``ds4quant.runtimes`` against what
-   the contents allow (``artifact.runtimes.loadable_by``);
+   the whole header and tensor list allow (``artifact.runtimes.decide``): a
+   key claiming more fails;
 3. ``manifest``: per-tensor and per-file sha256 (one read of each file)
    against ``manifest.json``, its fields against the GGUF, ``SHA256SUMS``;
 4. ``numbers`` (``source=``): every tensor decoded and compared with the
@@ -34,7 +35,8 @@ its stages (``STAGES``), one module each, run in order:
 5. ``fidelity``: the tokenizer keys against the source's tokenizer.json, and
    with ``fidelity=True`` the model through the bundled runtime against the
    transformers reference (KL, top-1, PPL ratio, per-layer MoE error, response
-   and MoE-output hashes, the exact-copy protocol; ``verify/fidelity.py``).
+   and MoE-output hashes, the exact-copy protocol; ``verify/fidelity.py``), and with
+   ``engines`` the same figures through another engine (``verify/engines.py``).
 
     rep = verify("out/tiny-strix", source="samples/ds4-tiny")
     rep.ok, rep.summary["expert_sqnr_db"]
@@ -100,6 +102,7 @@ def verify(
     tokens: "str | os.PathLike | None" = None,
     text: "str | os.PathLike | None" = None,
     protocol: Optional[str] = None,
+    engines: tuple = (),
 ) -> VerifyReport:
     """Check an artifact folder, release folder or bare GGUF (see module doc).
 
@@ -111,7 +114,9 @@ def verify(
     placement files, mappings or Placements; none: one CPU owner; one that records ranks runs that many
     gloo ranks: ``runtime.load`` decides) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
     file) or ``text`` (UTF-8 file) or the built-in documents; ``protocol="exact-copy"`` adds the
-    exact-copy protocol. Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
+    exact-copy protocol. ``engines=("llama.cpp",)`` also runs the artifact through that engine
+    (llama-cpp-python) and reports the same figures in ``rep.fidelity.engines``.
+    Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
     from ds4quant.artifact.tags import check_variant_107
@@ -133,9 +138,9 @@ def verify(
         mode = Mode.parse(mode, where="--mode")
         if tokens is not None and text is not None:
             raise BadInputError("give --tokens or --text, not both", where="--tokens")
-    elif placements or tokens is not None or text is not None or protocol is not None:
-        raise BadInputError("--placement, --tokens, --text and --protocol belong to the fidelity measurement",
-                            where="verify", hint="add --fidelity")
+    elif placements or tokens is not None or text is not None or protocol is not None or engines:
+        raise BadInputError("--placement, --tokens, --text, --protocol and --engine belong to the fidelity "
+                            "measurement", where="verify", hint="add --fidelity")
     lay = locate(artifact)
     if lay.kind != "gguf" and lay.manifest is None:
         raise BadInputError(f"no {MANIFEST} in the folder", where=str(lay.path),
@@ -149,7 +154,11 @@ def verify(
     ctx = Context(view, Options(None if source is None else Path(source), None if imatrix is None else Path(imatrix),
                                 threshold_db, progress, bool(fidelity), runs, mode,
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
-                                protocol))
+                                protocol, tuple(engines)))
+    if fidelity:
+        from ds4quant.verify.engines import check_engines
+
+        check_engines(view, tuple(engines))
     for stage in STAGES:
         stage(ctx)
     return _report(ctx, time.perf_counter() - t0)
@@ -173,7 +182,7 @@ def _report(ctx: Context, seconds: float) -> VerifyReport:
     return VerifyReport(v.layout.path, v.kind, tuple(v.gguf_paths) + tuple(v.sidecars), tuple(ctx.checks),
                         tuple(records), group_records(records), ctx.numbers_from, v.manifest, MappingProxyType(kv),
                         fp, tuple(v.codebook_tables), v.lucebox_books, v.runtimes, v.stored_runtimes,
-                        ctx.fidelity, seconds)
+                        ctx.fidelity, seconds, MappingProxyType(dict(v.runtimes_excluded)))
 
 
 def _kv_plain(kv) -> Any:

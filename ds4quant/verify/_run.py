@@ -40,6 +40,7 @@ class Options:
     tokens: Optional[Path] = None
     text: Optional[Path] = None
     protocol: Optional[str] = None
+    engines: tuple[str, ...] = ()  # other engines measured beside the runtime (verify/engines.py)
 
 
 @dataclass

@@ -39,7 +39,10 @@ Which figures fail the check (``LIMITS``); every figure is reported either way:
   broken conversion: the 2-3 bpw artifacts of samples/ds4-copy measure far below);
 - ``fidelity.exact_copy``: the candidate copies fewer than the source's own
   passes minus ``LIMITS["exact_copy_slack"]`` trials;
-- ``fidelity.identity``: exact mode with two placements and different hashes.
+- ``fidelity.identity``: exact mode with two placements and different hashes;
+- ``fidelity.<engine>.kl`` / ``.exact_copy``: the same limits for another engine
+  (``engines``: llama.cpp through llama-cpp-python, ``verify/engines.py``), whose
+  figures go to ``engines[<engine>]`` with the engine named.
 
 The tokenizer keys (``tokenizer.ggml.*``) are checked against the source's
 tokenizer.json whenever a source is given (``tokenizer_check``).
@@ -229,6 +232,14 @@ def measure(ctx: Context) -> FidelityReport:
         layers=tuple(MoeLayerError(L, first["local"][L], first["propagated"][L]) for L in layers),
         response_token_ids=tuple(first["response"].token_ids), reference_response_sha256=ref_resp.sha256,
         exact_copy=ec, cluster=tuple(clusters))
+    if o.engines:
+        from ds4quant.verify.engines import measure_engine
+
+        with C.one_thread():
+            rep = dataclasses.replace(rep, engines=tuple(
+                measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt, tok, task, o.protocol,
+                               RESPONSE_TOKENS, ref_copy.passes if ref_copy is not None else None, ref_resp.sha256)
+                for e in o.engines))
     _checks(ctx, rep)
     return dataclasses.replace(rep, seconds=time.perf_counter() - t0)
 
@@ -252,26 +263,9 @@ def placement_runs(view, placements) -> tuple:
 
 
 def _checks(ctx: Context, rep: FidelityReport) -> None:
-    kl, n = rep.logits.kl_mean, rep.eval_tokens
-    if not math.isfinite(kl) or kl > LIMITS["kl_mean"]:
-        worst = max(rep.layers, key=lambda r: r.local) if rep.layers else None
-        ctx.fail("fidelity.kl", f"mean KL {kl:.4g} nats over {n} tokens exceeds "
-                                f"{LIMITS['kl_mean']:g}" + (f"; worst MoE layer {worst.layer} (rel. error "
-                                                            f"{worst.local:.3g})" if worst else ""),
-                 ctx.first)
-    else:
-        ctx.ok("fidelity.kl", f"mean KL {kl:.4g} nats (p99 {rep.logits.kl_p99:.4g}), top-1 "
-                              f"{100 * rep.logits.top1:.2f}% over {n} tokens ({rep.mode} mode); limit "
-                              f"{LIMITS['kl_mean']:g}", ctx.first)
-    ec = rep.exact_copy
-    if ec is not None:
-        need = ec.reference_passes - LIMITS["exact_copy_slack"]
-        text = f"{ec.passes}/{ec.trials} exact copies (the source: {ec.reference_passes}/{ec.trials})"
-        if ec.passes < need:
-            ctx.fail("fidelity.exact_copy", f"{text}; fewer than the source's minus {LIMITS['exact_copy_slack']}",
-                     ctx.first)
-        else:
-            ctx.ok("fidelity.exact_copy", text, ctx.first)
+    _quality_checks(ctx, "fidelity", f"{rep.mode} mode", rep.logits, rep.exact_copy, rep.eval_tokens, rep.layers)
+    for eng in rep.engines:
+        _quality_checks(ctx, f"fidelity.{eng.engine}", eng.engine, eng.logits, eng.exact_copy, rep.eval_tokens, ())
     sp = rep.second
     if sp is not None and rep.mode == "exact":
         if rep.identical:
@@ -282,3 +276,25 @@ def _checks(ctx: Context, rep: FidelityReport) -> None:
             ctx.fail("fidelity.identity", f"placements differ: MoE output {first.moe_output_sha256[:16]} vs "
                                           f"{sp.moe_output_sha256[:16]}, response {first.response_sha256[:16]} "
                                           f"vs {sp.response_sha256[:16]}", ctx.first)
+
+
+def _quality_checks(ctx: Context, check: str, what: str, m, ec, n: int, layers) -> None:
+    """KL and exact-copy against LIMITS, as ``check``.kl / ``check``.exact_copy; ``what`` names the run."""
+    kl = m.kl_mean
+    if not math.isfinite(kl) or kl > LIMITS["kl_mean"]:
+        worst = max(layers, key=lambda r: r.local) if layers else None
+        ctx.fail(f"{check}.kl", f"mean KL {kl:.4g} nats over {n} tokens exceeds "
+                                f"{LIMITS['kl_mean']:g}" + (f"; worst MoE layer {worst.layer} (rel. error "
+                                                            f"{worst.local:.3g})" if worst else ""),
+                 ctx.first)
+    else:
+        ctx.ok(f"{check}.kl", f"mean KL {kl:.4g} nats (p99 {m.kl_p99:.4g}), top-1 {100 * m.top1:.2f}% over "
+                              f"{n} tokens ({what}); limit {LIMITS['kl_mean']:g}", ctx.first)
+    if ec is not None:
+        need = ec.reference_passes - LIMITS["exact_copy_slack"]
+        text = f"{ec.passes}/{ec.trials} exact copies (the source: {ec.reference_passes}/{ec.trials})"
+        if ec.passes < need:
+            ctx.fail(f"{check}.exact_copy", f"{text}; fewer than the source's minus {LIMITS['exact_copy_slack']}",
+                     ctx.first)
+        else:
+            ctx.ok(f"{check}.exact_copy", text + ("" if check == "fidelity" else f" ({what})"), ctx.first)

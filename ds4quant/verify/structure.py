@@ -70,6 +70,7 @@ def check_ds4_keys(ctx: Context) -> None:
     problems = check_ds4_header(ctx.view.kv)
     for p in problems:
         ctx.fail("ds4_keys", p, ctx.first)
+    problems += ctx.fail_problems("ds4_keys")
     if not problems:
         ctx.ok("ds4_keys", f"{names.KEY_ARCH} = {names.ARCH} and every key the DS4 loader requires is a UINT32",
                ctx.first)
@@ -85,12 +86,15 @@ def check_experts(ctx: Context) -> None:
 
 
 def check_runtimes(ctx: Context) -> None:
-    """The stored ``ds4quant.runtimes`` must name exactly the runtimes the contents allow."""
+    """The stored ``ds4quant.runtimes`` must claim no runtime the whole header and tensor list do not
+    allow (``artifact.runtimes.decide``); a key that claims fewer passes, with a note."""
     bad = ctx.fail_problems("runtimes")
     v = ctx.view
     if v.stored_runtimes is not None and not bad:
-        ctx.ok("runtimes", f"{names.KEY_RUNTIMES} = [{', '.join(v.stored_runtimes)}], what the contents allow",
-               ctx.first)
+        more = [r for r in v.runtimes if r not in v.stored_runtimes]
+        ctx.ok("runtimes", f"{names.KEY_RUNTIMES} = [{', '.join(v.stored_runtimes)}], within what the contents "
+                           "allow" + (f" (they also load in {', '.join(more)}, which the key does not claim)"
+                                      if more else ""), ctx.first)
 
 
 def structure(ctx: Context) -> None:

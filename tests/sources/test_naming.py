@@ -188,12 +188,34 @@ def test_kvs_have_every_required_loader_key():
     }
     assert {k: kvs[k].value for k in want} == want
     assert kvs["deepseek4.expert_weights_scale"].value == 1.5
-    assert kvs["deepseek4.swiglu_clamp_exp"].value == 10.0
+    # llama.cpp's dialect: the types its DS4 loader checks, arrays in its converter's forms
+    clamp = kvs["deepseek4.swiglu_clamp_exp"]
+    assert (clamp.type, clamp.sub_type, clamp.value) == (V.ARRAY, V.FLOAT32, [10.0] * 43)
+    assert (kvs["deepseek4.expert_weights_norm"].type, kvs["deepseek4.expert_weights_norm"].value) == (V.BOOL, True)
+    assert (kvs["deepseek4.expert_gating_func"].type, kvs["deepseek4.expert_gating_func"].value) == (V.UINT32, 4)
+    assert (kvs["deepseek4.rope.scaling.type"].type, kvs["deepseek4.rope.scaling.type"].value) == (V.STRING, "yarn")
     assert kvs["deepseek4.rope.scaling.factor"].value == 16.0
-    assert kvs["deepseek4.rope.scaling.original_context_length"].value == 65536
+    orig = kvs["deepseek4.rope.scaling.original_context_length"]
+    assert (orig.type, orig.value) == (V.UINT32, 65536)
+    assert (kvs["deepseek4.rope.scaling.yarn_beta_fast"].value, kvs["deepseek4.rope.scaling.yarn_beta_slow"].value) \
+        == (32.0, 1.0)
+    # the flash config states no extrapolation or attention factor: none is invented
+    assert "deepseek4.rope.scaling.yarn_ext_factor" not in kvs and "deepseek4.rope.scaling.yarn_attn_factor" not in kvs
     ratios = kvs["deepseek4.attention.compress_ratios"]
-    assert ratios.type == V.ARRAY and ratios.sub_type == V.UINT32 and len(ratios.value) == 43
+    assert ratios.type == V.ARRAY and ratios.sub_type == V.INT32 and len(ratios.value) == 43
     assert ratios.value[:4] == [0, 0, 4, 128]
+
+
+def test_kvs_carry_every_yarn_parameter_the_config_states():
+    cfg = dict(FLASH_NATIVE, rope_scaling=dict(FLASH_NATIVE["rope_scaling"], extrapolation_factor=0.5,
+                                               attention_factor=1.25))
+    kvs = _kv(deepseek4_kvs(parse_config(cfg)))
+    assert kvs["deepseek4.rope.scaling.yarn_ext_factor"].value == 0.5
+    assert kvs["deepseek4.rope.scaling.yarn_attn_factor"].value == 1.25
+    plain = _kv(deepseek4_kvs(parse_config({k: v for k, v in FLASH_NATIVE.items() if k != "rope_scaling"})))
+    assert plain["deepseek4.rope.scaling.type"].value == "none" and plain["deepseek4.rope.scaling.factor"].value == 1.0
+    sig = _kv(deepseek4_kvs(parse_config(dict(FLASH_NATIVE, scoring_func="sigmoid", norm_topk_prob=False))))
+    assert sig["deepseek4.expert_gating_func"].value == 2 and sig["deepseek4.expert_weights_norm"].value is False
 
 
 def test_loader_key_list_is_the_spec_list():
