@@ -117,7 +117,11 @@ class StreamedModel:
         with quiet_transformers():
             self._skeleton = build_skeleton(self.config)
         self._embed = None
-        self._rotary = None
+        # the model-level rotary tables (inverse frequencies from the config; the
+        # tables follow each batch's device)
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+        self._rotary = DeepseekV4RotaryEmbedding(self.config)
 
     # -- inputs ------------------------------------------------------------------
 
@@ -164,14 +168,10 @@ class StreamedModel:
 
     def _ensure_embed(self):
         if self._embed is None:
-            from ds4quant.runtime.stream.config import fresh_rotary
-
             m = self._skeleton.model
             state = self.weights.global_state("embed")
             m.embed_tokens.load_state_dict({"weight": state["model.embed_tokens.weight"]}, assign=True)
-            m.embed_tokens.to(self.device)
-            fresh_rotary(m, self.config, self.device)  # the model-level tables (layers stay meta)
-            self._embed, self._rotary = m.embed_tokens, m.rotary_emb
+            self._embed = m.embed_tokens.to(self.device)
         return self._embed
 
     def _context(self, batch: Batch, embeds) -> dict:
@@ -179,8 +179,9 @@ class StreamedModel:
         import torch
         from transformers.masking_utils import create_sliding_window_causal_mask
 
-        ids = batch.ids.to(self.device)
-        position_ids = torch.arange(embeds.shape[1], device=self.device).unsqueeze(0)
+        dev = embeds.device
+        ids = batch.ids.to(dev)
+        position_ids = torch.arange(embeds.shape[1], device=dev).unsqueeze(0)
         mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=None,
                                                  cache=None, position_ids=position_ids)
         pe = {"main": self._rotary(embeds, position_ids=position_ids, layer_type="main"),
@@ -196,16 +197,29 @@ class StreamedModel:
             e = self._ensure_embed()(batch.ids.to(self.device))
             return e.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
 
+    def release_embed(self) -> None:
+        """Give the embedding's memory back (the head is a separate piece)."""
+        if self._embed is not None:
+            self._embed.to("meta")
+            self._embed = None
+
     @contextlib.contextmanager
-    def layer(self, layer: int) -> Iterator[Any]:
-        """Decoder layer ``layer`` materialized on the device; released on exit."""
+    def layer(self, layer: int, device: Any = None, expert_cache: "Optional[int] | str" = "keep") -> Iterator[Any]:
+        """Decoder layer ``layer`` materialized on ``device`` (default the model's);
+        released on exit. expert_cache: bytes of decoded routed experts the
+        source's experts module may keep (None: all; "keep": the provider's)."""
+        import torch
+
         from ds4quant.runtime.stream.config import empty_layer
 
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.n_layers:
             raise BadInputError(f"layer {layer!r} is outside 0..{self.n_layers - 1}", where="layer")
+        dev = self.device if device is None else torch.device(parse_device(device))
         experts = self.weights.experts_module(layer)
-        if hasattr(experts, "device") or hasattr(experts, "expert_weights"):
-            experts.device = self.device
+        if hasattr(experts, "expert_weights"):
+            experts.device = dev
+            if expert_cache != "keep":
+                experts.cache_bytes = expert_cache
         mod = empty_layer(self.config, layer, "meta", experts=experts)
         state = self.weights.layer_state(layer)
         res = mod.load_state_dict(state, strict=False, assign=True)
@@ -216,7 +230,7 @@ class StreamedModel:
                                    "model has no place for", where=str(getattr(self.weights, "where", "the weights")))
         from ds4quant.runtime.stream.config import fresh_rotary
 
-        fresh_rotary(mod, self.config, self.device)
+        fresh_rotary(mod, self.config, dev)
         missing = sorted(k for k, _ in _named_tensors(mod) if _is_meta(mod, k))
         if missing:
             from ds4quant.errors import CorruptDataError
@@ -225,7 +239,7 @@ class StreamedModel:
                                    f"(and {len(missing) - 1} more)" if len(missing) > 1 else
                                    f"layer {layer}: the weights lack {missing[0]}",
                                    where=str(getattr(self.weights, "where", "the weights")))
-        mod = mod.to(self.device).eval()
+        mod = mod.to(dev).eval()
         try:
             yield mod
         finally:
@@ -282,7 +296,7 @@ def _is_meta(mod, name: str) -> bool:
 
 def stream_forward(sm: StreamedModel, batches: Sequence[Batch], *, observer: Optional[Observer] = None,
                    store=None, progress: Optional[ProgressFn] = None, keep_logits: bool = True,
-                   layers: Optional[Sequence[int]] = None):
+                   layers: Optional[Sequence[int]] = None, plan=None, work_dir=None):
     """Run ``batches`` through ``sm`` one layer at a time.
 
     store: where the hidden states live between layers (default a RamStore);
@@ -292,19 +306,25 @@ def stream_forward(sm: StreamedModel, batches: Sequence[Batch], *, observer: Opt
     returns None (use ``observer.on_logits``: DS4 Flash's 129,280-entry
     vocabulary makes all logits of a calibration set tens of GB). layers: the
     decoder layers to run (default all, in order; fewer is for measurement).
+    plan: a ``memory.MemoryPlan`` (its store, in ``work_dir`` for a memmap;
+    its expert cache; its device per layer).
     """
     import torch
 
     from ds4quant.runtime.stream.store import RamStore
 
     obs = observer or Observer()
-    store = store if store is not None else RamStore()
+    if store is None:
+        store = plan.make_store(work_dir) if plan is not None else RamStore()
     order = list(range(sm.n_layers)) if layers is None else list(layers)
     meter = Meter("stream", len(order) + 1, "layer")
     for i, b in enumerate(batches):
         store.put(i, sm.embed(b))
+    sm.release_embed()
     for L in order:
-        with sm.layer(L) as mod:
+        dev = sm.device if plan is None else plan.layer_devices[L]
+        cache = "keep" if plan is None else plan.expert_cache
+        with sm.layer(L, dev, cache) as mod:
             obs.on_layer_start(L, mod)
             current = {"index": -1}
 
@@ -318,7 +338,7 @@ def stream_forward(sm: StreamedModel, batches: Sequence[Batch], *, observer: Opt
             try:
                 for i, b in enumerate(batches):
                     current["index"] = i
-                    h = store.get(i, sm.device)
+                    h = store.get(i, dev)
                     obs.on_batch_start(L, i, b, h)
                     out = sm.run_layer(mod, b, h)
                     obs.on_batch_end(L, i, b, out)
