@@ -115,3 +115,25 @@ def test_refusals():
         if not torch.cuda.is_available():
             with pytest.raises(BadInputError, match="no CUDA device"):
                 StreamedModel(w, device="cuda:0")
+
+
+def test_eager_experts_and_repeated_layer_calls():
+    """Within one materialized layer: run it twice, with the experts swapped for an
+    EagerExperts over the same decoded stacks in between: the same bits each time."""
+    from ds4quant.runtime.stream import EagerExperts
+
+    with torch_threads(1), SourceWeights(SAMPLES[0]) as w:
+        sm = StreamedModel(w, threads=1)
+        batch = sm.batches([_seqs(512)[0]])[0]
+        h = sm.embed(batch)
+        with sm.layer(2) as layer:
+            first = sm.run_layer(layer, batch, h)
+            src = layer.mlp.experts
+            pairs = [src.expert_weights(e) for e in range(src.num_experts)]
+            layer.mlp.experts = EagerExperts(torch.stack([g for g, _ in pairs]), torch.stack([d for _, d in pairs]),
+                                             src.act_fn, src.limit)
+            second = sm.run_layer(layer, batch, h.clone())
+            layer.mlp.experts = src
+        assert torch.equal(first, second)
+        with pytest.raises(BadInputError, match="expert stacks must be"):
+            EagerExperts(torch.zeros(2, 4, 3), torch.zeros(3, 3, 2), src.act_fn, 10.0)
