@@ -68,7 +68,7 @@ import make_ds4_tiny as tiny  # noqa: E402  (the tiny sample's JSON writer)
 from _synthetic_spec import (  # noqa: E402,F401  (make_synthetic's public names, re-exported)
     GENERATOR, PRESETS, SyntheticSpec, TensorPlan, Unit, plan_units, preset, shard_units,
 )
-from _synthetic_values import expert_fp4, expert_values, make_unit, rng_for, tid2eid  # noqa: E402,F401
+from _synthetic_values import RowBlocks, expert_fp4, expert_values, make_unit, rng_for, tid2eid  # noqa: E402,F401
 
 INDEX = "model.safetensors.index.json"
 
@@ -177,10 +177,13 @@ def make_synthetic(out: "str | os.PathLike", spec: SyntheticSpec, *, workers: Op
             for arrays in _ordered(lambda u: make_unit(spec, u), units, workers):
                 for a in arrays:
                     t = want[i]
-                    b = np.ascontiguousarray(a)
-                    if b.nbytes != spans[i][1] - spans[i][0]:  # a bug here, not a user error
-                        raise RuntimeError(f"{t.name}: made {b.nbytes} bytes, planned {t.nbytes}")
-                    f.write(memoryview(b).cast("B"))
+                    made = 0
+                    for block in (a if isinstance(a, RowBlocks) else (a,)):
+                        b = np.ascontiguousarray(block)
+                        f.write(memoryview(b).cast("B"))
+                        made += b.nbytes
+                    if made != spans[i][1] - spans[i][0]:  # a bug here, not a user error
+                        raise RuntimeError(f"{t.name}: made {made} bytes, planned {t.nbytes}")
                     weight_map[t.name] = name
                     i += 1
         os.replace(tmp, out / name)

@@ -1,12 +1,20 @@
 """Child process of test_memory: a streamed run under a --max-memory budget,
-printing one JSON line with its peak RSS (ru_maxrss), so the parent measures
-this run alone."""
+printing one JSON line with its peak RSS, so the parent measures this run alone.
+
+Peak RSS is the kernel's high-water mark of this process (VmHWM), not
+ru_maxrss: on Linux a child's ru_maxrss starts from its parent's RSS at fork."""
 
 import json
-import resource
 import sys
 
 import numpy as np
+
+
+def _vm_hwm() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main(src: str, budget: str, work: str) -> None:
@@ -29,7 +37,7 @@ def main(src: str, budget: str, work: str) -> None:
 
         obs = type("O", (Observer,), {"on_logits": Keep.on_logits})()
         stream_forward(sm, batches, plan=plan, work_dir=work, observer=obs, keep_logits=False)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = _vm_hwm()
     print(json.dumps({"peak_rss": rss, "plan": plan.to_json(), "sums": sums}))
 
 

@@ -2,7 +2,7 @@
 
 The model is a DS4-Flash-shaped synthetic checkpoint (samples/make_synthetic.py
 --preset ds4-flash-mini, 6 layers of 64 experts); the run happens in a child process so its
-peak RSS (ru_maxrss) is this run's alone. Its logits are the same bits as an
+peak RSS (VmHWM) is this run's alone. Its logits are the same bits as an
 unbounded run in this process. A budget below one layer's need is refused
 before anything runs, naming the layer and the bytes.
 """
