@@ -20,7 +20,6 @@ has the bits of ``experts_implementation="eager"`` over the dequantized stack.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -243,7 +242,7 @@ class SourceExperts(_ExpertsLoop):
         self.limit = cfg.swiglu_limit
         self.act_fn = ACT2FN[cfg.hidden_act]
         self.cache_bytes = cache_bytes
-        self._cache: "OrderedDict[int, tuple]" = OrderedDict()
+        self._cache: dict[int, tuple] = {}
         self._cached = 0
         self.decoded = 0  # experts decoded so far (a cache miss each)
 
@@ -252,7 +251,6 @@ class SourceExperts(_ExpertsLoop):
         The tensors are the cache's: clone before changing them."""
         hit = self._cache.get(e)
         if hit is not None:
-            self._cache.move_to_end(e)
             return hit
         gate_up, down = self.weights.expert_weights(self.layer, e)
         dev = getattr(self, "device", None)
@@ -260,10 +258,10 @@ class SourceExperts(_ExpertsLoop):
             gate_up, down = gate_up.to(dev), down.to(dev)
         self.decoded += 1
         size = 4 * (gate_up.numel() + down.numel())
-        if self.cache_bytes is None or size <= self.cache_bytes:
-            while self.cache_bytes is not None and self._cached + size > self.cache_bytes and self._cache:
-                _, (g, d) = self._cache.popitem(last=False)
-                self._cached -= 4 * (g.numel() + d.numel())
+        # Once the budget is full nothing is evicted: every batch visits the experts
+        # in ascending order, a cyclic scan that least-recently-used eviction would
+        # turn into a miss on every call; keeping the first ones makes them hits.
+        if self.cache_bytes is None or self._cached + size <= self.cache_bytes:
             self._cache[e] = (gate_up, down)
             self._cached += size
         return gate_up, down

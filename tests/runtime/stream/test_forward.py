@@ -137,3 +137,20 @@ def test_eager_experts_and_repeated_layer_calls():
         assert torch.equal(first, second)
         with pytest.raises(BadInputError, match="expert stacks must be"):
             EagerExperts(torch.zeros(2, 4, 3), torch.zeros(3, 3, 2), src.act_fn, 10.0)
+
+
+def test_bounded_expert_cache_changes_nothing_but_decodes():
+    with torch_threads(1), SourceWeights(SAMPLES[0]) as w:
+        sm = StreamedModel(w, threads=1)
+        bs = sm.batches(_seqs(512)[:2])
+        out, decoded = {}, {}
+        one = w.expert_bytes(2)
+        for cache in (None, 0, 3 * one):
+            with sm.layer(2, expert_cache=cache) as layer:
+                out[cache] = [sm.run_layer(layer, b, sm.embed(b)) for b in bs]
+                decoded[cache] = layer.mlp.experts.decoded
+                kept = len(layer.mlp.experts._cache)
+                assert kept == {None: layer.mlp.experts.decoded, 0: 0}.get(cache, 3)
+        assert all(torch.equal(a, b) for c in (0, 3 * one) for a, b in zip(out[None], out[c]))
+        reached = decoded[None]  # each reached expert decoded once
+        assert 4 < reached <= 16 and reached < decoded[3 * one] < decoded[0]
