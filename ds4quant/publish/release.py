@@ -21,6 +21,7 @@ leaves the local release complete; no commit means nothing half-uploaded.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -123,9 +124,11 @@ def publish(
             if known[f.name] != f.sha256:
                 raise IntegrityError("changed while it was copied (sha256 differs from manifest.json)",
                                      where=str(art / f.name), hint="publish again")
-        shutil.copyfile(art / MANIFEST, tmp / MANIFEST)
-        # the report and card describe the release, not where the artifact happened to be
-        shown = replace(rep, artifact=Path(out.name), files=tuple(tmp / n for n in names))
+        man_shown = _release_manifest(art / MANIFEST, tmp / MANIFEST, man)
+        # the report and card describe the release, not where the artifact happened to be: no
+        # absolute path of this machine in anything that ships (artifact.portable)
+        shown = replace(rep, artifact=Path(out.name), files=tuple(tmp / n for n in names), manifest=man_shown,
+                        checks=_portable_checks(rep.checks, art, (art, source, imatrix)))
         from ds4quant.publish.report import PLOT_BITS, PLOT_ERROR, PLOT_FIDELITY, PLOT_HIST, write_report
 
         write_report(shown, tmp / REPORT_DIR, title=f"Verify report: {out.name}")
@@ -136,6 +139,48 @@ def publish(
     size = sum((out / f).stat().st_size for f in files)
     url = _upload(out, hf_repo, hub_token) if hf_repo is not None else None
     return PublishReport(out, tuple(files), size, rep, url, tuple(p.one_line() for p in stale))
+
+
+def _release_manifest(src: Path, dst: Path, man):
+    """Copy manifest.json into the release byte for byte, unless it records an absolute path
+    (convert before it recorded portable paths): then write it with those paths made portable.
+    Returns the Manifest the card and report show."""
+    from ds4quant.artifact import json_bytes
+    from ds4quant.artifact.manifest import manifest_from_json
+    from ds4quant.artifact.portable import portable_manifest_json
+
+    raw = src.read_bytes()
+    d = json.loads(raw)
+    pd = portable_manifest_json(d)
+    if pd == d:
+        atomic_write_bytes(dst, raw)
+        return man
+    atomic_write_bytes(dst, json_bytes(pd))
+    return manifest_from_json(pd, where=str(src))
+
+
+def _portable_checks(checks, art: Path, inputs) -> tuple:
+    """Checks with their file fields relative to the artifact (or names) and the inputs' paths
+    in their details replaced by names."""
+    from ds4quant.artifact.portable import portable_path
+
+    spelled = {}
+    for p in inputs:
+        if p is None:
+            continue
+        for form in {os.fspath(p), os.path.abspath(os.fspath(p)), os.path.realpath(os.fspath(p))}:
+            spelled[form] = portable_path(form) or form
+    order = sorted(spelled, key=len, reverse=True)  # longest first: a folder's path is a prefix of its files'
+
+    def clean(text):
+        if text is None:
+            return None
+        for form in order:
+            if os.path.isabs(form):
+                text = text.replace(form, spelled[form])
+        return text
+
+    return tuple(replace(c, file=portable_path(c.file, art), detail=clean(c.detail)) for c in checks)
 
 
 def check_release_folder(outdir: "str | os.PathLike", artifact: "str | os.PathLike", *,
