@@ -152,3 +152,15 @@ def test_click_usage_errors_are_one_line_exit_2(tmp_path, args, words):
     assert "no-such-command" in line
     line = _one_line_exit_2(CliRunner().invoke(cli, ["verify"]))
     assert "ARTIFACT" in line
+
+
+def test_convert_refuses_an_outdir_holding_the_imatrix_by_the_shared_check(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    imx = out / "imatrix.gguf"
+    shutil.copyfile(ROOT / "samples" / "ds4-tiny-calib" / "imatrix.gguf", imx)
+    before = imx.read_bytes()
+    line = _one_line_exit_2(CliRunner().invoke(cli, ["convert", str(SAMPLE), str(out), "--recipe", "rocmfp3",
+                                                     "--imatrix", str(imx), "--force"]))
+    assert "output folder holds the imatrix" in line and "real paths" in line
+    assert imx.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["imatrix.gguf"]

@@ -1,7 +1,11 @@
 """`ds4quant publish`: verify an artifact, then write a release folder anyone can check.
 
-Release folder (built as ``OUT.partial-<pid>`` and renamed into place, so a
-failed run leaves no half-made release)::
+The release folder never overlaps an input (the artifact, ``source``, the
+imatrix: ``artifact.overlap``), and ``overwrite`` replaces only a release
+publish wrote (``SHA256SUMS`` lists every file in it). It is built as
+``OUT.partial-<pid>`` (marked and locked as publish's own) and renamed into
+place, so a failed run leaves no half-made release; a killed run's partial is
+removed by the next run, any other one reported (``PublishReport.stale``)::
 
     NAME.gguf (or the splits)    the artifact files, byte for byte
     NAME.gguf.*.bin              loose codebook sidecars, when the artifact has them
@@ -24,7 +28,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
