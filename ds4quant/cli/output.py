@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Sequence
 
 import click
@@ -94,24 +95,38 @@ def progress_line(ev) -> str:
     if ev.kind is EventKind.PHASE:
         return f"[{ev.stage}] {ev.item} ...  ({ev.elapsed:.1f}s)"
     if ev.kind is EventKind.DONE:
-        unit = ev.unit if ev.total == 1 else ev.unit + "s"
+        unit = ev.unit if ev.total == 1 else ev.unit + ("es" if ev.unit.endswith(("s", "x", "ch", "sh")) else "s")
         return f"[{ev.stage}] done: {ev.total} {unit} in {ev.elapsed:.1f}s"
     return STEP_LINES.get(ev.stage, _step_line)(ev)
 
 
-def progress_printer(enabled: bool, tick_every: float = 1.0):
-    """One line per ProgressEvent on stderr (``progress_line``); None when not
-    ``enabled`` (not a TTY, or ``--json``: stderr stays quiet). TICK events are
-    shown at most once per ``tick_every`` seconds of the stage's own clock."""
+def stderr_is_tty() -> bool:
+    return sys.stderr.isatty()
+
+
+def command_progress(as_json: bool, wanted: bool = True):
+    """A command's progress printer: on a TTY when ``wanted``; None under ``--json``
+    (stderr stays quiet, stdout holds the one JSON object) or when stderr is no TTY."""
+    return progress_printer(wanted and not as_json and stderr_is_tty())
+
+
+def progress_printer(enabled: bool, tick_every: float = 1.0, step_every: float = 0.0, indent: str = ""):
+    """One line per ProgressEvent on stderr (``progress_line``, after ``indent``);
+    None when not ``enabled`` (not a TTY, or ``--json``: stderr stays quiet).
+    A stage's TICK lines come at most once per ``tick_every`` seconds and its
+    STEP lines at most once per ``step_every`` seconds of its own clock (the
+    last item, phases and the end always show)."""
     if not enabled:
         return None
-    last_tick: dict[str, float] = {}
+    shown: dict[tuple[str, EventKind], float] = {}
 
     def show(ev) -> None:
-        if ev.kind is EventKind.TICK:
-            if ev.elapsed - last_tick.get(ev.stage, -math.inf) < tick_every:
+        every = {EventKind.TICK: tick_every, EventKind.STEP: step_every}.get(ev.kind)
+        if every and not (ev.kind is EventKind.STEP and ev.done >= ev.total):
+            key = (ev.stage, ev.kind)
+            if ev.elapsed - shown.get(key, -math.inf) < every:
                 return
-            last_tick[ev.stage] = ev.elapsed
-        click.echo(progress_line(ev), err=True)
+            shown[key] = ev.elapsed
+        click.echo(indent + progress_line(ev), err=True)
 
     return show
