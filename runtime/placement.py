@@ -515,8 +515,17 @@ def as_placement(placement: Any, view) -> Placement:
         plc, where = placement, "placement"
     else:
         raise BadInputError(f"placement must be None, a path, a mapping or a Placement, got {type(placement).__name__}")
-    plc.check_matches(h.n_layer, h.n_expert, view.fingerprint(), where=where)
+    check_fits(plc, view, where)
     return plc
+
+
+def check_fits(plc: Placement, view, where: Optional[str] = None) -> None:
+    """The one check that a placement fits the artifact ``view``, shared by
+    ``runtime.load`` and ``ds4quant place --check``: the artifact's layers x
+    experts (its deepseek4 keys, else its stacks) and, when the placement
+    records one, its fingerprint. One line naming ``where``."""
+    nb = view.expert_nbytes()
+    plc.check_matches(int(nb.shape[0]), int(nb.shape[1]), view.fingerprint(), where=where)
 
 
 def placement_for_one_owner(n_layer: int, n_expert: int, owner: str = "cpu", n_expert_used: int = 1,
