@@ -18,10 +18,11 @@ minimises. The calibrate stage measures the gains
 A file of the streamed method (``ds4quant calibrate``'s default) also says
 how its KL figures were predicted: ``"method": "streamed"``, per tensor the
 ``local_error`` (mean squared change of the routed experts' output per token
-under the noise) and per layer the ``coefficient`` (KL per unit of local
-error; ``kl = coefficient * local_error``) with the whole-layer probes it was
-fitted on (``"probes": [{"scale", "kl", "local_error"}]``, empty for a layer
-whose coefficient is interpolated between probed ones). Without ``method``
+under the noise) and per layer and probe group (surfaces perturbed together,
+e.g. ``"gate+up+down"``) the ``coefficient`` (KL per unit of local error; a
+tensor's ``kl = coefficient * local_error``) with the whole-layer probes it
+was fitted on (``"probes": [{"scale", "kl", "local_error"}]``, empty for a
+layer whose coefficient is interpolated between probed ones). Without ``method``
 the KL of every tensor was measured by its own perturbed run (the per-tensor
 method).
 
@@ -86,9 +87,9 @@ class Sensitivity:
             out["method"] = self.method
             for t, rec in out["tensors"].items():
                 rec["local_error"] = self.local_error[t]
-            out["layers"] = {str(L): {"coefficient": v["coefficient"], "probed": v["probed"],
-                                      "probes": [dict(p) for p in v["probes"]]}
-                             for L, v in sorted(self.layers.items())}
+            out["layers"] = {str(L): {"probed": v["probed"], "groups": {
+                g: {"coefficient": c["coefficient"], "probes": [dict(p) for p in c["probes"]]}
+                for g, c in v["groups"].items()}} for L, v in sorted(self.layers.items())}
         return out
 
 
@@ -161,12 +162,20 @@ def read_sensitivity(path: "str | os.PathLike[str]", *, fingerprint: Optional[st
         for key, rec in raw.items():
             if not (isinstance(key, str) and key.isdigit() and isinstance(rec, dict)):
                 raise CorruptDataError(f"layers: entry {key!r} is not a layer index with an object", where=where)
-            probes = rec.get("probes")
-            if not isinstance(probes, list) or not all(isinstance(p, dict) for p in probes):
-                raise CorruptDataError(f"layer {key}: probes must be a list of objects", where=where)
-            layers[int(key)] = MappingProxyType({
-                "coefficient": _number(rec.get("coefficient"), f"layer {key}: coefficient", where, positive=True),
-                "probed": bool(rec.get("probed")), "probes": tuple(MappingProxyType(dict(p)) for p in probes)})
+            groups = rec.get("groups")
+            if not isinstance(groups, dict) or not groups:
+                raise CorruptDataError(f"layer {key}: groups must be a non-empty object", where=where)
+            parsed = {}
+            for g, c in groups.items():
+                probes = c.get("probes") if isinstance(c, dict) else None
+                if not isinstance(probes, list) or not all(isinstance(p, dict) for p in probes):
+                    raise CorruptDataError(f"layer {key}, group {g}: probes must be a list of objects", where=where)
+                parsed[g] = MappingProxyType({
+                    "coefficient": _number(c.get("coefficient"), f"layer {key}, group {g}: coefficient", where,
+                                           positive=True),
+                    "probes": tuple(MappingProxyType(dict(p)) for p in probes)})
+            layers[int(key)] = MappingProxyType({"probed": bool(rec.get("probed")),
+                                                 "groups": MappingProxyType(parsed)})
         locs, layers = MappingProxyType(locs), MappingProxyType(layers)
     return Sensitivity(MappingProxyType(gains), MappingProxyType(kls), MappingProxyType(errs), stored,
                        obj.get("tokens_sha256"), seqs_n, toks, rel, path=where, method=method, local_error=locs,

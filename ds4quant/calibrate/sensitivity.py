@@ -73,6 +73,8 @@ REL_STD = 0.3
 # the KL-to-local-error coefficient where plans live without assuming the
 # relation is exactly quadratic.
 PROBE_SCALES = (0.5, 1.0)
+# Surfaces perturbed together in one probe (each group gets its own coefficient).
+PROBE_GROUPS = (("gate", "up", "down"),)
 MAX_PROBES = 8
 
 
@@ -218,12 +220,22 @@ def _delta_experts(base, add):
 class StreamedPass(SensitivityPass):
     method = Method.STREAMED
 
-    def __init__(self, n_layer: int, seqs: int, rel_std: float = REL_STD, max_probes: int = MAX_PROBES):
+    def __init__(self, n_layer: int, seqs: int, rel_std: float = REL_STD, max_probes: int = MAX_PROBES,
+                 groups: tuple = PROBE_GROUPS, scales: tuple = PROBE_SCALES):
         super().__init__(n_layer, seqs, rel_std)
         self.probes = probe_layers(n_layer, max_probes)
+        self.groups = {"+".join(g): tuple(g) for g in groups}
+        self.scales = tuple(scales)
+        if sorted(s for g in self.groups.values() for s in g) != sorted(SURFACES):
+            raise ValueError(f"probe groups {groups} must cover each surface once")  # a bug
 
     def keys_of(self, layer: int) -> list[str]:
-        return [f"probe.{layer}.{m}" for m in PROBE_SCALES] if layer in self.probes else []
+        if layer not in self.probes:
+            return []
+        return [f"probe.{layer}.{g}.{m}" for g in self.groups for m in self.scales]
+
+    def group_of(self, surface: str) -> str:
+        return next(g for g, members in self.groups.items() if surface in members)
 
     def layer(self, L: int, experts, calls, sums):
         import torch
@@ -231,11 +243,11 @@ class StreamedPass(SensitivityPass):
         n_exp = experts.num_experts
         weighting = _Weighting(sums, L, n_exp)
         noise = ExpertNoise()
-        probed = L in self.probes
+        probes = [(g, m) for g in self.groups for m in self.scales] if L in self.probes else []
         err = dict.fromkeys(SURFACES, 0.0)
         local = dict.fromkeys(SURFACES, 0.0)
-        local_probe = dict.fromkeys(PROBE_SCALES, 0.0)
-        add = {m: [torch.zeros_like(h) for h, _i, _w in calls] for m in PROBE_SCALES} if probed else {}
+        local_probe = dict.fromkeys(probes, 0.0)
+        add = {p: [torch.zeros_like(h) for h, _i, _w in calls] for p in probes}
         idx_t = [idx.transpose(0, 1) for _h, idx, _w in calls]
         for e in range(n_exp):
             gu, down = expert_weights(experts, e)
@@ -246,7 +258,7 @@ class StreamedPass(SensitivityPass):
                 d[s] = noise.standard(stack_name(L, s), e, tuple(w.shape)) * (self.rel_std * rms(w))
                 err[s] += weighting.term(s, e, d[s])
             one = {s: pert_weights(gu, down, {s: d[s]}) for s in SURFACES}
-            every = {m: pert_weights(gu, down, {s: d[s] * m for s in SURFACES}) for m in add}
+            every = {(g, m): pert_weights(gu, down, {s: d[s] * m for s in self.groups[g]}) for g, m in probes}
             for i, (h, _idx, w) in enumerate(calls):
                 pos, tok = torch.where(idx_t[i] == e)
                 if tok.numel() == 0:
@@ -255,37 +267,37 @@ class StreamedPass(SensitivityPass):
                 y = expert_output(experts, gu, down, x, wr)
                 for s in SURFACES:
                     local[s] += _sq(expert_output(experts, *one[s], x, wr) - y)
-                for m, (gu_m, down_m) in every.items():
-                    dy = expert_output(experts, gu_m, down_m, x, wr) - y
-                    local_probe[m] += _sq(dy)
-                    add[m][i].index_add_(0, tok, dy)
+                for p, (gu_p, down_p) in every.items():
+                    dy = expert_output(experts, gu_p, down_p, x, wr) - y
+                    local_probe[p] += _sq(dy)
+                    add[p][i].index_add_(0, tok, dy)
         piece = {f"err.{s}": np.array(err[s]) for s in SURFACES}
         piece.update({f"local.{s}": np.array(local[s]) for s in SURFACES})
-        if probed:
-            piece.update({f"local.probe.{m}": np.array(local_probe[m]) for m in PROBE_SCALES})
-        branches = [Branch(f"probe.{L}.{m}", L, lambda base, i, m=m: _delta_experts(base, add[m][i]))
-                    for m in add]
+        piece.update({f"local.probe.{g}.{m}": np.array(v) for (g, m), v in local_probe.items()})
+        branches = [Branch(f"probe.{L}.{g}.{m}", L, lambda base, i, p=(g, m): _delta_experts(base, add[p][i]))
+                    for g, m in probes]
         return piece, branches
 
     def coefficients(self, pieces, kl_sums, tokens) -> dict[int, dict]:
-        """Per layer: c (KL per unit of local error), and the probe points behind it."""
-        out: dict[int, dict] = {}
-        for L in self.probes:
-            pts = [(kl_sums[f"probe.{L}.{m}"] / tokens, float(pieces[L][f"local.probe.{m}"]) / tokens)
-                   for m in PROBE_SCALES]
-            num = sum(k * loc for k, loc in pts)
-            den = sum(loc * loc for _k, loc in pts)
-            c = num / den if den > 0 else float("nan")
-            if not (math.isfinite(c) and c > 0):
-                raise BadInputError(f"layer {L}: the probe's KL per local error is {c} (probes {pts})",
-                                    where="sensitivity")
-            out[L] = {"coefficient": c, "probed": True,
-                      "probes": [{"scale": m, "kl": k, "local_error": loc} for m, (k, loc) in zip(PROBE_SCALES, pts)]}
-        xs = list(self.probes)
-        logs = [math.log(out[L]["coefficient"]) for L in xs]
-        for L in range(self.n_layer):
-            if L not in out:
-                out[L] = {"coefficient": math.exp(float(np.interp(L, xs, logs))), "probed": False, "probes": []}
+        """Per layer and probe group: c (KL per unit of local error), and the probe points behind it."""
+        out: dict[int, dict] = {L: {"probed": L in self.probes, "groups": {}} for L in range(self.n_layer)}
+        for g in self.groups:
+            for L in self.probes:
+                pts = [(kl_sums[f"probe.{L}.{g}.{m}"] / tokens, float(pieces[L][f"local.probe.{g}.{m}"]) / tokens)
+                       for m in self.scales]
+                num = sum(k * loc for k, loc in pts)
+                den = sum(loc * loc for _k, loc in pts)
+                c = num / den if den > 0 else float("nan")
+                if not (math.isfinite(c) and c > 0):
+                    raise BadInputError(f"layer {L}: the {g} probe's KL per local error is {c} (probes {pts})",
+                                        where="sensitivity")
+                out[L]["groups"][g] = {"coefficient": c, "probes": [
+                    {"scale": m, "kl": k, "local_error": loc} for m, (k, loc) in zip(self.scales, pts)]}
+            xs = list(self.probes)
+            logs = [math.log(out[L]["groups"][g]["coefficient"]) for L in xs]
+            for L in range(self.n_layer):
+                if L not in self.probes:
+                    out[L]["groups"][g] = {"coefficient": math.exp(float(np.interp(L, xs, logs))), "probes": []}
         return out
 
     def finish(self, pieces, kl_sums, tokens, fingerprint, tokens_sha256) -> Sensitivity:
@@ -295,7 +307,8 @@ class StreamedPass(SensitivityPass):
             for s in SURFACES:
                 name = stack_name(L, s)
                 loc = float(pieces[L][f"local.{s}"]) / tokens
-                kl, err = coef[L]["coefficient"] * loc, float(pieces[L][f"err.{s}"])
+                c = coef[L]["groups"][self.group_of(s)]["coefficient"]
+                kl, err = c * loc, float(pieces[L][f"err.{s}"])
                 self._check(name, kl, err)
                 gains[name], kls[name], errs[name], locs[name] = kl / err, kl, err, loc
         return Sensitivity(MappingProxyType(gains), MappingProxyType(kls), MappingProxyType(errs), fingerprint,
