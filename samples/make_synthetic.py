@@ -3,6 +3,7 @@
     python samples/make_synthetic.py --preset medium              # into a new temp folder
     python samples/make_synthetic.py /tmp/syn --preset bench --seed 3
     python samples/make_synthetic.py /tmp/syn --layers 4 --experts 32 --hidden 1024 --moe-inter 512
+    python samples/make_synthetic.py /tmp/flash --preset ds4-flash --layers 2     # DS4 Flash's real dims
 
     from make_synthetic import make_synthetic, preset        # with samples/ on sys.path
     info = make_synthetic("/tmp/syn", preset("tiny"))
@@ -217,10 +218,12 @@ def add_spec_args(ap: argparse.ArgumentParser, default_preset: str) -> None:
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--shard-size", type=shard_size, help="max shard size, e.g. 256M")
+    ap.add_argument("--ratio-offset", type=int, default=0,
+                    help="ds4-flash presets: take DS4 Flash's attention types from this layer on (default 0)")
 
 
 def spec_from_args(args) -> SyntheticSpec:
-    return preset(args.preset, layers=args.layers, experts=args.experts, hidden=args.hidden,
+    return preset(args.preset, getattr(args, "ratio_offset", 0), layers=args.layers, experts=args.experts, hidden=args.hidden,
                   moe_inter=args.moe_inter, vocab=args.vocab, seed=args.seed, shard_size=args.shard_size)
 
 
