@@ -184,7 +184,7 @@ class HeadSums:
         self._hooks = _DenseHooks()
 
     def attach(self, head) -> None:
-        self._hooks.add(head.get_submodule(HEAD_MODULE[0]), HEAD_MODULE[1])
+        self._hooks.add(getattr(head, HEAD_MODULE[0]), HEAD_MODULE[1])
 
     def begin(self) -> None:
         self._hooks.seq = {}

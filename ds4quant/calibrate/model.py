@@ -1,37 +1,37 @@
 """The model calibrate runs through: the layer-streamed reference on a device.
 
-``open_stream`` checks the device and the memory budget before any work and
-returns a handle whose ``open()`` gives the streamed model with torch pinned
-to one intra-op thread (the reference's bits depend on the thread count).
+``open_stream`` checks the device, fits the run into the memory budget
+(``runtime.stream.plan_memory``: a layer that cannot fit is refused up front,
+naming it and the bytes it needs) and returns a handle whose ``open()`` gives
+the ``StreamedModel`` over the source's weights (dequantized by our own
+code), with torch pinned to one intra-op thread: the reference's bits depend
+on the thread count, and calibrate's own sums and perturbations run between
+the model's calls.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Sequence
 
 from ds4quant.errors import BadInputError
 
-__all__ = ["Stream", "open_stream", "parse_device"]
-
-_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
+__all__ = ["Stream", "open_stream"]
 
 
-def parse_device(text: str) -> str:
-    """``cpu``, ``cuda`` or ``cuda:N`` -> the canonical name (``cuda`` is ``cuda:0``);
-    a CUDA device this host lacks is refused, naming what it has."""
-    m = _DEVICE.fullmatch(str(text).strip())
-    if m is None:
-        raise BadInputError(f"must be cpu, cuda or cuda:N, got {text!r}", where="--device")
-    if text == "cpu":
-        return "cpu"
+def _check_device(text: str) -> str:
+    """The canonical device name; a CUDA device this host lacks is refused, naming what it has."""
+    from ds4quant.runtime.stream.model import parse_device
+
+    name = parse_device(text)
+    if name == "cpu":
+        return name
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = int(m.group(1) or 0)
+    index = int(name.split(":")[1]) if ":" in name else 0
     if index >= n:
         raise BadInputError(f"{text} is not available (this host has {n} CUDA device(s))", where="--device")
     return f"cuda:{index}"
@@ -40,28 +40,37 @@ def parse_device(text: str) -> str:
 @dataclass(frozen=True)
 class Stream:
     source: Path
-    device_name: str
-    max_memory: Optional[int]
+    device: str
+    plan: Any  # runtime.stream.MemoryPlan
 
-    @property
-    def device(self) -> str:
-        return self.device_name
+    def layer_device(self, layer: int) -> str:
+        """Where layer ``layer`` runs (the CPU when a GPU is too small for it)."""
+        return str(self.plan.layer_devices[layer])
 
     @contextlib.contextmanager
     def open(self) -> Iterator:
-        from ds4quant.calibrate._model_stream import ModelStream
         from ds4quant.runtime.reference import torch_threads
+        from ds4quant.runtime.stream import SourceWeights, StreamedModel
 
-        with torch_threads(1):
-            yield ModelStream(self.source, device=self.device_name, threads=1)
+        with torch_threads(1), SourceWeights(self.source) as weights:
+            sm = StreamedModel(weights, device=self.device, threads=1)
+            try:
+                yield sm
+            finally:
+                sm.close()
 
 
-def open_stream(source: Path, cfg, device: str = "cpu", max_memory=None) -> Stream:
-    """Check ``device`` and ``max_memory`` (bytes, or SIZE text) for ``source``."""
+def open_stream(source: Path, cfg, seq_lens: Sequence[int], device: str = "cpu",
+                max_memory: "int | str | None" = None) -> Stream:
+    """Check ``device`` and fit sequences of ``seq_lens`` tokens (batch 1 each)
+    into ``max_memory`` (bytes or SIZE text; None: no bound) for ``source``."""
     from ds4quant.runtime.reference import check_dependencies
-    from ds4quant.sizes import parse_size
+    from ds4quant.runtime.stream import SourceWeights, plan_memory
 
     check_dependencies(cfg.expert_dtype is not None or cfg.fp8_block is not None, needed_by="calibrate")
-    name = parse_device(device)
-    budget = None if max_memory is None else parse_size(max_memory, "--max-memory", positive=True)
-    return Stream(Path(source), name, budget)
+    name = _check_device(device)
+    with SourceWeights(source) as weights:
+        plan = plan_memory(weights, [(1, n) for n in seq_lens], max_memory, name)
+    return Stream(Path(source), name, plan)
+
+

@@ -300,13 +300,13 @@ def calibrate(
         cfg = src.config
         fingerprint = src.fingerprint()
     seqs, tokens_file = _seqs_of(tokens, cfg)
-    stream = open_stream(src_path, cfg, device, max_memory)
+    stream = open_stream(src_path, cfg, [len(s) for s in seqs], device, max_memory)
     tokens_sha = _tokens_sha256(seqs)
     versions = _versions()
     options = {"source": fingerprint, "tokens": tokens_sha, "tokens_file": tokens_file,
                "tool_version": versions["ds4quant"],
                "versions": {k: v for k, v in versions.items() if k != "ds4quant"},
-               "device": stream.device_name, "sensitivity_method": method.value if sensitivity_seqs else None,
+               "device": stream.device, "sensitivity_method": method.value if sensitivity_seqs else None,
                "sensitivity_seqs": sensitivity_seqs}
     out.mkdir(exist_ok=True)
     work = out / WORK_DIR_NAME
@@ -318,7 +318,7 @@ def calibrate(
     sens = make_pass(method, n_layer, sensitivity_seqs) if sensitivity_seqs else None
     t0 = time.monotonic()
     with stream.open() as sm:
-        res = walk(sm, seqs, journal, sens, device=stream.device, progress=progress)
+        res = walk(sm, seqs, journal, sens, stream, progress=progress)
     tot = Totals(res.layers, res.head, sum(len(s) for s in seqs))
 
     # Every token fills k slots in every layer; anything else means the hooks missed a call.
@@ -361,7 +361,7 @@ def calibrate(
         dense_tensors=tuple(sorted(tot.dense)),
         files=MappingProxyType({**files, "report": REPORT_FILE}),
         sha256=MappingProxyType(sha), versions=MappingProxyType(versions), seconds=seconds,
-        device=stream.device_name, resumed_at=resumed_at,
+        device=stream.device, resumed_at=resumed_at,
     )
     atomic_write_json(out / REPORT_FILE, report.to_json())
     shutil.rmtree(work, ignore_errors=True)

@@ -93,15 +93,16 @@ def _experts_hook(experts, fn):
         h.remove()
 
 
-def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[SensitivityPass], *,
-         device="cpu", progress: Optional[ProgressFn] = None) -> WalkResult:
-    """Run ``seqs`` through ``sm`` (a ``StreamedModel``) layer by layer from
-    the journal's first unfinished layer; see the module doc."""
+def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[SensitivityPass], stream, *,
+         progress: Optional[ProgressFn] = None) -> WalkResult:
+    """Run ``seqs`` through ``sm`` (a ``StreamedModel``; ``stream`` its
+    ``model.Stream``: devices per layer, memory plan) layer by layer from the
+    journal's first unfinished layer; see the module doc."""
     cfg = sm.config
     n_layer, n_exp = cfg.num_hidden_layers, cfg.n_routed_experts
     batches = sm.batches(seqs, batch_size=1)
     n_sens = min(sens.seqs, len(seqs)) if sens is not None else 0
-    states = _States(journal, device)
+    states = _States(journal, stream.device)
     tokens = sum(len(s) for s in seqs)
     start = journal.finished + 1
     meter = Meter("calibrate", n_layer + 1 - start, "layer", total_work=(n_layer + 1 - start) * tokens)
@@ -117,6 +118,7 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
     if start == 0:  # the embeddings are cheap; a run killed before layer 0 finished redoes them
         for i, b in enumerate(batches):
             states.put(0, MAIN, i, sm.embed(b))
+    sm.release_embed()
     journal.drop_stale_states()
     for L in range(start, n_layer):
         sums = LayerSums(L, n_exp, cfg.hidden_size, cfg.moe_intermediate_size)
@@ -130,7 +132,8 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
             if rec["i"] < n_sens:
                 calls.append((hidden.detach().clone(), idx.detach().clone(), weights.detach().clone()))
 
-        with sm.layer(L) as layer:
+        states.device = stream.layer_device(L)
+        with sm.layer(L, states.device, stream.plan.expert_cache) as layer:
             experts = layer.mlp.experts
             sums.attach(layer)
             try:
@@ -167,6 +170,7 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
         journal.finish_layer(L)
         step(f"layer {L}")
 
+    states.device = stream.device
     head = HeadSums()
     kl_sums: dict = {}
     with sm.head() as hd:

@@ -228,7 +228,7 @@ def test_bad_options_refused_before_any_work(tmp_path):
     toks = SAMPLES / "tokens.txt"
     with pytest.raises(BadInputError, match="unknown sensitivity method 'fast'"):
         calibrate(SAMPLE, toks, tmp_path / "o", sensitivity_method="fast")
-    with pytest.raises(BadInputError, match="--device: must be cpu, cuda or cuda:N"):
+    with pytest.raises(BadInputError, match="--device: device must be cpu, cuda or cuda:N"):
         calibrate(SAMPLE, toks, tmp_path / "o", device="gpu")
     with pytest.raises(BadInputError, match="exclude each other"):
         calibrate(SAMPLE, toks, tmp_path / "o", resume=True, force=True)
