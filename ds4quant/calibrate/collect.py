@@ -33,7 +33,7 @@ from ds4quant.names import stack_name
 __all__ = ["DENSE_MODULES", "HEAD_MODULE", "HeadSums", "LayerSums", "Totals", "sum_sq"]
 
 # transformers module (inside a decoder layer) -> GGUF tensor stem (blk.L.<stem>.weight);
-# names from ds4-reference-model.md (official <-> transformers) and ds4-and-lucebox.md.
+# names from docs/reference-model.md#names (official <-> transformers) and docs/formats.md#ds4-gguf.
 DENSE_MODULES = (
     ("self_attn.q_a_proj", "attn_q_a"),
     ("self_attn.q_b_proj", "attn_q_b"),

@@ -3,7 +3,7 @@ reference model, streamed one decoder layer at a time.
 
 Runs token sequences through the DeepSeek-V4 reference model (transformers'
 own decoder layers on the source's weights dequantized by our code, fp32,
-eager experts; spec ds4-reference-model.md) through the layer-streamed
+eager experts; docs/reference-model.md) through the layer-streamed
 forward (``ds4quant.runtime.stream``): one layer's weights in memory at a
 time, every sequence's hidden streams in the work folder. It records, per
 layer (``collect``):
@@ -33,8 +33,10 @@ unfinished layer with the same bytes, and refuses when the source, tokens or
 options changed.
 
 Determinism: every sequence runs alone (batch 1) on one torch thread, its
-sums are taken in float64 and added in sequence order; the streamed layer
-gives the whole model's bits (``ds4quant.runtime.stream``), so the files are
+sums are taken in float64 and added in sequence order (torch's CPU kernels
+give different bits for different intra-op thread counts:
+docs/reference-model.md#determinism); the streamed layer gives the whole
+model's bits (``ds4quant.runtime.stream``), so the files are
 the bytes a whole-model run writes. Only ``report.json``'s ``run`` block
 (seconds, device) differs between runs.
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
 from ds4quant.cli.group import cli
 from ds4quant.cli.options import PATH, json_option, size_option
-from ds4quant.cli.output import emit_json, eta_text
+from ds4quant.cli.output import command_progress, emit_json
 
 METHODS = ("streamed", "per-tensor")
 
@@ -53,15 +52,7 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, device: str, max_
     """
     from ds4quant.calibrate import calibrate
 
-    progress = None
-    if not as_json and sys.stderr.isatty():
-
-        def progress(ev) -> None:
-            tokens = ev.detail["tokens"]
-            rate = tokens / ev.elapsed if ev.elapsed > 0 else 0.0
-            click.echo(f"\rcalibrate: {ev.item} ({ev.done}/{ev.total}), {rate:.0f} tok/s through layers, "
-                       f"{eta_text(ev)} ", err=True, nl=ev.done == ev.total)
-
+    progress = command_progress(as_json)
     extra = {} if sensitivity_seqs is None else {"sensitivity_seqs": sensitivity_seqs}
     rep = calibrate(source, tokens_file, out_dir, device=device, max_memory=max_memory, resume=resume, force=force,
                     progress=progress, sensitivity_method=sensitivity_method, **extra)
