@@ -232,3 +232,33 @@ def test_killing_the_caller_takes_the_ranks_and_the_folder_within_the_timeout(ar
                 os.kill(pid, signal.SIGKILL)  # only what this test started (found by its own folder)
             except ProcessLookupError:
                 pass
+
+
+def test_the_worker_channel_is_anonymous_and_only_the_parent_holds_its_other_end():
+    """A worker owner unpickles requests and imports what init names: only the parent may
+    write to it. Its channel is the child's stdin pipe and a socketpair, nothing bound to a
+    path or a port (docs/cluster-security.md, "Worker owners")."""
+    from ds4quant.runtime.owners.kinds import make_owner
+
+    o = make_owner("worker:0/torch-cpu:0", swiglu_limit=10.0)
+    try:
+        child = o._conn.proc.pid
+        fds = {}
+        for fd in Path(f"/proc/{child}/fd").iterdir():
+            try:
+                fds[int(fd.name)] = os.readlink(fd)
+            except OSError:
+                pass
+        # requests: the stdin pipe the parent writes (the child moves it off fd 0 at start)
+        assert any(t.startswith("pipe:") for t in fds.values())
+        inodes = {t[8:-1] for t in fds.values() if t.startswith("socket:[")}
+        assert inodes  # the socketpair that carries file descriptors
+        assert not _listening([child])  # no TCP/TCP6 listener at all
+        bound = {}
+        for row in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            f = row.split()
+            if f[6] in inodes:
+                bound[f[6]] = f[7] if len(f) > 7 else ""
+        assert set(bound) == inodes and not any(bound.values()), bound  # unnamed: a socketpair, no path
+    finally:
+        o.close()
