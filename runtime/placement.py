@@ -4,10 +4,10 @@ A placement is data (STYLE.md 11): frozen, versioned, stored as canonical JSON
 with a content hash, validated completely on read. Per layer it lists the
 global expert ids each owner holds (ascending, the owner's local order) and
 ``none``: experts held outside this process (a cluster shard's complement,
-Lucebox's cold owner ``None``, spec ds4-and-lucebox.md §1.4). Every expert of
+Lucebox's cold owner ``None``, docs/usage.md#placement). Every expert of
 every layer is in exactly one of those lists.
 
-A rank placement (issue 10, Lucebox ``cluster_expert_placement.h``) adds
+A rank placement (docs/usage.md#placement, Lucebox ``cluster_expert_placement.h``) adds
 ``ranks``: per layer the owner rank of every expert, or -1 (REPLICATED) for
 the ``replicate_hot`` hottest experts, which every rank holds; token row t of
 a replicated expert is computed by rank (expert + t) % n_ranks. Its per-layer

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
 from ds4quant.cli.group import cli
 from ds4quant.cli.options import PATH, json_option
-from ds4quant.cli.output import emit_json, eta_text
+from ds4quant.cli.output import command_progress, emit_json
 
 
 @cli.command("calibrate")
@@ -40,15 +39,7 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, threads, sensitiv
     """
     from ds4quant.calibrate import calibrate
 
-    progress = None
-    if not as_json and sys.stderr.isatty():
-
-        def progress(ev) -> None:
-            tokens = ev.detail["tokens"]
-            rate = tokens / ev.elapsed if ev.elapsed > 0 else 0.0
-            click.echo(f"\rcalibrate: {ev.done}/{ev.total} sequences, {tokens} tokens, {rate:.0f} tok/s, "
-                       f"{eta_text(ev)} ", err=True, nl=ev.done == ev.total)
-
+    progress = command_progress(as_json)
     extra = {} if sensitivity_seqs is None else {"sensitivity_seqs": sensitivity_seqs}
     rep = calibrate(source, tokens_file, out_dir, threads=threads, progress=progress, **extra)
     if as_json:

@@ -136,7 +136,7 @@ def place(artifact: "str | os.PathLike[str]", routing: Any, owners: Sequence[Own
 
     owners: ['NAME=BYTES' | 'NAME' | (name, bytes)], first = hot/primary.
     cold: None (refuse experts that fit nowhere), 'none', or an owner name.
-    ranks/strategy/replicate_hot: a cluster placement instead (issue 10).
+    ranks/strategy/replicate_hot: a cluster placement instead (docs/usage.md#placement).
     out: write the placement file there (atomic). Returns (Placement, report).
     """
     # User input first (profile, budgets, options), so its errors never wait on an artifact read.
