@@ -64,6 +64,7 @@ def _common_env(store_port: int, threads: int, extra: Optional[Mapping[str, str]
     env.update({STORE_ENV: f"127.0.0.1:{store_port}", HOME_ENV: home_token()})
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo's own connections stay on loopback too
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")  # and NCCL's bootstrap (its data goes over NVLink / PCIe)
     for k, v in NCCL_ENV.items():
         env.setdefault(k, v)
     env.update(extra or {})

@@ -126,7 +126,10 @@ def open_process_group(backend: str, timeout_s: float, env: Optional[Mapping[str
         os.environ.setdefault("GLOO_SOCKET_IFNAME", env[IFACE_ENV])
         os.environ.setdefault("NCCL_SOCKET_IFNAME", env[IFACE_ENV])
     elif is_loopback(host):
+        # one host: gloo's pair sockets and NCCL's bootstrap sockets stay on loopback too
+        # (NCCL would pick the first other interface); NCCL's data goes over NVLink / PCIe
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     td = timedelta(seconds=timeout_s)
     if via_torchrun:
         agent = dist.TCPStore(env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]), is_master=False,
