@@ -2,7 +2,7 @@
 
 Runs token sequences through the transformers DeepSeek-V4 reference model
 (``DeepseekV4ForCausalLM`` on the exactly dequantized source weights, fp32,
-``experts_implementation="eager"``; spec ds4-reference-model.md; loaded and
+``experts_implementation="eager"``; docs/reference-model.md; loaded and
 hooked through ``ds4quant.runtime.reference``) and records, with forward
 pre-hooks:
 
@@ -30,7 +30,7 @@ Determinism: every sequence runs alone (batch 1) on one torch thread, its
 sums are taken in float64 and the per-sequence sums are added in sequence
 order. ``threads`` is the number of worker processes that run sequences, so
 it changes speed, never bytes (torch's CPU kernels give different bits for
-different intra-op thread counts: spec §Q4). Only ``report.json``'s ``run``
+different intra-op thread counts: docs/reference-model.md#determinism). Only ``report.json``'s ``run``
 block (seconds, threads) differs between runs.
 
 Example::
@@ -73,7 +73,7 @@ SENSITIVITY_SEQS = 8
 SURFACES = ("gate", "up", "down")
 
 # transformers module (inside model.model.layers.L) -> GGUF tensor stem (blk.L.<stem>.weight);
-# names from ds4-reference-model.md (official <-> transformers) and ds4-and-lucebox.md §2.
+# names from docs/reference-model.md#names (official <-> transformers) and docs/formats.md#ds4-gguf.
 _DENSE_MODULES = (
     ("self_attn.q_a_proj", "attn_q_a"),
     ("self_attn.q_b_proj", "attn_q_b"),

@@ -211,7 +211,8 @@ def measure(ctx: Context) -> FidelityReport:
         first: dict = {}
         for label, plc in o.placements:
             fp.phase(f"loading the runtime [{label}]")
-            with runtime.load(ctx.view, plc, o.mode) as rt:
+            # stage 3 hashed every file and reports a mismatch itself: no second pass here
+            with runtime.load(ctx.view, plc, o.mode, verify_payloads=False) as rt:
                 old = C.swap_all(cand, rt)
                 try:
                     with C.trace_moe(cand, routed=True) as ctr, fp.run(f"candidate logits [{label}]", cand):

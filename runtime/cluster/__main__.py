@@ -39,6 +39,8 @@ def _parser():
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--out", default=None, help="rank 0 writes the result JSON here")
     ap.add_argument("--outputs", default=None, help="rank 0 writes the outputs (.npz) here")
+    ap.add_argument("--no-verify-payloads", action="store_true",
+                    help="skip hashing the artifact against its manifest (one rank per node does it)")
     ap.add_argument("--rank-spec", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -55,7 +57,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="ds4q-cluster-"))
     try:
         job = {"artifact": args.artifact, "placement": args.placement, "mode": args.mode, "owners": args.owner,
-               "layers": [int(x) for x in args.layers.split(",")] if args.layers else None}
+               "layers": [int(x) for x in args.layers.split(",")] if args.layers else None,
+               "verify_payloads": not args.no_verify_payloads}
         spec = {"jobs": [job], "backend": backend, "tokens": args.tokens, "seed": args.seed,
                 "timeout_s": args.timeout, "out_dir": str(tmp)}
         (tmp / "spec.json").write_text(json.dumps(spec))

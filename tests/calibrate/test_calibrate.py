@@ -1,7 +1,7 @@
 """calibrate: imatrix and routing profile from the transformers reference model.
 
-Runs on a tiny official-layout fp32 checkpoint built here (the working tiny
-config of ds4-reference-model.md), so the tests do not depend on samples/.
+Runs on a tiny official-layout fp32 checkpoint built here (the tiny
+config of docs/reference-model.md#tiny-models), so the tests do not depend on samples/.
 The checkpoint is rigged so that some experts can never be reached: hash
 layers 0-1 never name expert 15 in tid2eid, and layer 3's router bias keeps
 expert 15 out of every top-k. Layer 2's expert weights are scaled up so the
@@ -51,7 +51,7 @@ FORCED_UNREACHED = {0: 15, 1: 15, 3: 15}
 
 
 def _official_name(hf: str) -> str:
-    # transformers -> official names: the table in ds4-reference-model.md, as
+    # transformers -> official names: the table in docs/reference-model.md#names, as
     # ds4quant.sources.naming holds it (official -> transformers), reversed.
     from ds4quant.sources.naming import _HF_GLOBAL, _HF_LAYER
 
