@@ -33,6 +33,10 @@ class ExactKernelsMixin:
         # slots a call may have for the kernels (each slot reads its expert's weights: no grouping)
         self.exact_max_slots = 1024
         self.exact_stats = {"kernel": 0, "patched": 0, "rerun": 0}
+        self._exact_sets: dict[int, object] = {}  # layer -> the plane-layout exact set, or None
+
+    def _exact_reset(self, layer: int) -> None:
+        self._exact_sets.pop(layer, None)
 
     def exact_set(self, layer: int, ids: np.ndarray):
         """``gemv_set(layer)`` when this call can take the exact kernels, else None."""
