@@ -282,8 +282,11 @@ def scenario_exact_planes():
         p["ishift"] = torch.zeros(2 * E, dtype=torch.int32)
         qx = torch.zeros((n, H))
         sx = torch.zeros((n, H // 32), dtype=torch.int32)
-        for flags in (False, True):
-            xp.product(f, p, qx, sx, ids, ids, bad, flags=flags)
+        tile = _owner_defaults().exact_planes_tile
+        for wide in ((False, True) if f.mix else (False,)):
+            p["wide"] = wide
+            for flags in (False, True):
+                xp.product(f, p, qx, sx, ids, ids, bad, flags=flags, bn=tile[0], bk=tile[1], num_warps=tile[2])
 
 
 def scenario_search_scale():

@@ -156,7 +156,6 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
             p["lin"] = layout.linear_planes(stack.qtype, a, b, s, p["slut"])
         self._gemv.pop(stack.layer, None)
         self._prefill_reset(stack.layer)
-        self._exact_reset(stack.layer)
         self._graph_cache = {k: v for k, v in self._graph_cache.items() if k[0] != stack.layer}
         if not fmt.mix:
             p["llut"] = torch.from_numpy(layout.level_lut(stack.qtype)).to(self.device)

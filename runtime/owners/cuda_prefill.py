@@ -32,10 +32,13 @@ class PrefillMixin:
         self._prefill.pop(layer, None)
 
     def prefill_set(self, layer: int):
+        """``single_stacks(layer)`` when prefill is on, else None."""
+        return self.single_stacks(layer) if self.prefill else None
+
+    def single_stacks(self, layer: int):
         """(gate, up, down planes, loc int64 device, loc host, local experts) when ``layer``
-        can run the prefill kernels, else None."""
-        if not self.prefill:
-            return None
+        has one kernel-layout stack per projection over the same experts, else None (the
+        prefill kernels' and the plane-layout exact kernels' condition)."""
         if layer in self._prefill:
             return self._prefill[layer]
         import torch
