@@ -16,7 +16,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
+import re
+
 from ds4quant.runtime.kernels import catalog
+
+_MMA = re.compile(r"^\s*(?:wgmma\.mma_async|mma\.sync|v_wmma_|v_mfma_|v_smfmac_)", re.M)
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class Result:
     seconds: float
     findings: tuple  # asm_rules violations as strings
     error: str = ""
+    mma: int = 0  # matrix instructions in the code (wgmma / mma.sync, v_wmma / v_mfma): tl.dot on tensor cores
 
 
 def target(name: str):
@@ -60,10 +65,12 @@ def compile_one(spec: catalog.Spec, target: tuple) -> Result:
         found = tuple(str(f) for f in asm_rules.findings(k.asm, spec.rules.no_fma, spec.rules.no_approx))
         ok = bool(binary)
         err = "" if ok else "no binary"
+        code = k.asm.get("ptx") or k.asm.get("amdgcn") or ""
+        mma = len(_MMA.findall(code))
     except Exception as exc:  # a compile failure is the result, reported per (spec, target)
-        binary, found, ok, err = "", (), False, f"{type(exc).__name__}: {str(exc)[-2000:]}"
+        binary, found, ok, err, mma = "", (), False, f"{type(exc).__name__}: {str(exc)[-2000:]}", 0
     return Result(spec.label, spec.module, spec.kernel, name, ok, binary, round(time.perf_counter() - t0, 3),
-                  found, err)
+                  found, err, mma)
 
 
 def _job(args):

@@ -253,17 +253,24 @@ def scenario_prefill():
     torch = _torch()
     from ds4quant.runtime.kernels import layout, prefill_triton as pk
 
+    o = _owner_defaults()
     E, H, inter, n = 2, 512, 256, 8
     for q in layout.KERNEL_QTYPES:
         f = layout.kernel_format(q)
         gu, d = _fake_planes(f, E, inter, H), _fake_planes(f, E, H, inter)
         ids = torch.zeros(n, dtype=torch.int64)
-        plan = pk.sort_slots(ids, ids, E, n)
         x = torch.zeros((n, H))
-        for split in pk.split_variants(q):
-            h = pk.grouped(f, x, plan, gu, w2=gu, limit=10.0, split=split)
-            pk.grouped(f, x, plan, gu, split=split)
-            pk.grouped(f, h, plan, d, scatter=True, split=split)
+        # the row tile DS4's 2048-token prefill picks (pick_bm: 48 slots an expert -> 64) for every
+        # qtype, the others for one
+        for bm in pk.BM_CHOICES if q == "rocmfp2" else (64,):
+            plan = pk.sort_slots(ids, ids, E, n, bm=bm)
+            for split in pk.split_variants(q):
+                bn, bk, nw, ns = o.prefill_tile["gu"]
+                kw = dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns)
+                h = pk.grouped(f, x, plan, gu, w2=gu, limit=10.0, split=split, out_dtype=torch.bfloat16, **kw)
+                pk.grouped(f, x, plan, gu, split=split, **kw)
+                bn, bk, nw, ns = o.prefill_tile["down"]
+                pk.grouped(f, h, plan, d, scatter=True, split=split, bn=bn, bk=bk, num_warps=nw, num_stages=ns)
 
 
 def scenario_exact_planes():

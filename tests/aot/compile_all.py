@@ -27,15 +27,20 @@ def main(argv=None) -> int:
     ap.add_argument("--first", action="store_true")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--json", default="")
+    ap.add_argument("--capture-only", action="store_true", help="list the specialisations, compile nothing")
+    ap.add_argument("--exclude", default="", help="kernels to leave out (comma-separated names)")
     a = ap.parse_args(argv)
     targets = [aot.target(t) for t in a.targets.split(",") if t]
     t0 = time.perf_counter()
     specs = catalog.capture([s for s in a.scenarios.split(",") if s] or None)
     if a.first:
         specs = aot.representative(specs)
-    results = aot.compile_specs(specs, targets, a.jobs)
+    specs = [s for s in specs if s.kernel not in set(a.exclude.split(","))]
+    results = [] if a.capture_only else aot.compile_specs(specs, targets, a.jobs)
     doc = dict(seconds=round(time.perf_counter() - t0, 2), specs=len(specs),
-               targets=[catalog.target_name(t) for t in targets], results=[asdict(r) for r in results])
+               targets=[catalog.target_name(t) for t in targets],
+               captured=[dict(module=s.module, kernel=s.kernel, label=s.label, scenario=s.scenario) for s in specs],
+               results=[asdict(r) for r in results])
     if a.json:
         tmp = a.json + ".tmp"
         with open(tmp, "w") as f:
