@@ -1,4 +1,4 @@
-"""convert never loses the source, survives kills, and refuses what it cannot do (issue 13).
+"""convert never loses the source, survives kills, and refuses what it cannot do.
 
 Each test fails on the code before the fix: an OUTDIR overlapping the source
 was emptied by --force; --force removed foreign files; temp files of a killed

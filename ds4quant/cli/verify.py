@@ -17,7 +17,7 @@ from ds4quant.cli.options import (
     source_option,
     variant_107_option,
 )
-from ds4quant.cli.output import emit_json, verify_progress
+from ds4quant.cli.output import command_progress, emit_json
 
 
 @cli.command("verify")
@@ -72,7 +72,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
         from ds4quant.publish.report import check_report_dir
 
         check_report_dir(report_dir, artifact)
-    progress = verify_progress(source is not None and not as_json and sys.stderr.isatty())
+    progress = command_progress(as_json, wanted=source is not None)
     rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
                  text=text_file, protocol=protocol, engines=tuple(engines))

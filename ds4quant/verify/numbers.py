@@ -22,6 +22,7 @@ from ds4quant import names
 from ds4quant.errors import Ds4quantError
 from ds4quant.metrics import ErrorFigures, Sums, error_sums, sqnr_db
 from ds4quant.plan import plan_from_json
+from ds4quant.progress import Meter
 from ds4quant.records import MANIFEST
 from ds4quant.verify._run import Context, show_digests
 
@@ -129,10 +130,26 @@ def _check_source_config(ctx: Context, src) -> None:
                         where)
 
 
+def _metered(ctx: Context):
+    """The artifact's (name, info) pairs; after each one's loop body (also one
+    that ``continue``d: a tensor not compared is done too) a "decode"
+    ProgressEvent goes to ``ctx.options.progress``, work weighted by payload bytes."""
+    progress, tensors = ctx.options.progress, ctx.view.tensors
+    meter = Meter("decode", len(tensors), "tensor", total_work=sum(i.nbytes for i in tensors.values()))
+    for name, info in tensors.items():
+        t0 = time.perf_counter()
+        yield name, info
+        fig = ctx.numbers.get(name)
+        ev = meter.step(name, work=info.nbytes, qtype=info.qtype, sqnr_db=None if fig is None else fig.sqnr_db,
+                        seconds=time.perf_counter() - t0)
+        if progress is not None:
+            progress(ev)
+
+
 def _measure_all(ctx: Context, src, imx) -> None:
     from ds4quant.formats import QTYPES
 
-    v, threshold_db, progress = ctx.view, ctx.options.threshold_db, ctx.options.progress
+    v, threshold_db = ctx.view, ctx.options.threshold_db
     by_gguf = src.names.by_gguf()
     manifest = v.manifest
     entries = {t.name: t for t in manifest.tensors} if manifest is not None else {}
@@ -141,9 +158,7 @@ def _measure_all(ctx: Context, src, imx) -> None:
     plan = {c.name: c for c in plan_from_json(plan)[0]} if isinstance(plan, (list, tuple)) else {}
     stacks = {s.name: s for s in v.stacks}
     covered: set[str] = set()
-    t_start = time.perf_counter()
-    total = len(v.tensors)
-    for idx, (name, info) in enumerate(v.tensors.items(), 1):
+    for name, info in _metered(ctx):
         f = Path(info.path).name
         base = names.base_name(name)
         members = by_gguf.get(base)
@@ -163,7 +178,6 @@ def _measure_all(ctx: Context, src, imx) -> None:
         if qt.is_mix and entry is None:
             ctx.fail("numbers.coverage", "MIX tensor without valid codebooks; not compared", f, name)
             continue
-        t0 = time.perf_counter()
         try:
             fig = _measure(v, src, imx, name, info, base, members, stacks.get(name), entry)
         except _Mismatch as e:
@@ -184,10 +198,6 @@ def _measure_all(ctx: Context, src, imx) -> None:
                 ctx.fail("numbers.manifest", f"manifest.json records sse {me.errors['sse']:.6g} / ssx "
                                              f"{me.errors['ssx']:.6g}, decoding gives {fig.sse:.6g} / {fig.ssx:.6g}",
                          f, name)
-        if progress is not None:
-            progress({"index": idx, "total": total, "name": name, "qtype": info.qtype,
-                      "sqnr_db": fig.sqnr_db, "seconds": time.perf_counter() - t0,
-                      "elapsed": time.perf_counter() - t_start})
     for base in sorted(set(by_gguf) - covered):
         ctx.fail("numbers.coverage", "source tensor has no counterpart in the artifact", None, base)
     n = len(ctx.numbers)
