@@ -15,9 +15,10 @@
 
 While it runs it says on stderr what each step does and how long it took
 (``[demo 2/8] convert ... done in 3.1 s``), with the library's progress lines
-(a few per step, with ETA) under it on a terminal; on a first run it says
-that numba compiles its kernels during the first steps. ``--json`` keeps
-stderr quiet.
+(a few per step, with ETA) under it on a terminal, and a "still running"
+line when a step has been quiet for 15 s; on a first run it says that numba
+compiles its kernels as the steps first use them. ``--json`` keeps stderr
+quiet.
 
     python scripts/demo.py [--out DIR] [--json]
 
@@ -33,9 +34,11 @@ import argparse
 import json
 import random
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "samples" / "ds4-copy"
@@ -54,26 +57,50 @@ MUST_PASS = ("mxfp4 (lossless)", "adaptive (same size)")
 STEPS = 8  # calibrate, 3 converts, 3 verifies, publish
 # numba's on-disk cache of the kernels the demo runs (cache=True: beside the sources)
 KERNEL_DIRS = ("formats", "formats/search", "codebooks", "runtime", "ds4quant")
-# docs/performance.md#first-run: the compile costs about 285 CPU seconds once
-FIRST_COMPILE_CPU_S = 285
+# docs/performance.md#first-run: the compile costs about 75 CPU seconds once
+FIRST_COMPILE_CPU_S = 75
 
 
 class Steps:
     """The demo's step lines on ``stream`` (None: silent): one when a step
-    starts, one when it ends with its seconds, numbered out of ``total``.
+    starts, one when it ends with its seconds, numbered out of ``total``; and
+    while a step has said nothing for ``quiet_after`` seconds (numba compiling,
+    a model loading), a "still running" line, so a first run never looks hung.
 
         steps = Steps(8, sys.stderr)
         with steps("convert mxfp4"):
             ...                       # [demo 1/8] convert mxfp4 ...
-                                      # [demo 1/8] convert mxfp4: done in 3.1 s
+                                      # [demo 1/8] convert mxfp4: still running (15 s) ...
+                                      # [demo 1/8] convert mxfp4: done in 31.0 s
     """
 
-    def __init__(self, total: int, stream=None, clock=time.perf_counter):
+    def __init__(self, total: int, stream=None, clock=time.perf_counter, quiet_after: float = 15.0,
+                 quiet_note: str = "", beat_every: Optional[float] = 1.0):
         self.total, self.stream, self.clock, self.n = total, stream, clock, 0
+        self.quiet_after, self.quiet_note, self.beat_every = quiet_after, quiet_note, beat_every
+        self._lock = threading.Lock()
+        self._what: Optional[str] = None
+        self._t0 = self._last = 0.0
 
     def say(self, text: str) -> None:
         if self.stream is not None:
-            print(text, file=self.stream, flush=True)
+            with self._lock:
+                print(text, file=self.stream, flush=True)
+                self._last = self.clock()
+
+    def heard(self) -> None:
+        """Something else just spoke for the running step (a library progress line)."""
+        self._last = self.clock()
+
+    def beat(self) -> None:
+        """The heartbeat's check: a "still running" line once the step has been quiet too long."""
+        what = self._what
+        if what is not None and self.clock() - self._last >= self.quiet_after:
+            self.say(f"{self._tag()} {what}: still running ({self.clock() - self._t0:.0f} s){self.quiet_note}")
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.beat_every):
+            self.beat()
 
     def _tag(self) -> str:
         return f"[demo {self.n}/{self.total}]"
@@ -82,9 +109,21 @@ class Steps:
     def __call__(self, what: str):
         self.n += 1
         self.say(f"{self._tag()} {what} ...")
-        t0 = self.clock()
-        yield
-        self.say(f"{self._tag()} {what}: done in {self.clock() - t0:.1f} s")
+        self._what, self._t0 = what, self.clock()
+        self._last = self._t0
+        stop = threading.Event()
+        beater = None
+        if self.stream is not None and self.beat_every is not None:
+            beater = threading.Thread(target=self._heartbeat, args=(stop,), daemon=True)
+            beater.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if beater is not None:
+                beater.join()
+            self._what = None
+        self.say(f"{self._tag()} {what}: done in {self.clock() - self._t0:.1f} s")
 
     def skip(self, what: str, why: str) -> None:
         self.n += 1
@@ -221,14 +260,21 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     talk = not args.json
-    steps = Steps(STEPS, sys.stderr if talk else None)
-    if talk and not kernels_cached():
-        steps.say(f"[demo] first run: numba compiles its kernels during the first steps (once, about "
+    first = talk and not kernels_cached()
+    steps = Steps(STEPS, sys.stderr if talk else None,
+                  quiet_note=" - first run: numba is compiling kernels" if first else "")
+    if first:
+        steps.say(f"[demo] first run: numba compiles its kernels as the steps first use them (once, about "
                   f"{FIRST_COMPILE_CPU_S} CPU s; cached beside the sources afterwards)")
     from ds4quant.cli.output import progress_printer
 
     # a few library lines per step (with ETA) under the step lines, on a terminal only
-    progress = progress_printer(talk and sys.stderr.isatty(), tick_every=5.0, step_every=5.0, indent="    ")
+    printer = progress_printer(talk and sys.stderr.isatty(), tick_every=5.0, step_every=5.0, indent="    ")
+    progress = None
+    if printer is not None:
+        def progress(ev) -> None:
+            steps.heard()
+            printer(ev)
     try:
         res = run(Path(args.out), steps, progress)
     except Ds4quantError as exc:
