@@ -33,8 +33,11 @@ def test_events_of_every_stage_in_order(tmp_path):
     assert stages.index("encode") > max(i for i, s in enumerate(stages) if s == "codebooks")
     assert stages.index("convert") > max(i for i, s in enumerate(stages) if s == "encode")
     assert events[-1].kind is EventKind.DONE
-    for stage_events in (books, enc):
-        assert all(e.eta != 0.0 for e in stage_events[:-1])
+    # no line says nothing is left before the end: the last codebook and the last
+    # encoded tensor name what comes next instead
+    assert all(e.eta != 0.0 for e in events[:-1])
+    assert books[-1].pending == ("encoding",) and books[-1].eta is None
+    assert enc[-1].pending[0] == "writing the GGUF" and enc[-1].eta is None
 
 
 def test_the_command_prints_progress_on_a_tty_and_nothing_under_json(tmp_path, monkeypatch):
