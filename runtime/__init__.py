@@ -82,12 +82,12 @@ def load(artifact, placement: Any = None, mode: "Mode | str" = Mode.EXACT,
     else:
         view = artifact  # an open view: the caller closes it
     try:
+        from ds4quant.runtime.integrity import check_payloads, check_structure
         from ds4quant.runtime.placement import as_placement
 
+        check_structure(view)  # before anything sizes a table from the keys
         plc = as_placement(placement, view)
         if verify_payloads:
-            from ds4quant.runtime.integrity import check_payloads
-
             check_payloads(view)
         if plc.ranks is None:
             if cluster is not None:

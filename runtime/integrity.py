@@ -12,7 +12,7 @@ included; an identical damage to both copies cannot pass.
 The files are hashed in parallel (threads: ``hashlib`` releases the GIL while
 it hashes a large buffer); a file is one sequential sha256 stream, so the
 wall time is that of the largest file at one core's rate when there are
-enough threads (docs/runtime.md gives the measured rate). Only when a file's
+enough threads (docs/performance.md, payload-hash, gives the measured rate). Only when a file's
 hash differs are its tensors hashed one by one against the manifest's
 per-tensor sha256, in parallel too, so that the refusal names every damaged
 tensor, or says the damage is in the file's header (its keys and codebook
@@ -20,6 +20,12 @@ tables) when every payload matches.
 
     check_payloads(view)                  # IntegrityError naming the tensor, or None
     check_payloads(view, threads=1)
+
+``check_structure(view)`` comes first and refuses, in one line, an artifact
+whose expert stacks and model keys (``deepseek4.block_count``,
+``expert_count``) disagree: a stack of a layer or an expert the keys do not
+have, an expert in no stack or in several (what verify's experts check
+reports); without it the loader would index past its tables.
 
 An artifact with no recorded hashes (a bare ``.gguf``, a foreign file) is
 refused: pass ``verify_payloads=False`` to ``runtime.load`` (or
@@ -37,7 +43,7 @@ from typing import Mapping, Optional, Sequence
 from ds4quant import names
 from ds4quant.errors import IntegrityError
 
-__all__ = ["check_payloads", "expected_hashes", "hash_file", "OPT_OUT"]
+__all__ = ["check_payloads", "check_structure", "expected_hashes", "hash_file", "OPT_OUT"]
 
 # what the refusals tell a user who has checked the folder some other way
 OPT_OUT = "verify_payloads=False in the API, --no-verify-payloads on the command line"
@@ -150,3 +156,28 @@ def check_payloads(view, threads: Optional[int] = None, files: Optional[Sequence
             else "its header (metadata keys)" if split is not None else "the codebook sidecar")
     raise IntegrityError(f"sha256 differs from {source}'s while every tensor payload matches: {what} is damaged, "
                          "nothing was loaded", where=where, hint="fetch or convert it again")
+
+
+def check_structure(view) -> None:
+    """Refuse (BadInputError, one line naming the tensor) an artifact whose routed-expert
+    stacks and model keys disagree (see the module docstring)."""
+    from ds4quant.errors import BadInputError
+
+    h, first = view.header, view.first_file
+    missing = [k for k, v in ((names.KEY_BLOCK_COUNT, h.n_layer), (names.KEY_EXPERT_COUNT, h.n_expert)) if v is None]
+    if missing:
+        raise BadInputError(f"no usable {' or '.join(missing)} key: the runtime cannot size its expert tables",
+                            where=first)
+    bad = [s for s in view.stacks if s.layer >= h.n_layer or any(e >= h.n_expert for e in s.expert_ids)]
+    if bad:
+        s = bad[0]
+        raise BadInputError(f"stack of layer {s.layer} with experts up to {max(s.expert_ids, default=-1)}, but "
+                            f"{names.KEY_BLOCK_COUNT} = {h.n_layer} and {names.KEY_EXPERT_COUNT} = {h.n_expert}"
+                            + (f" ({len(bad) - 1} more such stack(s))" if len(bad) > 1 else ""),
+                            where=f"{first}: {s.name}", hint="the stacks and the model keys disagree; re-convert")
+    probs = [p for p in view.problems() if p.check == "experts"]
+    if probs:
+        p = probs[0]
+        more = f" ({len(probs) - 1} more such problem(s))" if len(probs) > 1 else ""
+        raise BadInputError(f"{p.detail}{more}", where=f"{p.file or first}: {p.tensor}" if p.tensor else p.file or first,
+                            hint="the stacks and the model keys disagree; ds4quant verify lists every problem")

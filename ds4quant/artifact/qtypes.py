@@ -149,3 +149,21 @@ def id_geometry(ggml_type: int) -> Optional[tuple[int, int]]:
     if name is None:
         return None
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+
+
+def row_rule_problem(qtype: str, ne0: int) -> Optional[str]:
+    """Why a tensor of ``qtype`` cannot have ``ne0`` weights per row, or None.
+
+    A row must hold whole blocks, and some codecs group rows further (rocmfp2_mix
+    needs 128: its codebook index words span four blocks); otherwise the tensor's
+    byte size cannot match what the codec decodes. verify's shapes check and
+    inspect both ask this."""
+    from ds4quant.formats import QTYPES
+
+    qt = QTYPES.get(qtype)
+    if qt is None:
+        return None  # a standard ggml type: the reader already held ne[0] to its block
+    need = max(qt.block_size, qt.row_multiple)
+    if ne0 % need:
+        return f"ne[0] = {ne0} is not a multiple of {need}, which {qt.name} rows need"
+    return None

@@ -107,7 +107,7 @@ def convert(
     t_start = time.perf_counter()
     out = Path(outdir)
     # first of all: an OUTDIR overlapping the source could be emptied by --force
-    check_no_overlap(source, out)
+    check_no_overlap(source, out, imatrix)
     rec = get_recipe(recipe)
     if dense_qtype is not None:
         get_qtype(dense_qtype)
@@ -172,17 +172,21 @@ def convert(
                 shutil.rmtree(out, ignore_errors=True)
             raise
         work = out / WORK_DIR
+        refused = finished = False
         try:
             job = _Job(src, out, work, art_name, rec, plan, members, overrides, imx, imx_sha, imatrix, source_fp,
                        options, split_bytes, loose_sidecars, adaptive, threads, command, progress)
-            return job.run(resume, force, created_out, t_start)
+            rep = job.run(resume, force, created_out, t_start)
+            finished = True
+            return rep
         except Ds4quantError:
-            # refused before any work was recorded: leave no folder behind that we made
-            if created_out and not (work / JOURNAL).exists():
+            # refused before any work was recorded: leave no folder (or lock file) behind that we made
+            refused = not (work / JOURNAL).exists()
+            if created_out and refused:
                 shutil.rmtree(out, ignore_errors=True)
             raise
         finally:
-            lock.release()
+            lock.release(remove=finished, remove_created=refused)
     finally:
         src.close()
 
@@ -214,6 +218,10 @@ class _Job:
     def run(self, resume: bool, force: bool, created_out: bool, t_start: float) -> ConvertReport:
         out, work, rec = self.out, self.work, self.rec
         journal_path = work / JOURNAL
+        for p in (work, work / "pieces", journal_path):
+            if p.is_symlink():  # a planted link would have pieces and journal written outside OUTDIR
+                raise OutputError("is a symbolic link; convert never follows one in its work folder", where=str(p),
+                                  hint="remove the link, or start over in another output folder")
         # refuse a mismatched resume before the (long) adaptive measurement
         old = Journal.load(journal_path) if resume and journal_path.exists() else None
         if old is not None:

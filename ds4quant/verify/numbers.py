@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Optional
@@ -270,6 +271,8 @@ def _measure(v, src, imx, name: str, info, base: str, members, stack, entry) -> 
     k = max(1, _DECODE_CHUNK_WEIGHTS // (out * cols))
     tot = None
     per_expert = []
+    weighted = [0.0, 0.0]  # wsse, wssx over the experts the imatrix reached
+    unreached, u_sums = [], [0.0, 0.0]
     for start in range(0, n, k):
         stop = min(n, start + k)
         eb = (entry.books[start:stop], entry.modes[start:stop]) if entry is not None else (None, None)
@@ -283,11 +286,24 @@ def _measure(v, src, imx, name: str, info, base: str, members, stack, entry) -> 
             x = src.read_dequantized(m.name)
             if x.shape != (out, cols):
                 raise _Mismatch(f"source expert {gid} is {list(x.shape)}, the stack holds [{out}, {cols}]")
-            s = error_sums(x, y[(i - start) * out:(i - start + 1) * out], _importance(imx, base, gid, cols))
+            imp = _importance(imx, base, gid, cols)
+            s = error_sums(x, y[(i - start) * out:(i - start + 1) * out], imp)
             per_expert.append(sqnr_db(s.sse, s.ssx))
-            tot = _add(tot, s)
+            if imx is not None and imp is None:  # the calibration never reached this expert
+                unreached.append(int(gid))
+                u_sums[0] += s.sse
+                u_sums[1] += s.ssx
+            elif s.wsse is not None:
+                weighted[0] += s.wsse
+                weighted[1] += s.wssx
+            tot = _add(tot, replace(s, wsse=None, wssx=None))
         del y
-    return ErrorFigures.of(tot, tuple(per_expert))
+    figs = ErrorFigures.of(tot, tuple(per_expert))
+    if imx is None:
+        return figs
+    some = len(unreached) < n
+    return replace(figs, wsse=weighted[0] if some else None, wssx=weighted[1] if some else None,
+                   unreached=tuple(unreached), unreached_sse=u_sums[0], unreached_ssx=u_sums[1])
 
 
 def _importance(imx, base: str, expert: Optional[int], cols: int) -> Optional[np.ndarray]:

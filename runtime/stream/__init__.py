@@ -32,6 +32,7 @@ _FACE = {
     "WeightProvider": "ds4quant.runtime.stream.source",
     "SourceWeights": "ds4quant.runtime.stream.source",
     "SourceExperts": "ds4quant.runtime.stream.source",
+    "EagerExperts": "ds4quant.runtime.stream.source",
     "expert_rows": "ds4quant.runtime.stream.source",
     "ArtifactWeights": "ds4quant.runtime.stream.artifact",
     "Batch": "ds4quant.runtime.stream.model",

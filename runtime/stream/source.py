@@ -20,14 +20,13 @@ has the bits of ``experts_implementation="eager"`` over the dequantized stack.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from ds4quant.errors import CorruptDataError
+from ds4quant.errors import BadInputError, CorruptDataError
 
-__all__ = ["SourceExperts", "SourceWeights", "WeightProvider", "expert_rows", "GLOBAL_PARTS"]
+__all__ = ["EagerExperts", "SourceExperts", "SourceWeights", "WeightProvider", "expert_rows", "GLOBAL_PARTS"]
 
 # The model's tensors outside the decoder layers, by the stage that uses them.
 GLOBAL_PARTS = {
@@ -179,14 +178,58 @@ def _experts_base():
     return torch.nn.Module
 
 
-class SourceExperts(_experts_base()):  # type: ignore[misc]
-    """A layer's routed experts, decoded from the source on first use.
+class _ExpertsLoop(_experts_base()):  # type: ignore[misc]
+    """Routed experts called as transformers' ``DeepseekV4Experts``:
+    ``(hidden [T,H], top_k_index [T,k] int64, top_k_weights [T,k]) -> [T,H]``,
+    with the same math in the same order as its eager forward (experts in
+    ascending id, rows in the one-hot mask's order, ``index_add_`` into zeros),
+    so the same bits. Subclasses say where ``expert_weights(e)`` comes from."""
 
-    Called as transformers' ``DeepseekV4Experts``: ``(hidden [T,H],
-    top_k_index [T,k] int64, top_k_weights [T,k]) -> [T,H]``; same math in the
-    same order as its eager forward (experts in ascending id, rows in the
-    one-hot mask's order, ``index_add_`` into zeros), so the same bits.
+    num_experts: int
+    limit: float
+
+    def expert_weights(self, e: int):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        import torch
+
+        out = torch.zeros_like(hidden_states)
+        idx_t = top_k_index.transpose(0, 1)
+        for e in torch.unique(top_k_index).tolist():  # ascending: eager's order over hit experts
+            if e >= self.num_experts:
+                continue  # eager skips the expert-parallel placeholder id
+            pos, tok, _x, act = expert_rows(self, hidden_states, idx_t, e)
+            down = self.expert_weights(e)[1]
+            y = torch.nn.functional.linear(act, down) * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class EagerExperts(_ExpertsLoop):
+    """Routed experts over stacked weights (``gate_up`` [E, 2I, H], ``down`` [E, H, I],
+    transformers' layout), e.g. a perturbed copy of a layer's experts.
+
+        ex = EagerExperts(gate_up, down, act_fn=src.act_fn, limit=src.limit)
     """
+
+    def __init__(self, gate_up, down, act_fn, limit: float):
+        super().__init__()
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+            raise BadInputError(f"expert stacks must be [E, 2I, H] and [E, H, I], got {tuple(gate_up.shape)} "
+                                f"and {tuple(down.shape)}", where="EagerExperts")
+        self.gate_up, self.down = gate_up, down
+        self.num_experts = int(gate_up.shape[0])
+        self.act_fn, self.limit = act_fn, limit
+
+    def expert_weights(self, e: int):
+        return self.gate_up[e], self.down[e]
+
+
+class SourceExperts(_ExpertsLoop):
+    """A layer's routed experts, decoded from the source on first use (see
+    ``_ExpertsLoop`` for the call); decoded experts are kept while the layer
+    lives, within ``cache_bytes`` (None: all)."""
 
     def __init__(self, weights: SourceWeights, layer: int, *, cache_bytes: Optional[int] = None):
         super().__init__()
@@ -199,15 +242,15 @@ class SourceExperts(_experts_base()):  # type: ignore[misc]
         self.limit = cfg.swiglu_limit
         self.act_fn = ACT2FN[cfg.hidden_act]
         self.cache_bytes = cache_bytes
-        self._cache: "OrderedDict[int, tuple]" = OrderedDict()
+        self._cache: dict[int, tuple] = {}
         self._cached = 0
         self.decoded = 0  # experts decoded so far (a cache miss each)
 
     def expert_weights(self, e: int):
-        """(gate_up [2I,H], down [H,I]) float32 of expert ``e`` on this module's device."""
+        """(gate_up [2I,H], down [H,I]) float32 of expert ``e`` on this module's device.
+        The tensors are the cache's: clone before changing them."""
         hit = self._cache.get(e)
         if hit is not None:
-            self._cache.move_to_end(e)
             return hit
         gate_up, down = self.weights.expert_weights(self.layer, e)
         dev = getattr(self, "device", None)
@@ -215,10 +258,10 @@ class SourceExperts(_experts_base()):  # type: ignore[misc]
             gate_up, down = gate_up.to(dev), down.to(dev)
         self.decoded += 1
         size = 4 * (gate_up.numel() + down.numel())
-        if self.cache_bytes is None or size <= self.cache_bytes:
-            while self.cache_bytes is not None and self._cached + size > self.cache_bytes and self._cache:
-                _, (g, d) = self._cache.popitem(last=False)
-                self._cached -= 4 * (g.numel() + d.numel())
+        # Once the budget is full nothing is evicted: every batch visits the experts
+        # in ascending order, a cyclic scan that least-recently-used eviction would
+        # turn into a miss on every call; keeping the first ones makes them hits.
+        if self.cache_bytes is None or self._cached + size <= self.cache_bytes:
             self._cache[e] = (gate_up, down)
             self._cached += size
         return gate_up, down
@@ -226,20 +269,6 @@ class SourceExperts(_experts_base()):  # type: ignore[misc]
     def release(self) -> None:
         self._cache.clear()
         self._cached = 0
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        import torch
-
-        out = torch.zeros_like(hidden_states)
-        idx_t = top_k_index.transpose(0, 1)
-        for e in torch.unique(top_k_index).tolist():  # ascending: eager's order over hit experts
-            if e >= self.num_experts:
-                continue  # eager skips the expert-parallel placeholder id
-            pos, tok, _x, act = expert_rows(self, hidden_states, idx_t, e)
-            gate_up, down = self.expert_weights(e)
-            y = torch.nn.functional.linear(act, down) * top_k_weights[tok, pos, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
 
 
 def expert_rows(experts, hidden, idx_t, e: int):

@@ -150,3 +150,20 @@ def test_a_foreign_placement_is_refused_by_load_and_by_place_check(mix_art, tmp_
     res = CliRunner().invoke(cli, ["place", str(mix_art), "--routing",
                                    str(ROOT / "samples" / "ds4-tiny-calib" / "routing.csv"), "--check", str(f)])
     assert res.exit_code == 2 and by_load.value.one_line() in res.output, res.output
+
+
+def test_ds4quant_run_refuses_a_damaged_artifact_in_one_line_before_any_rank_starts(mix_art, tmp_path):
+    from ds4quant.calib.routing import read_routing
+    from ds4quant.runtime.planning import plan_ranks
+
+    art = _copy(mix_art, tmp_path)
+    with open_artifact(art) as v:
+        fp = v.fingerprint()
+    plc = write_placement(tmp_path / "c2.json", plan_ranks(
+        read_routing(ROOT / "samples" / "ds4-tiny-calib" / "routing.csv"), 2, "uniform", 0, owner="torch-cpu:0",
+        artifact=fp))
+    _flip(_gguf(art), _tensor_offset(art, RESIDENT[3]))
+    res = CliRunner().invoke(cli, ["run", str(art), "--ranks", "2", "--placement", str(plc), "--launcher", "spawn"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    last = res.output.strip().splitlines()
+    assert len(last) == 1 and RESIDENT[3] in last[0], res.output
