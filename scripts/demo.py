@@ -241,7 +241,7 @@ def run(out: Path, steps: Steps = None, progress=None) -> dict:
     with steps(f"publish {rel(adaptive.artifact)} -> {rel(out / 'release-adaptive')} (verifies it again, "
                "with fidelity)"):
         release = publish(adaptive.artifact, out / "release-adaptive", source=SAMPLE, imatrix=imatrix,
-                          overwrite=True, fidelity=True, protocol=PROTOCOL, mode=MODE)
+                          overwrite=True, fidelity=True, protocol=PROTOCOL, mode=MODE, progress=progress)
     return {"rows": rows, "release": str(release.release), "calibrate_seconds": t_calib,
             "publish_seconds": time.perf_counter() - t0, "mode": MODE,
             "adaptive_qtype_share": dict(adaptive.adaptive.qtype_share) if adaptive.adaptive else None}

@@ -55,3 +55,17 @@ def test_the_command_prints_progress_on_a_tty_and_nothing_under_json(tmp_path, m
     assert output.command_progress(False, wanted=False) is None  # verify without a source decodes nothing
     monkeypatch.setattr(output, "stderr_is_tty", lambda: False)  # a pipe or a file: quiet
     assert output.command_progress(False) is None
+
+
+def test_publish_passes_verify_progress_on(tmp_path, monkeypatch):
+    from ds4quant.publish import publish
+
+    art = tmp_path / "art"
+    convert(SAMPLE, art, "mxfp4")
+    events = []
+    publish(art, tmp_path / "rel", source=SAMPLE, progress=events.append)
+    decode = [e for e in events if e.stage == "decode"]
+    assert [e.done for e in decode] == list(range(1, decode[0].total + 1))
+    monkeypatch.setattr(output, "stderr_is_tty", lambda: True)
+    r = CliRunner().invoke(cli, ["publish", str(art), str(tmp_path / "rel2"), "--source", str(SAMPLE), "--json"])
+    assert r.exit_code == 0 and r.stderr == "", r.output
