@@ -92,6 +92,8 @@ def progress_line(ev) -> str:
     if ev.kind is EventKind.PHASE:
         return f"[{ev.stage}] {ev.item} ...  ({ev.elapsed:.1f}s)"
     if ev.kind is EventKind.DONE:
+        if ev.total == 0:  # a stage of phases only
+            return f"[{ev.stage}] done in {ev.elapsed:.1f}s"
         unit = ev.unit if ev.total == 1 else ev.unit + ("es" if ev.unit.endswith(("s", "x", "ch", "sh")) else "s")
         return f"[{ev.stage}] done: {ev.total} {unit} in {ev.elapsed:.1f}s"
     line = STEP_LINES.get(ev.stage, _step_line)(ev)
