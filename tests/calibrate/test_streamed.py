@@ -232,6 +232,10 @@ def test_bad_options_refused_before_any_work(tmp_path):
         calibrate(SAMPLE, toks, tmp_path / "o", device="gpu")
     with pytest.raises(BadInputError, match="exclude each other"):
         calibrate(SAMPLE, toks, tmp_path / "o", resume=True, force=True)
+    res = CliRunner().invoke(cli, ["calibrate", str(SAMPLE), "--tokens", str(toks), "--out", str(tmp_path / "o"),
+                                   "--max-memory", "1M"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1
+    assert "--max-memory: layer 0 needs" in res.output and "more than --max-memory" in res.output
     assert not (tmp_path / "o").exists()
     if os.environ.get("CUDA_VISIBLE_DEVICES", "x") == "" or not __import__("torch").cuda.is_available():
         with pytest.raises(BadInputError, match="cuda:0 is not available|cuda is not available"):
