@@ -27,6 +27,7 @@ from ds4quant.calib.sensitivity import read_sensitivity  # noqa: E402
 from ds4quant.calibrate import calibrate  # noqa: E402
 from ds4quant.cli import cli  # noqa: E402
 from ds4quant.errors import BadInputError, ResumeMismatchError  # noqa: E402
+from ds4quant.progress import EventKind  # noqa: E402
 from tests.calibrate.whole_model import whole_model_files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ class _Stop(Exception):
 
 def _stop_after(layer: int):
     def progress(ev):
-        if ev.item == f"layer {layer}":
+        if ev.kind is EventKind.STEP and ev.item == f"layer {layer}":
             raise _Stop
     return progress
 
@@ -106,8 +107,11 @@ def test_interrupted_after_a_layer_resumes_to_the_same_bytes(tiny, tmp_path):
     with pytest.raises(BadInputError, match="interrupted calibrate run"):  # neither --resume nor --force
         calibrate(SAMPLE, toks, out, sensitivity_seqs=2)
     seen = []
-    rep = calibrate(SAMPLE, toks, out, sensitivity_seqs=2, resume=True, progress=lambda ev: seen.append(ev.item))
-    assert rep.resumed_at == 2 and seen == ["layer 2", "layer 3", "head"]
+    rep = calibrate(SAMPLE, toks, out, sensitivity_seqs=2, resume=True,
+                    progress=lambda ev: seen.append((ev.kind, ev.item)))
+    assert rep.resumed_at == 2
+    assert [i for k, i in seen if k is EventKind.STEP] == ["layer 2", "layer 3", "head"]
+    assert seen[0] == (EventKind.TICK, "layer 2: sequence 1/4") and seen[-1][0] is EventKind.DONE
     _same(out, d / "full")
     assert not (out / WORK).exists()
 
