@@ -214,8 +214,8 @@ def test_streamed_sensitivity_predicts_the_measured_kl(tmp_path):
     assert rho >= 0.8, rho
     # the file says how it predicted: kl = coefficient x local error, coefficients fitted on probes
     for n in names:
-        layer = int(n.split(".")[1])
-        c = predicted.layers[layer]["groups"]["gate+up+down"]["coefficient"]
+        layer, surface = int(n.split(".")[1]), n.split("_")[1]
+        c = predicted.layers[layer]["groups"]["down" if surface == "down" else "gate+up"]["coefficient"]
         assert math.isclose(predicted.kl[n], c * predicted.local_error[n], rel_tol=1e-12)
     assert all(predicted.layers[L]["probed"] for L in range(4))
 
