@@ -52,6 +52,15 @@ def _status(pid="self") -> dict:
             if k in ("VmHWM", "RssAnon", "RssFile")}
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process: on a shared machine the wall clock
+    measures the neighbours as much as the work."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _gpu_peak() -> int:
     try:
         import torch
@@ -140,7 +149,7 @@ def _child_stream(a) -> int:
     print(json.dumps({"seconds": t2 - t0, "setup_seconds": t1 - t0, "steps": steps,
                       "seconds_per_layer": per_layer, "head_seconds": steps[-1]["seconds"] if steps else 0.0,
                       "plan": plan.to_json(), "peak_rss_bytes": _status().get("VmHWM", 0),
-                      "peak_gpu_bytes": _gpu_peak(), "logit_sum": logit_sum[0],
+                      "peak_gpu_bytes": _gpu_peak(), "cpu_seconds": _cpu_seconds(), "logit_sum": logit_sum[0],
                       "experts_reached": len(calib.sums)}))
     return 0
 
@@ -149,14 +158,14 @@ def _child_convert(a) -> int:
     from ds4quant.cli import main as cli
 
     t0 = time.perf_counter()
-    args = ["convert", a.source, a.out, "--recipe", a.recipe, "--force", "--json"] + list(a.extra or [])
+    args = ["convert", a.source, a.out, "--recipe", a.recipe, "--force", "--json"] + list(json.loads(a.extra))
     try:
         cli(args)
     except SystemExit as e:
         if e.code not in (0, None):
             raise
     print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_bytes": _status().get("VmHWM", 0),
-                      "peak_gpu_bytes": _gpu_peak()}))
+                      "peak_gpu_bytes": _gpu_peak(), "cpu_seconds": _cpu_seconds()}))
     return 0
 
 
@@ -198,7 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", choices=("stream", "convert"), help=argparse.SUPPRESS)
     ap.add_argument("--artifact", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--extra", nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("--extra", default="[]", help=argparse.SUPPRESS)  # JSON list: convert's own options
     ap.add_argument("--layers", type=int, default=2, help="slice of DS4 Flash to generate (default 2)")
     ap.add_argument("--ratio-offset", type=int, default=0, help="first DS4 Flash layer of the slice's pattern")
     ap.add_argument("--experts", type=int, default=None,
@@ -265,7 +274,8 @@ def main(argv=None) -> int:
             if a.device != "cpu":
                 extra += ["--device", a.device]
             res["adaptive_convert"] = _run(me + ["--child", "convert", "--source", str(src), "--out",
-                                                 str(work / "adaptive"), "--recipe", "adaptive", "--extra"] + extra,
+                                                 str(work / "adaptive"), "--recipe", "adaptive",
+                                                 "--extra=" + json.dumps(extra)],
                                            env)
     finally:
         if not a.keep and not a.work:
@@ -298,14 +308,16 @@ def _project(res: dict, n: int) -> dict:
 
 def _print(res: dict, n: int) -> None:
     print(f"DS4 Flash slice: {n} layers, source {res.get('source_bytes', 0) / 1e9:.2f} GB")
-    print(f"{'step':18s} {'wall s':>9s} {'s/layer':>9s} {'peak RSS':>11s} {'peak anon':>11s} {'peak GPU':>10s}")
+    print(f"{'step':18s} {'wall s':>9s} {'s/layer':>9s} {'CPU s':>8s} {'peak RSS':>11s} {'peak anon':>11s} "
+          f"{'peak GPU':>10s}")
     for key in ("reference", "uniform_convert", "candidate", "adaptive_convert"):
         r = res.get(key)
         if not r:
             continue
         per = r.get("seconds_per_layer")
         spl = sum(per) / len(per) if per else r["wall_seconds"] / n
-        print(f"{key:18s} {r['wall_seconds']:9.1f} {spl:9.1f} {_gib(r['peak_rss_bytes']):>11s} "
+        print(f"{key:18s} {r['wall_seconds']:9.1f} {spl:9.1f} {r.get('cpu_seconds', 0.0):8.1f} "
+              f"{_gib(r['peak_rss_bytes']):>11s} "
               f"{_gib(r['peak_anon_bytes']):>11s} {_gib(r.get('peak_gpu_bytes', 0)):>10s}")
     print(f"PROJECTION to {FLASH_LAYERS} layers (per-layer cost x {FLASH_LAYERS}; memory flat in the layer count):")
     for key, p in res["projection_43_layers"].items():
