@@ -49,7 +49,7 @@ def _status(pid="self") -> dict:
     except OSError:
         return {}
     return {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in text.splitlines())
-            if k in ("VmHWM", "RssAnon", "RssFile")}
+            if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
 
 
 def _cpu_seconds() -> float:
@@ -174,8 +174,9 @@ def _child_convert(a) -> int:
 
 
 def _run(cmd: list, env: dict) -> dict:
-    """A child's last JSON line, with its wall time and the peak of its anonymous RSS (polled)."""
-    peak_anon = 0
+    """A child's last JSON line, with its wall time and the peaks of its RSS and anonymous RSS
+    (polled every 50 ms; the kernel updates VmHWM lazily, so the peak is the larger of both)."""
+    peak_anon = peak_rss = 0
     with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env)
@@ -183,7 +184,9 @@ def _run(cmd: list, env: dict) -> dict:
             pid, status, _ = os.wait4(p.pid, os.WNOHANG)
             if pid:
                 break
-            peak_anon = max(peak_anon, _status(p.pid).get("RssAnon", 0))
+            st = _status(p.pid)
+            peak_anon = max(peak_anon, st.get("RssAnon", 0))
+            peak_rss = max(peak_rss, st.get("VmRSS", 0))
             time.sleep(0.05)
         wall = time.perf_counter() - t0
         fo.seek(0)
@@ -195,6 +198,7 @@ def _run(cmd: list, env: dict) -> dict:
     d = json.loads(out.strip().splitlines()[-1])
     d["wall_seconds"] = wall
     d["peak_anon_bytes"] = peak_anon
+    d["peak_rss_bytes"] = max(d.get("peak_rss_bytes", 0), peak_rss)
     return d
 
 
