@@ -150,3 +150,26 @@ def test_exact_planes_give_the_definitions_bytes(qtype, tokens):
     record_gpu(test="exact_planes_ds4", qtype=qtype, tokens=tokens, sha256=sha32(y), stats=dict(o.exact_stats))
     o.close()
     ref.close()
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 512])
+def test_device_layer_replays_from_one_graph(tokens):
+    """Routing + routed experts + combine + shared expert as one CUDA graph: a replay on new
+    inputs gives the eager call's bytes."""
+    from ds4quant.runtime.device_layer import DeviceLayer
+    from ds4quant.runtime.owners.cuda_owner import CudaOwner
+
+    stacks, entries = _layer("rocmfp2")
+    o = _owner(CudaOwner, stacks, entries, DEV)
+    r = np.random.default_rng(10)
+    gate = torch.from_numpy((r.standard_normal((N_EXP, H)) * 0.02).astype(np.float32))
+    shared = tuple(torch.from_numpy((r.standard_normal(s) * 0.02).astype(np.float32)) for s in ((I, H), (I, H), (H, I)))
+    dl = DeviceLayer(o, 0, gate, torch.zeros(N_EXP), top_k=TOPK, shared=shared)
+    hid = torch.from_numpy(r.standard_normal((tokens, H)).astype(np.float32)).to(DEV)
+    g, out = dl.graph(hid)
+    new = torch.from_numpy(r.standard_normal((tokens, H)).astype(np.float32)).to(DEV)
+    hid.copy_(new)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, dl(new))
+    o.close()
