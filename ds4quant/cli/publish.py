@@ -20,7 +20,8 @@ from ds4quant.cli.output import emit_json
                       "the model card carries the figures.")
 @protocol_option(help="With --fidelity: run this protocol too.")
 @mode_option(help="With --fidelity: the runtime's mode.")
-@click.option("--force", is_flag=True, help="Replace a non-empty OUTDIR.")
+@click.option("--force", is_flag=True, help="Replace an earlier release in OUTDIR (only a folder publish wrote: "
+                                            "every file listed in its SHA256SUMS).")
 @json_option()
 def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, mode, force, as_json):
     """Verify an artifact, then write a release folder: the artifact files,
@@ -41,6 +42,8 @@ def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, 
         raise BadInputError("--fidelity and --protocol need --source", where=str(artifact))
     rep = publish(artifact, outdir, source=source, imatrix=imatrix, hf_repo=hf_repo, overwrite=force,
                   fidelity=fidelity or protocol is not None, protocol=protocol, mode=mode)
+    for line in rep.stale:
+        click.echo(f"ds4quant: note: {line}", err=True)
     if as_json:
         emit_json(rep.to_json())
         return

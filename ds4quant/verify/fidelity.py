@@ -162,6 +162,7 @@ def measure(ctx: Context) -> FidelityReport:
     from ds4quant.runtime import fidelity as fd
     from ds4quant.runtime.reference import load_reference, moe_blocks
     from ds4quant.verify import _candidate as C
+    from ds4quant.verify.fidelity_progress import FidelityProgress, plan_passes
 
     o = ctx.options
     t0 = time.perf_counter()
@@ -176,11 +177,15 @@ def measure(ctx: Context) -> FidelityReport:
                                 "(a model that was trained to copy, with its task)", where=str(o.source),
                                 hint="drop --protocol, or use a source such as samples/ds4-copy")
     tok, tok_kind = _tokenizer(o.source)
+    fp = FidelityProgress(o.progress, plan_passes([label for label, _ in o.placements], o.protocol == "exact-copy",
+                                                  o.engines))
+    fp.phase("loading the reference model (transformers, fp32)")
     with C.one_thread():
         ref = load_reference(o.source)
     cfg = ref.config
     seqs, eval_what = eval_tokens(o, tok, cfg.vocab_size, cfg.max_position_embeddings)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    fp.phase("building the candidate (dense tensors from the artifact)")
     cand = copy.deepcopy(ref)
     dense_problems = C.dense_into(cand, ctx.view)
     for p in dense_problems:
@@ -194,28 +199,35 @@ def measure(ctx: Context) -> FidelityReport:
     cols = torch.tensor([p[1] for p in pos], dtype=torch.long)
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
     with C.one_thread(), torch.no_grad():
-        with C.trace_moe(ref, keep_inputs=True) as rtr:
+        with C.trace_moe(ref, keep_inputs=True) as rtr, fp.run("reference logits", ref):
             ref_logits = C.logits_of(ref, seqs, pad)[rows, cols]
-        ref_resp = fd.greedy_response(ref, prompt, RESPONSE_TOKENS, tok.eos_token_id)
+        with fp.run("reference response", ref, calls=RESPONSE_TOKENS):
+            ref_resp = fd.greedy_response(ref, prompt, RESPONSE_TOKENS, tok.eos_token_id)
         ref_copy = None
         if o.protocol == "exact-copy":
-            ref_copy = fd.exact_copy(ref, tok, task)
+            with fp.run("reference exact-copy trials", ref):
+                ref_copy = fd.exact_copy(ref, tok, task)
         runs, clusters = [], []
         first: dict = {}
         for label, plc in o.placements:
-            with runtime.load(ctx.view, plc, o.mode) as rt:
+            fp.phase(f"loading the runtime [{label}]")
+            # stage 3 hashed every file and reports a mismatch itself: no second pass here
+            with runtime.load(ctx.view, plc, o.mode, verify_payloads=False) as rt:
                 old = C.swap_all(cand, rt)
                 try:
-                    with C.trace_moe(cand, routed=True) as ctr:
+                    with C.trace_moe(cand, routed=True) as ctr, fp.run(f"candidate logits [{label}]", cand):
                         cand_logits = C.logits_of(cand, seqs, pad)[rows, cols]
-                    resp = fd.greedy_response(cand, prompt, RESPONSE_TOKENS, tok.eos_token_id)
+                    with fp.run(f"candidate response [{label}]", cand, calls=RESPONSE_TOKENS):
+                        resp = fd.greedy_response(cand, prompt, RESPONSE_TOKENS, tok.eos_token_id)
                     runs.append(PlacementRun(label, C.routed_sha256(ctr.routed), resp.sha256))
                     if not first:
-                        first = {"logits": cand_logits, "response": resp,
-                                 "propagated": {L: C.rel_error(rtr.outputs[L], ctr.outputs[L]) for L in layers},
-                                 "local": C.local_moe_error(cand, rtr, layers)}
+                        propagated = {L: C.rel_error(rtr.outputs[L], ctr.outputs[L]) for L in layers}
+                        with fp.run(f"local MoE error [{label}]"):
+                            local = C.local_moe_error(cand, rtr, layers)
+                        first = {"logits": cand_logits, "response": resp, "propagated": propagated, "local": local}
                         if o.protocol == "exact-copy":
-                            first["copy"] = fd.exact_copy(cand, tok, task)
+                            with fp.run(f"candidate exact-copy trials [{label}]", cand):
+                                first["copy"] = fd.exact_copy(cand, tok, task)
                     if rt.n_ranks:  # cluster ranks: what starting them once cost and each call took
                         clusters.append(rt.stats())
                 finally:
@@ -235,11 +247,15 @@ def measure(ctx: Context) -> FidelityReport:
     if o.engines:
         from ds4quant.verify.engines import measure_engine
 
+        figures = []
         with C.one_thread():
-            rep = dataclasses.replace(rep, engines=tuple(
-                measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt, tok, task, o.protocol,
-                               RESPONSE_TOKENS, ref_copy.passes if ref_copy is not None else None, ref_resp.sha256)
-                for e in o.engines))
+            for e in o.engines:
+                with fp.run(f"{e} figures"):
+                    figures.append(measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt,
+                                                  tok, task, o.protocol, RESPONSE_TOKENS,
+                                                  ref_copy.passes if ref_copy is not None else None, ref_resp.sha256))
+        rep = dataclasses.replace(rep, engines=tuple(figures))
+    fp.finish()
     _checks(ctx, rep)
     return dataclasses.replace(rep, seconds=time.perf_counter() - t0)
 

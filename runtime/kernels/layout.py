@@ -19,7 +19,7 @@ meta byte). These are the same products ``formats.decode`` forms
 ``formats.decode`` bit for bit (a test checks it on the CPU device); the
 kernels' sums are fast mode's, not exact mode's.
 
-rocmfp2_affine (type 107, spec §4) is ``(code * scales[s]) - scales[o]`` with
+rocmfp2_affine (type 107, docs/formats.md#rocmfp2-affine) is ``(code * scales[s]) - scales[o]`` with
 codes 0..3 and both bytes plain UE4M3: two float32 roundings, as its decode
 does. The product of a 2-bit code and a UE4M3 value (4 significant bits) is
 exact in float32, so a compiler that contracts the multiply and the

@@ -206,7 +206,7 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
     ks_row = w["s"].shape[2]
     dual = w2 is not None
     o = w2 if dual else w
-    # defaults measured on the lent H200 (benchmarks/results/runtime_gpu_h200_run2.json): the
+    # defaults measured on an H200 (benchmarks/results/runtime_gpu_dot_tiles_h200.json): the
     # matrix-vector tile likes 32 rows x 256 columns (112 us a DS4 layer at batch 1, 16 rows: 131);
     # the tl.dot tile must stay narrow in K (64 rows x 32 columns: 7.1 ms at batch 64; 256 columns
     # spill: 106 ms)

@@ -6,7 +6,7 @@ the Triton kernels of ``runtime.kernels``.
   definition's exact sums and float64 SwiGLU in four launches, a CUDA graph
   per (layer, slots)); elsewhere, and for a call those kernels flag, it is
   ``TorchOwner``'s: ``formats.decode_torch`` of the artifact bytes, then
-  ``torch_exact`` (the session plan's definition in integer /
+  ``torch_exact`` (docs/exact-mode.md's definition in integer /
   single-rounding torch ops).
 * fast mode repacks every resident stack once at load
   (``kernels.layout.repack``: code planes + scale bytes, and offset bytes
@@ -116,7 +116,7 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
         self.gemv_max_slots = int(gemv_max_slots)
         # decode-step kernel tiles: stage ("gu" / "down") -> (rows per program, words per step,
         # warps, pipeline stages, prefetch, scales computed rather than gathered)
-        # (measured on the lent H200: benchmarks/results/runtime_gpu_step_h200_s4.json)
+        # (measured on an H200: docs/performance.md#runtime-gpu-step)
         self.gemv_tile: dict[str, tuple] = {"gu": (8, 64, 4, 1, True, True), "down": (16, 64, 8, 1, True, True)}
         # the grouped form's tiles (same fields) and tokens per program (batch 64 on the H200:
         # tb 2 at (8, 32, 2) with computed scales, 1.68 ms; tb 4 lost at 64 and led at 2048 tokens)
