@@ -140,7 +140,7 @@ def test_every_jit_function_is_a_catalogued_kernel_or_called_by_one():
     stray = stray_functions(funcs, entries)
     assert not stray, ("@triton.jit functions neither catalogued (runtime/kernels/catalog.py CATALOG) nor "
                        f"called by a catalogued kernel: {stray}")
-    assert len(funcs) >= 40  # the walk really parsed the kernel modules
+    assert len(funcs) >= 30  # the walk really parsed the kernel modules
 
 
 def test_the_completeness_check_sees_a_new_kernel(tmp_path, monkeypatch):
