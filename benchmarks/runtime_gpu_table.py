@@ -82,6 +82,20 @@ def random_stack(torch, qtype: str, n: int, rows: int, cols: int, gen):
     return data.reshape(n, rows, nb * qt.block_bytes).cpu().numpy()
 
 
+def strictly_increasing_books(rng, n: int, L: int):
+    """float32 (n, 2, L) bf16 books, each strictly increasing (redrawn until rounding keeps them so)."""
+    from ds4quant import formats
+
+    out = np.empty((n, 2, L), np.float32)
+    for e in range(n):
+        while True:
+            b = formats.bf16_round(np.sort(rng.uniform(-1, 1, (2, L)), axis=-1).astype(np.float32))
+            if np.all(np.diff(b, axis=-1) > 0):
+                out[e] = b
+                break
+    return out
+
+
 def make_layer(torch, dev, device: str, recipe: str, n_exp: int, H: int, I: int):
     """(stacks, owner, entries) of a recipe's layer resident on a CudaOwner."""
     from ds4quant import formats
@@ -98,7 +112,7 @@ def make_layer(torch, dev, device: str, recipe: str, n_exp: int, H: int, I: int)
         if formats.QTYPES[q].is_mix:
             L = formats.QTYPES[q].codebook_levels
             rng = np.random.default_rng(5)
-            books = formats.bf16_round(np.sort(rng.uniform(-1, 1, (n_exp, 2, L)), axis=-1).astype(np.float32))
+            books = strictly_increasing_books(rng, n_exp, L)
             entries[name] = CodebookEntry(name, q, np.ones(n_exp, np.uint8), books)
     owner = CudaOwner(device, identity="cuda:0" if dev.type == "cuda" else "torch-cpu:5")
     for st in stacks.values():

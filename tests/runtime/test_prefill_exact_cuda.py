@@ -41,6 +41,20 @@ def _scale_span(q):
     return bb - n, n, 0x18, 0x38
 
 
+def strictly_increasing_books(rng, n: int, L: int):
+    """float32 (n, 2, L) bf16 books, each strictly increasing (redrawn until rounding keeps them so)."""
+    from ds4quant import formats
+
+    out = np.empty((n, 2, L), np.float32)
+    for e in range(n):
+        while True:
+            b = formats.bf16_round(np.sort(rng.uniform(-1, 1, (2, L)), axis=-1).astype(np.float32))
+            if np.all(np.diff(b, axis=-1) > 0):
+                out[e] = b
+                break
+    return out
+
+
 def _layer(q, seed=1):
     r = np.random.default_rng(seed)
     stacks, entries = {}, {}
@@ -56,7 +70,7 @@ def _layer(q, seed=1):
         stacks[proj] = ExpertStack(name, 0, proj, q, rows, cols, tuple(range(N_EXP)), d.reshape(N_EXP, rows, -1))
         if qt.is_mix:
             L = qt.codebook_levels
-            books = formats.bf16_round(np.sort(r.uniform(-1, 1, (N_EXP, 2, L)), axis=-1).astype(np.float32))
+            books = strictly_increasing_books(r, N_EXP, L)
             entries[name] = CodebookEntry(name, q, (np.arange(N_EXP) % 3 != 2).astype(np.uint8), books)
     return stacks, entries
 
