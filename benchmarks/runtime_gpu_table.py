@@ -139,7 +139,8 @@ def fast_kernel(torch, owner, x, ids):
         xT = torch.from_numpy(group_t(xn[order])).to(dev)
         dg = torch.from_numpy(groups).to(dev)
         return "grouped gemv", lambda: owner.grouped_device(0, xT, dg)
-    if owner.prefill_set(0) is not None:
+    busy = n / np.unique(ids).shape[0] > owner.group_max_mean  # the owner's rule for the prefill kernels
+    if busy and owner.prefill_set(0) is not None:
         return "tensor-core prefill", lambda: owner.prefill_device(0, x, di)
     plan = owner.plan(0, ids)
     xs = x.index_select(0, plan.order).contiguous()
