@@ -15,8 +15,9 @@ no-fusion / no-approximation rules in their machine code.
   searches and numpy's pairwise leaves, 5-30 s a compile) are left to the full
   matrix;
 * ``DS4QUANT_AOT_FULL=1``: the full matrix, every captured specialisation
-  (~150) for all seven targets (about half an hour on two cores;
-  ``benchmarks/gpu_run.sh`` runs it on the GPU host's cores);
+  (~160) for all seven targets (about half an hour on two cores;
+  ``benchmarks/gpu_run.sh`` compiles the subset for all seven targets on the
+  GPU host's cores, and the full matrix with ``AOT_FULL=1``);
 * the rules catch a planted ``a * b + c`` that the compiler fuses, ``tl.exp``
   and Triton's approximate float32 ``/`` on NVIDIA, and accept correctly
   rounded division and square root on every target.
