@@ -183,6 +183,8 @@ def test_representative_subset_compiles_for_every_target(first):
         assert {r["target"] for r in res if r["kernel"] == kernel} == set(SUBSET_TARGETS), kernel
     for r in res:
         assert r["binary"] == ("cubin" if r["target"].startswith("cuda") else "hsaco"), r
+        if r["kernel"] == "_prefill_kernel":  # tl.dot on matrix units: mma.sync / WMMA / MFMA
+            assert r["mma"] > 0, r
     # the subset's cost, for the record (a run on two shared cores: well under a minute)
     print(f"\naot subset: {len(res)} compiles in {first['seconds']:.1f} s")
 
