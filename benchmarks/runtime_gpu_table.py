@@ -23,6 +23,9 @@ Rows per (recipe, batch):
   to bf16, graphed;
 * ``dense bf16``: one bf16 GEMV/GEMM per selected expert and projection
   (torch.mm), the loop captured in a CUDA graph: the honest dense anchor;
+* ``ours fast whole layer``: ``runtime/device_layer.py``: routing, the routed
+  experts, the canonical combine and a float32 shared expert on the device,
+  from one CUDA graph (what a decode step of the layer costs);
 * ``copy``: a 1 GiB device-to-device copy (bytes read + written per second).
 
 Figures: latency (us), TB/s (the selected experts' weight bytes — quantized
@@ -253,6 +256,21 @@ def main(argv=None) -> int:
                 timed(f"ours exact kernel ({ex[0]})", lambda: owner.exact_device(0, x, di), qbytes)
             timed("ours exact run_slots" + ("" if ex is not None else " (definition)"),
                   lambda: owner.run_slots(0, xn, ids, "exact"), qbytes, graph=False)
+
+            # the whole layer on the device: routing + routed experts + combine + shared expert
+            try:
+                from ds4quant.runtime.device_layer import DeviceLayer
+
+                r2 = np.random.default_rng(B)
+                gw = torch.from_numpy((r2.standard_normal((n_exp, H)) * 0.02).astype(np.float32))
+                sh = tuple(torch.from_numpy((r2.standard_normal(sz) * 0.02).astype(np.float32))
+                           for sz in ((I, H), (I, H), (H, I)))
+                dl = DeviceLayer(owner, 0, gw, torch.zeros(n_exp), top_k=topk, shared=sh)
+                ht = torch.from_numpy(r2.standard_normal((B, H)).astype(np.float32)).to(dev)
+                timed("ours fast whole layer (route+shared)", lambda: dl(ht), qbytes + 3 * H * I * 4)
+                dl = None
+            except Exception as exc:  # reported, the table goes on
+                res["rows"].append(dict(recipe=recipe, batch=B, path="ours fast whole layer", error=repr(exc)[:300]))
 
             W = decoded_bf16(torch, stacks, uniq, dev, entries)
             order = np.argsort(ids, kind="stable")
