@@ -10,7 +10,7 @@ no-fusion / no-approximation rules in their machine code.
   are captured from the real launch wrappers);
 * every run: a representative subset (one specialisation per kernel and
   scenario) compiles for three targets — hip:gfx1151 (wave32 RDNA), hip:gfx942
-  (wave64 CDNA), cuda:86 — and keeps its rules (about 25 s on two shared
+  (wave64 CDNA), cuda:86 — and keeps its rules (30 compiles, 10-35 s on two shared
   cores); the measure stage's three slowest kernels to compile (the MIX
   searches and numpy's pairwise leaves, 5-30 s a compile) are left to the full
   matrix;
