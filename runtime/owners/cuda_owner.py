@@ -106,7 +106,7 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
     """Owner protocol on a CUDA/ROCm device; see the module docstring."""
 
     def __init__(self, device: str = "cuda:0", identity: Optional[str] = None,
-                 swiglu_limit: float = DEFAULT_SWIGLU_LIMIT, bt: int = 16, prec: str = "tf32x3",
+                 swiglu_limit: float = DEFAULT_SWIGLU_LIMIT, bt: int = 16, prec: Optional[str] = None,
                  graphs: bool = True, gemv_max_slots: int = 16, exact_kernels: bool = True,
                  prefill: bool = True):
         super().__init__(device, identity=identity, swiglu_limit=swiglu_limit)
@@ -130,11 +130,17 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
         if bt not in (16, 32, 64):
             raise BadInputError(f"bt (tokens of one expert per program) must be 16, 32 or 64, got {bt}")
         self.bt = int(bt)
-        self.prec = prec
+        # the tl.dot tiles' input precision: the backend's (layout.DOT_PREC) unless given
+        self.prec = prec or self._dot_prec()
         # launch shape (rows, warps, columns per step) per tokens-per-program
         # (1: matrix-vector tile, bt: tl.dot); 0 = the kernel default
         self.tile: dict[int, tuple[int, int, int]] = {}
         self._planes: dict[str, dict] = {}  # tensor -> planes of that stack
+
+    def _dot_prec(self) -> str:
+        from ds4quant.runtime.kernels import layout
+
+        return layout.dot_prec() if self.device.type == "cuda" else layout.DOT_PREC["cuda"]
 
     # -- residency -------------------------------------------------------
     def add_stack(self, stack: ExpertStack) -> None:
