@@ -179,5 +179,6 @@ def check_structure(view) -> None:
     if probs:
         p = probs[0]
         more = f" ({len(probs) - 1} more such problem(s))" if len(probs) > 1 else ""
-        raise BadInputError(f"{p.detail}{more}", where=f"{p.file or first}: {p.tensor}" if p.tensor else p.file or first,
+        where = f"{p.file or first}: {p.tensor}" if p.tensor else p.file or first
+        raise BadInputError(f"{p.detail}{more}", where=where,
                             hint="the stacks and the model keys disagree; ds4quant verify lists every problem")

@@ -152,3 +152,37 @@ def test_click_usage_errors_are_one_line_exit_2(tmp_path, args, words):
     assert "no-such-command" in line
     line = _one_line_exit_2(CliRunner().invoke(cli, ["verify"]))
     assert "ARTIFACT" in line
+
+
+def test_convert_refuses_an_outdir_holding_the_imatrix_by_the_shared_check(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    imx = out / "imatrix.gguf"
+    shutil.copyfile(ROOT / "samples" / "ds4-tiny-calib" / "imatrix.gguf", imx)
+    before = imx.read_bytes()
+    line = _one_line_exit_2(CliRunner().invoke(cli, ["convert", str(SAMPLE), str(out), "--recipe", "rocmfp3",
+                                                     "--imatrix", str(imx), "--force"]))
+    assert "output folder holds the imatrix" in line and "real paths" in line
+    assert imx.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["imatrix.gguf"]
+
+
+def test_a_second_process_is_kept_out_after_the_lock_file_is_deleted(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom ds4quant.convert.outdir import OutLock\n"
+                               "with OutLock(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(60)\n",
+         str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (out / LOCK_NAME).unlink()  # by hand, while the other process runs
+        res = subprocess.run([sys.executable, "-m", "ds4quant", "convert", str(SAMPLE), str(out), "--recipe",
+                              "rocmfp3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and "another convert" in res.stderr, res.stderr
+        assert sorted(p.name for p in out.iterdir()) == []  # it wrote nothing, not even a lock file
+    finally:
+        holder.kill()
+        holder.wait()

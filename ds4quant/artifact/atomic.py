@@ -231,13 +231,18 @@ def _try_lock_dir(folder: Path) -> Optional[int]:
 
 def clear_stale_partials(out: PathLike) -> tuple[StalePartial, ...]:
     """Find ``OUT.partial-<pid>`` folders beside ``out``: remove each one a build marked as its
-    own whose pid is dead and whose lock is free; report every other one (in use, or not ours)."""
+    own whose pid is dead and whose lock is free; report every other one (in use, or not ours),
+    and any ``OUT.old-<pid>`` a replace killed between its renames left (a whole earlier folder)."""
     out = Path(out)
     found = []
     if not out.parent.is_dir():
         return ()
     prefix = f"{out.name}.partial-"
     for p in sorted(out.parent.iterdir()):
+        if p.name.startswith(f"{out.name}.old-") and p.name[len(out.name) + 5:].isdigit():
+            # the earlier folder a run killed between its two renames had moved aside: whole, so kept
+            found.append(StalePartial(p, False, "the folder an interrupted replace moved aside; not removed"))
+            continue
         if not p.name.startswith(prefix):
             continue
         tail = p.name[len(prefix):]

@@ -69,12 +69,18 @@ __all__ = ["Method", "MAX_PROBES", "PROBE_SCALES", "REL_STD", "SensitivityPass",
 # error on the shipped samples (SQNR about 10 dB). Sensitivity is measured
 # where the plans that need it live, not in the small-noise limit.
 REL_STD = 0.3
-# Whole-layer probe strengths (multiples of REL_STD's noise): two points fit
-# the KL-to-local-error coefficient where plans live without assuming the
-# relation is exactly quadratic.
-PROBE_SCALES = (0.5, 1.0)
-# Surfaces perturbed together in one probe (each group gets its own coefficient).
-PROBE_GROUPS = (("gate", "up", "down"),)
+# Whole-layer probe strengths (multiples of REL_STD's noise). One point where
+# plans live: with c fitted by least squares through the origin, a second
+# point at half strength weighs 1/16 as much and moved no plan on
+# samples/ds4-copy; a second probe group is worth more (below).
+PROBE_SCALES = (1.0,)
+# Surfaces perturbed together in one probe; each group gets its own
+# coefficient. gate/up errors reach the output through the expert's own down
+# projection, in the directions the model reads, so per unit of local error
+# they cost several times the KL that down's (isotropic) errors cost: on
+# samples/ds4-copy one all-surface coefficient predicted gate/up KL at
+# 0.1-0.5x of their measured KL, two groups at 0.4-1.1x.
+PROBE_GROUPS = (("gate", "up"), ("down",))
 MAX_PROBES = 8
 
 

@@ -269,8 +269,9 @@ def calibrate(
     (int or SIZE text such as "6G") a single layer must fit in; None: no
     check. resume: continue the interrupted run in ``out_dir`` (refused when
     its source, tokens or options differ); force: discard one. progress gets
-    a ProgressEvent (stage "calibrate", unit "layer", detail ``tokens``:
-    tokens through the layers so far) after each layer and after the head.
+    ProgressEvents of stage "calibrate" (unit "layer"): a TICK per sequence,
+    a STEP per layer and for the head (detail ``tokens``: tokens through the
+    layers so far), the PHASE "writing files", then DONE.
     sensitivity_seqs: the first this many sequences measure each
     routed-expert tensor's KL gain (``sensitivity.json``, which ``convert
     --sensitivity`` reads); 0 skips it. sensitivity_method: "streamed" (a
@@ -287,7 +288,7 @@ def calibrate(
     from ds4quant.calibrate.journal import WORK_DIR_NAME, Journal, check_out_dir
     from ds4quant.calibrate.model import open_stream
     from ds4quant.calibrate.sensitivity import make_pass
-    from ds4quant.calibrate.walk import walk
+    from ds4quant.calibrate.walk import meter_for, walk
     from ds4quant.sources import open_official_source
     from ds4quant.sources.config import HASH_MOE
 
@@ -319,8 +320,11 @@ def calibrate(
     hash_layers = tuple(i for i, t in enumerate(cfg.mlp_layer_types) if t == HASH_MOE)
     sens = make_pass(method, n_layer, sensitivity_seqs) if sensitivity_seqs else None
     t0 = time.monotonic()
+    meter = meter_for(n_layer, journal, seqs)
     with stream.open() as sm:
-        res = walk(sm, seqs, journal, sens, stream, progress=progress)
+        res = walk(sm, seqs, journal, sens, stream, meter=meter, progress=progress)
+    if progress is not None:
+        progress(meter.phase("writing files"))
     tot = Totals(res.layers, res.head, sum(len(s) for s in seqs))
 
     # Every token fills k slots in every layer; anything else means the hooks missed a call.
@@ -367,4 +371,6 @@ def calibrate(
     )
     atomic_write_json(out / REPORT_FILE, report.to_json())
     shutil.rmtree(work, ignore_errors=True)
+    if progress is not None:
+        progress(meter.finish())
     return report

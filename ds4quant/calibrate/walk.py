@@ -93,11 +93,19 @@ def _experts_hook(experts, fn):
         h.remove()
 
 
+def meter_for(n_layer: int, journal: Journal, seqs: Sequence[Sequence[int]]) -> Meter:
+    """The run's meter: one counted item per remaining layer and the head, then writing the files."""
+    left = n_layer + 1 - (journal.finished + 1)
+    return Meter("calibrate", left, "layer", total_work=left * sum(len(s) for s in seqs), then=("writing files",))
+
+
 def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[SensitivityPass], stream, *,
-         progress: Optional[ProgressFn] = None) -> WalkResult:
+         meter: Optional[Meter] = None, progress: Optional[ProgressFn] = None) -> WalkResult:
     """Run ``seqs`` through ``sm`` (a ``StreamedModel``; ``stream`` its
     ``model.Stream``: devices per layer, memory plan) layer by layer from the
-    journal's first unfinished layer; see the module doc."""
+    journal's first unfinished layer; see the module doc. ``progress`` gets a
+    TICK per sequence and a STEP per layer and for the head (``meter``'s
+    events; detail ``tokens``: tokens through the layers so far)."""
     cfg = sm.config
     n_layer, n_exp = cfg.num_hidden_layers, cfg.n_routed_experts
     batches = sm.batches(seqs, batch_size=1)
@@ -105,13 +113,18 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
     states = _States(journal, stream.device)
     tokens = sum(len(s) for s in seqs)
     start = journal.finished + 1
-    meter = Meter("calibrate", n_layer + 1 - start, "layer", total_work=(n_layer + 1 - start) * tokens)
+    meter = meter or meter_for(n_layer, journal, seqs)
     done_tokens = 0
 
-    def step(item: str) -> None:
+    def tick(item: str, i: int) -> None:
         nonlocal done_tokens
-        done_tokens += tokens
-        ev = meter.step(item, work=tokens, tokens=done_tokens, layers=n_layer)
+        done_tokens += len(seqs[i])
+        ev = meter.tick(f"{item}: sequence {i + 1}/{len(seqs)}", work=len(seqs[i]), tokens=done_tokens)
+        if progress is not None:
+            progress(ev)
+
+    def step(item: str) -> None:
+        ev = meter.step(item, work=0, tokens=done_tokens)
         if progress is not None:
             progress(ev)
 
@@ -146,6 +159,7 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
                         sums.end()
                         rec["on"] = False
                         states.put(L + 1, MAIN, i, out)
+                        tick(f"layer {L}", i)
             finally:
                 sums.detach()
             if sens is not None:
@@ -184,6 +198,7 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
                 head.end()
                 if i < n_sens:
                     refs.append(ref_logp(logits[0]))
+                tick("head", i)
         finally:
             head.detach()
         if sens is not None:

@@ -74,15 +74,12 @@ def _decode_line(ev) -> str:
 
 
 def _step_line(ev) -> str:
-    """Any other stage: [stage done/total unit] item, elapsed, ETA, tok/s when tokens are counted,
-    and what comes next once the counted items are done."""
+    """Any other stage: [stage done/total unit] item, elapsed, ETA, tok/s when tokens are counted."""
     w = len(str(ev.total))
     line = f"[{ev.stage} {ev.done:>{w}}/{ev.total} {ev.unit}] {ev.item}  {ev.elapsed:7.1f}s  {eta_text(ev)}"
     tokens = ev.detail.get("tokens")
     if isinstance(tokens, int) and ev.elapsed > 0:
         line += f"  {tokens:,} tokens, {tokens / ev.elapsed:,.0f} tok/s"
-    if ev.pending and ev.done >= ev.total:
-        line += f"  (next: {ev.pending[0]})"
     return line
 
 
@@ -95,9 +92,14 @@ def progress_line(ev) -> str:
     if ev.kind is EventKind.PHASE:
         return f"[{ev.stage}] {ev.item} ...  ({ev.elapsed:.1f}s)"
     if ev.kind is EventKind.DONE:
+        if ev.total == 0:  # a stage of phases only
+            return f"[{ev.stage}] done in {ev.elapsed:.1f}s"
         unit = ev.unit if ev.total == 1 else ev.unit + ("es" if ev.unit.endswith(("s", "x", "ch", "sh")) else "s")
         return f"[{ev.stage}] done: {ev.total} {unit} in {ev.elapsed:.1f}s"
-    return STEP_LINES.get(ev.stage, _step_line)(ev)
+    line = STEP_LINES.get(ev.stage, _step_line)(ev)
+    if ev.pending and ev.done >= ev.total:  # the counted items are done, not the stage
+        line += f"  (next: {ev.pending[0]})"
+    return line
 
 
 def stderr_is_tty() -> bool:

@@ -6,7 +6,7 @@ import click
 
 from ds4quant.cli.group import cli
 from ds4quant.cli.options import PATH, fidelity_option, imatrix_option, json_option, mode_option, protocol_option, source_option
-from ds4quant.cli.output import emit_json
+from ds4quant.cli.output import command_progress, emit_json
 
 
 @cli.command("publish")
@@ -41,7 +41,8 @@ def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, 
 
         raise BadInputError("--fidelity and --protocol need --source", where=str(artifact))
     rep = publish(artifact, outdir, source=source, imatrix=imatrix, hf_repo=hf_repo, overwrite=force,
-                  fidelity=fidelity or protocol is not None, protocol=protocol, mode=mode)
+                  fidelity=fidelity or protocol is not None, protocol=protocol, mode=mode,
+                  progress=command_progress(as_json, wanted=source is not None))
     for line in rep.stale:
         click.echo(f"ds4quant: note: {line}", err=True)
     if as_json:

@@ -119,7 +119,7 @@ def fit_fixed_mix_books(plan, members, src: Source, imx, books: Books, joint_gat
                     partner[(stack_name(sn.layer, Proj.GATE), m.expert, qt.name)] = (c, m)
     done = set()
     todo = [(c, qt, m) for c, qt in mix for m in members_of(c, members)]
-    meter = Meter("codebooks", len(todo), "matrix")
+    meter = Meter("codebooks", len(todo), "matrix", then=("encoding",))
     for c, qt, m in todo:
         item = f"{c.base} expert {m.expert}"
         if (c.base, m.expert, qt.name) in done:  # fitted with its gate partner: its work was counted there

@@ -72,7 +72,8 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
     out: dict[tuple[str, int, str], Measure] = {}
     weights: dict[str, np.ndarray] = {}
     reused = 0
-    meter = Meter("measure", sum(len(m) for _, m in expert_tensors), "expert")
+    # convert encodes after the plan is made: the last measured expert is not the end
+    meter = Meter("measure", sum(len(m) for _, m in expert_tensors), "expert", then=("planning and encoding",))
     jobs = opts.jobs if opts.jobs is not None else default_jobs()
     backend = opts.backend()
     saved = time.perf_counter()

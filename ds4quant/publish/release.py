@@ -1,7 +1,11 @@
 """`ds4quant publish`: verify an artifact, then write a release folder anyone can check.
 
-Release folder (built as ``OUT.partial-<pid>`` and renamed into place, so a
-failed run leaves no half-made release)::
+The release folder never overlaps an input (the artifact, ``source``, the
+imatrix: ``artifact.overlap``), and ``overwrite`` replaces only a release
+publish wrote (``SHA256SUMS`` lists every file in it). It is built as
+``OUT.partial-<pid>`` (marked and locked as publish's own) and renamed into
+place, so a failed run leaves no half-made release; a killed run's partial is
+removed by the next run, any other one reported (``PublishReport.stale``)::
 
     NAME.gguf (or the splits)    the artifact files, byte for byte
     NAME.gguf.*.bin              loose codebook sidecars, when the artifact has them
@@ -24,7 +28,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -33,6 +36,7 @@ from ds4quant.artifact import atomic_write_bytes, clear_stale_partials, publish_
 from ds4quant.artifact.overlap import check_no_overlap
 from ds4quant.artifact.sums import write_sums
 from ds4quant.errors import BadInputError, Ds4quantError, IntegrityError
+from ds4quant.progress import ProgressFn
 from ds4quant.publish.card import model_card
 from ds4quant.publish.report import REPORT_DIR
 from ds4quant.records import MANIFEST, VerifyReport
@@ -88,12 +92,14 @@ def publish(
     fidelity: bool = False,
     protocol: Optional[str] = None,
     mode: str = "fast",
+    progress: Optional[ProgressFn] = None,
 ) -> PublishReport:
     """Verify ``artifact`` (an artifact folder with manifest.json) and write the
     release folder ``outdir``; optionally upload it to ``hf_repo``.
 
     fidelity / protocol / mode: measure fidelity through the runtime (``verify(fidelity=True)``,
-    needs ``source``); the model card then carries the figures.
+    needs ``source``); the model card then carries the figures. progress: verify's
+    ProgressEvents (``verify(progress=...)``).
     Raises UnsoundArtifactError when a check fails (nothing is written),
     HubError when the upload fails (the local release stays complete).
     """
@@ -106,7 +112,7 @@ def publish(
     out = check_release_folder(outdir, art, source=source, imatrix=imatrix, overwrite=overwrite)
     stale = clear_stale_partials(out)
     rep = verify(art, source=source, imatrix=imatrix, threshold_db=threshold_db, fidelity=fidelity,
-                 protocol=protocol, mode=mode)
+                 protocol=protocol, mode=mode, progress=progress)
     if not rep.ok:
         bad = rep.failed
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""

@@ -40,7 +40,7 @@ class FidelityProgress:
         """passes: (name, kind) in the order they run; kind is a PASS_WORK key."""
         self._progress = progress
         self._work = {name: PASS_WORK[kind] for name, kind in passes}
-        self._meter = Meter("fidelity", len(passes), "pass", total_work=sum(self._work.values()), warmup=1)
+        self._meter = Meter("fidelity", len(passes), "pass", total_work=sum(self._work.values()))
 
     def _emit(self, ev) -> None:
         if self._progress is not None:

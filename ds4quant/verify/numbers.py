@@ -135,7 +135,8 @@ def _metered(ctx: Context):
     that ``continue``d: a tensor not compared is done too) a "decode"
     ProgressEvent goes to ``ctx.options.progress``, work weighted by payload bytes."""
     progress, tensors = ctx.options.progress, ctx.view.tensors
-    meter = Meter("decode", len(tensors), "tensor", total_work=sum(i.nbytes for i in tensors.values()))
+    meter = Meter("decode", len(tensors), "tensor", total_work=sum(i.nbytes for i in tensors.values()),
+                  then=("the fidelity measurement",) if ctx.options.fidelity else ())
     for name, info in tensors.items():
         t0 = time.perf_counter()
         yield name, info

@@ -121,7 +121,9 @@ def tokens_file(tmp_path_factory) -> Path:
 def run1(ckpt, tokens_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("calib") / "out"
     seen = []
-    rep = calibrate(ckpt, tokens_file, out, progress=lambda ev: seen.append((ev.done, ev.total, ev.detail["tokens"])))
+    rep = calibrate(ckpt, tokens_file, out,
+                    progress=lambda ev: seen.append((ev.done, ev.total, ev.detail["tokens"]))
+                    if ev.kind.value == "step" else None)
     return rep, out, seen
 
 

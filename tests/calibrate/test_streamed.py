@@ -27,6 +27,7 @@ from ds4quant.calib.sensitivity import read_sensitivity  # noqa: E402
 from ds4quant.calibrate import calibrate  # noqa: E402
 from ds4quant.cli import cli  # noqa: E402
 from ds4quant.errors import BadInputError, ResumeMismatchError  # noqa: E402
+from ds4quant.progress import EventKind  # noqa: E402
 from tests.calibrate.whole_model import whole_model_files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ class _Stop(Exception):
 
 def _stop_after(layer: int):
     def progress(ev):
-        if ev.item == f"layer {layer}":
+        if ev.kind is EventKind.STEP and ev.item == f"layer {layer}":
             raise _Stop
     return progress
 
@@ -106,8 +107,11 @@ def test_interrupted_after_a_layer_resumes_to_the_same_bytes(tiny, tmp_path):
     with pytest.raises(BadInputError, match="interrupted calibrate run"):  # neither --resume nor --force
         calibrate(SAMPLE, toks, out, sensitivity_seqs=2)
     seen = []
-    rep = calibrate(SAMPLE, toks, out, sensitivity_seqs=2, resume=True, progress=lambda ev: seen.append(ev.item))
-    assert rep.resumed_at == 2 and seen == ["layer 2", "layer 3", "head"]
+    rep = calibrate(SAMPLE, toks, out, sensitivity_seqs=2, resume=True,
+                    progress=lambda ev: seen.append((ev.kind, ev.item)))
+    assert rep.resumed_at == 2
+    assert [i for k, i in seen if k is EventKind.STEP] == ["layer 2", "layer 3", "head"]
+    assert seen[0] == (EventKind.TICK, "layer 2: sequence 1/4") and seen[-1][0] is EventKind.DONE
     _same(out, d / "full")
     assert not (out / WORK).exists()
 
@@ -210,8 +214,8 @@ def test_streamed_sensitivity_predicts_the_measured_kl(tmp_path):
     assert rho >= 0.8, rho
     # the file says how it predicted: kl = coefficient x local error, coefficients fitted on probes
     for n in names:
-        layer = int(n.split(".")[1])
-        c = predicted.layers[layer]["groups"]["gate+up+down"]["coefficient"]
+        layer, surface = int(n.split(".")[1]), n.split("_")[1]
+        c = predicted.layers[layer]["groups"]["down" if surface == "down" else "gate+up"]["coefficient"]
         assert math.isclose(predicted.kl[n], c * predicted.local_error[n], rel_tol=1e-12)
     assert all(predicted.layers[L]["probed"] for L in range(4))
 
@@ -232,6 +236,10 @@ def test_bad_options_refused_before_any_work(tmp_path):
         calibrate(SAMPLE, toks, tmp_path / "o", device="gpu")
     with pytest.raises(BadInputError, match="exclude each other"):
         calibrate(SAMPLE, toks, tmp_path / "o", resume=True, force=True)
+    res = CliRunner().invoke(cli, ["calibrate", str(SAMPLE), "--tokens", str(toks), "--out", str(tmp_path / "o"),
+                                   "--max-memory", "1M"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1
+    assert "--max-memory: layer 0 needs" in res.output and "more than --max-memory" in res.output
     assert not (tmp_path / "o").exists()
     if os.environ.get("CUDA_VISIBLE_DEVICES", "x") == "" or not __import__("torch").cuda.is_available():
         with pytest.raises(BadInputError, match="cuda:0 is not available|cuda is not available"):

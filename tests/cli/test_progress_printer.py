@@ -60,3 +60,10 @@ def test_verify_decode_lines():
     m = Meter("decode", total=2, unit="tensor", clock=_clock(0.0, 1.0))
     line = progress_line(m.step("blk.0.ffn_up_exps.weight", qtype="rocmfp2", sqnr_db=9.5, seconds=0.25))
     assert line.startswith("[   1/2] blk.0.ffn_up_exps.weight") and "rocmfp2" in line and "warm-up" in line
+
+
+def test_a_stage_of_phases_only_ends_without_a_count():
+    m = Meter("convert", 0, "phase", clock=_clock(0.0, 1.0, 2.5))
+    assert progress_line(m.phase("writing manifest.json and SHA256SUMS")) == (
+        "[convert] writing manifest.json and SHA256SUMS ...  (1.0s)")
+    assert progress_line(m.finish()) == "[convert] done in 2.5s"

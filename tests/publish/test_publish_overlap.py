@@ -202,6 +202,8 @@ def test_a_partial_in_use_or_not_marked_is_left_and_reported(tmp_path):
         live.kill()
         live.wait()
     # the pid gone, its marked partial is a killed build's leftover
+    (tmp_path / "rel.old-77").mkdir()  # what a replace killed between its two renames leaves
     found = {p.path.name: p for p in clear_stale_partials(out)}
     assert found[alive.name].removed and not alive.exists()
     assert not found["rel.partial-1"].removed and unmarked.is_dir()
+    assert not found["rel.old-77"].removed and "moved aside" in found["rel.old-77"].why

@@ -16,12 +16,9 @@ every path that implements the step, against the plain-Python definition:
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
-from ds4quant import formats
 from ds4quant.formats.components import row_kind, row_lut
 from ds4quant.runtime import exact as X
 

@@ -35,6 +35,7 @@ def test_events_come_in_the_order_of_the_measurement(runs):
     decode = [e for e in events if e.stage == "decode"]
     assert [e.done for e in decode] == list(range(1, len(rep.tensors) + 1))
     assert all(e.kind is EventKind.STEP for e in decode)
+    assert decode[-1].pending == ("the fidelity measurement",) and decode[-1].eta is None
     fid = [e for e in events if e.stage == "fidelity"]
     assert events.index(fid[0]) > events.index(decode[-1])  # the decode stage runs first
     label = rep.fidelity.runs[0].label
@@ -51,7 +52,7 @@ def test_events_come_in_the_order_of_the_measurement(runs):
     assert ticks[0].item == "reference logits: layer 1/4" and ticks[3].item == "reference logits: layer 4/4"
     assert {e.item.rsplit(": layer ", 1)[0] for e in ticks} == {n for n in planned if not n.startswith("local")}
     # no event says nothing is left before the end
-    assert all(e.eta != 0.0 for e in fid[:-2])
+    assert all(e.eta != 0.0 for e in events[:-2])
     assert [e.elapsed for e in fid] == sorted(e.elapsed for e in fid)
 
 
