@@ -197,6 +197,40 @@ class LogitFigures:
 
 
 @dataclass(frozen=True)
+class KlFigures:
+    """The figures llama.cpp's perplexity tool reports with a KL base, defined as it
+    defines them (``runtime/kl_figures.py``): KLD(ref || cand) mean, median, p99 and
+    max in nats; same top-1 and RMS Δp as fractions; both perplexities (the ratio
+    is derived). ``chunking`` says which tokens were scored."""
+
+    tokens: int
+    kld_mean: float
+    kld_median: float
+    kld_p99: float
+    kld_max: float
+    same_top1: float
+    rms_dp: float
+    ppl_ref: float
+    ppl_cand: float
+    chunking: str
+
+    _FLOATS = ("kld_mean", "kld_median", "kld_p99", "kld_max", "same_top1", "rms_dp", "ppl_ref", "ppl_cand")
+
+    @property
+    def ppl_ratio(self) -> float:
+        return self.ppl_cand / self.ppl_ref
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, **{k: getattr(self, k) for k in self._FLOATS}, "ppl_ratio": self.ppl_ratio,
+                "chunking": self.chunking}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "KlFigures":
+        return cls(_need(obj, "tokens", int), *(float(_need(obj, k, _NUM)) for k in cls._FLOATS),
+                   _need(obj, "chunking", str))
+
+
+@dataclass(frozen=True)
 class ExactCopyScore:
     """The exact-copy protocol on the candidate (passes of trials, the failed
     trials as the protocol reports them) beside the source's own passes."""
@@ -291,6 +325,7 @@ class FidelityReport:
     cluster: tuple[Mapping[str, Any], ...] = ()
     seconds: float = 0.0
     engines: tuple[EngineFigures, ...] = ()
+    kl: Optional[KlFigures] = None
 
     @classmethod
     def not_measured(cls, detail: str, requested: bool = False) -> "FidelityReport":
@@ -342,6 +377,8 @@ class FidelityReport:
                "moe_output_sha256": self.moe_output_sha256,
                "fast_moe_output_sha256": first.moe_output_sha256 if self.mode == "fast" else None,
                "exact_copy": None if self.exact_copy is None else self.exact_copy.to_json()}
+        if self.kl is not None:
+            out["llama_cpp"] = self.kl.to_json()
         if self.engines:
             out["engines"] = {e.engine: e.to_json(seconds) for e in self.engines}
         if self.cluster:
@@ -384,7 +421,8 @@ class FidelityReport:
             cluster=tuple(MappingProxyType(dict(c)) for c in _need(obj, "cluster", list)) if "cluster" in obj else (),
             seconds=float(obj.get("seconds", 0.0)),
             engines=tuple(EngineFigures.from_json(e) for e in _need(obj, "engines", dict).values())
-            if "engines" in obj else ())
+            if "engines" in obj else (),
+            kl=KlFigures.from_json(_need(obj, "llama_cpp", dict)) if "llama_cpp" in obj else None)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,9 @@ from ds4quant.cli.output import emit_json, verify_progress
               help="Evaluation token ids for --fidelity (one sequence per line, or a JSON list of lists).")
 @click.option("--text", "text_file", default=None, type=PATH,
               help="Evaluation text for --fidelity (UTF-8; blank-line-separated documents, the source's tokenizer).")
+@click.option("--ctx", "ctx_size", type=int, default=None,
+              help="With --fidelity: score as llama.cpp's perplexity tool (the --text/--tokens stream cut into "
+                   "chunks of this many tokens, the second half of each scored).")
 @protocol_option(help="Also run the exact-copy protocol (20 identifiers x 3 contexts; needs the source's "
                       "tokenizer.json and task.json).")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["llama.cpp"]),
@@ -46,7 +49,7 @@ from ds4quant.cli.output import emit_json, verify_progress
                    "which scripts/interop.sh installs) and report the same figures for it.")
 @json_option(help="Print one JSON object {ok, checks, tensors, summary[, fidelity]}.")
 def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, fidelity, placements, mode,
-               tokens_file, text_file, protocol, engines, as_json):
+               tokens_file, text_file, ctx_size, protocol, engines, as_json):
     """Check that an artifact (or release folder, or bare .gguf) is sound:
     types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
     file hashes against manifest.json (and SHA256SUMS). With --source, decode
@@ -75,7 +78,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
     progress = verify_progress(source is not None and not as_json and sys.stderr.isatty())
     rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
-                 text=text_file, protocol=protocol, engines=tuple(engines))
+                 text=text_file, protocol=protocol, engines=tuple(engines), ctx_size=ctx_size)
     report_path = None
     if report_dir is not None:
         from ds4quant.publish.report import write_report
@@ -107,6 +110,12 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
             if f.exact_copy:
                 line += f", exact copy {f.exact_copy.passes}/{f.exact_copy.trials}"
             click.echo(line)
+            if f.kl is not None:
+                k = f.kl
+                click.echo(f"llama.cpp figures ({k.tokens} tokens, {k.chunking}): KLD mean {k.kld_mean:.4g} median "
+                           f"{k.kld_median:.4g} p99 {k.kld_p99:.4g} max {k.kld_max:.4g}, same top-1 "
+                           f"{100 * k.same_top1:.2f}%, RMS dp {100 * k.rms_dp:.3f}%, PPL {k.ppl_cand:.4f} "
+                           f"(reference {k.ppl_ref:.4f}, ratio {k.ppl_ratio:.4f})")
             for e in f.engines:
                 line = (f"fidelity ({e.engine}): KL mean {e.logits.kl_mean:.4g} p99 {e.logits.kl_p99:.4g}, top-1 "
                         f"{100 * e.logits.top1:.2f}%, PPL ratio {e.logits.ppl_ratio:.4f}, "

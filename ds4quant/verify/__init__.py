@@ -103,6 +103,7 @@ def verify(
     text: "str | os.PathLike | None" = None,
     protocol: Optional[str] = None,
     engines: tuple = (),
+    ctx_size: Optional[int] = None,
 ) -> VerifyReport:
     """Check an artifact folder, release folder or bare GGUF (see module doc).
 
@@ -115,7 +116,9 @@ def verify(
     gloo ranks: ``runtime.load`` decides) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
     file) or ``text`` (UTF-8 file) or the built-in documents; ``protocol="exact-copy"`` adds the
     exact-copy protocol. ``engines=("llama.cpp",)`` also runs the artifact through that engine
-    (llama-cpp-python) and reports the same figures in ``rep.fidelity.engines``.
+    (llama-cpp-python) and reports the same figures in ``rep.fidelity.engines``. ``ctx_size``:
+    score as llama.cpp's perplexity tool does (the evaluation stream cut into chunks of that many
+    tokens, the second half of each scored); the figures llama.cpp reports go to ``rep.fidelity.kl``.
     Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
@@ -138,8 +141,11 @@ def verify(
         mode = Mode.parse(mode, where="--mode")
         if tokens is not None and text is not None:
             raise BadInputError("give --tokens or --text, not both", where="--tokens")
-    elif placements or tokens is not None or text is not None or protocol is not None or engines:
-        raise BadInputError("--placement, --tokens, --text, --protocol and --engine belong to the fidelity "
+        if ctx_size is not None and (isinstance(ctx_size, bool) or not isinstance(ctx_size, int) or ctx_size < 4):
+            raise BadInputError(f"must be an int >= 4, got {ctx_size!r}", where="--ctx")
+    elif (placements or tokens is not None or text is not None or protocol is not None or engines
+          or ctx_size is not None):
+        raise BadInputError("--placement, --tokens, --text, --ctx, --protocol and --engine belong to the fidelity "
                             "measurement", where="verify", hint="add --fidelity")
     lay = locate(artifact)
     if lay.kind != "gguf" and lay.manifest is None:
@@ -154,7 +160,7 @@ def verify(
     ctx = Context(view, Options(None if source is None else Path(source), None if imatrix is None else Path(imatrix),
                                 threshold_db, progress, bool(fidelity), runs, mode,
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
-                                protocol, tuple(engines)))
+                                protocol, tuple(engines), ctx_size))
     if fidelity:
         from ds4quant.verify.engines import check_engines
 

@@ -41,6 +41,7 @@ class Options:
     text: Optional[Path] = None
     protocol: Optional[str] = None
     engines: tuple[str, ...] = ()  # other engines measured beside the runtime (verify/engines.py)
+    ctx_size: Optional[int] = None  # llama.cpp's chunking of the evaluation stream (runtime/kl_figures.py)
 
 
 @dataclass

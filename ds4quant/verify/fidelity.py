@@ -116,6 +116,8 @@ def builtin_docs(task) -> list[str]:
 
 
 def eval_tokens(o, tok, vocab: int, max_len: int) -> tuple[list[list[int]], str]:
+    if o.ctx_size is not None:
+        return _chunked(o, tok, vocab, max_len)
     if o.tokens is not None:
         from ds4quant.calibrate import read_tokens
 
@@ -139,6 +141,62 @@ def eval_tokens(o, tok, vocab: int, max_len: int) -> tuple[list[list[int]], str]
     if not seqs:
         raise BadInputError("no evaluation documents", where=what)
     return seqs, what
+
+
+def _chunked(o, tok, vocab: int, max_len: int) -> tuple[list[list[int]], str]:
+    """llama.cpp's chunks of the whole evaluation text (tokenized once, BOS first)
+    or of the token file's sequences joined in order."""
+    from ds4quant.runtime import kl_figures as K
+
+    n = o.ctx_size
+    if n > max_len:
+        raise BadInputError(f"context {n} exceeds the model's {max_len} positions", where="--ctx")
+    if o.tokens is not None:
+        from ds4quant.calibrate import read_tokens
+
+        stream = [t for s in read_tokens(o.tokens, vocab, max_len) for t in s]
+        what = f"token file {o.tokens}"
+    else:
+        if o.text is not None:
+            try:
+                text = Path(o.text).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise BadInputError(f"cannot read the evaluation text: {e}", where=str(o.text)) from None
+            what = f"text file {o.text}"
+        else:
+            text = "\n".join(builtin_docs(copy_task(o.source)))
+            what = f"{EVAL_DOCS} built-in copy-task documents"
+        stream = [tok.bos_token_id] + tok.encode(text)
+        if any(not 0 <= t < vocab for t in stream):
+            raise BadInputError("the text tokenizes to ids outside the vocabulary", where=what)
+    try:
+        seqs = K.chunks(stream, n, tok.bos_token_id)
+    except BadInputError as e:
+        raise BadInputError(f"{e.args[0] if e.args else e}", where=what) from None
+    return seqs, f"{what}, {len(seqs)} chunks of {n} (llama.cpp's perplexity chunking, second halves scored)"
+
+
+def scored_positions(o, seqs) -> list[tuple[int, int]]:
+    """(row, position) pairs whose logits are scored: every position with a next
+    token, or with ``ctx_size`` the second half of each chunk, as llama.cpp."""
+    from ds4quant.runtime import kl_figures as K
+    from ds4quant.verify._candidate import valid_positions
+
+    if o.ctx_size is None:
+        return valid_positions(seqs)
+    return [(i, t) for i in range(len(seqs)) for t in K.scored_positions(o.ctx_size)]
+
+
+def kl_record(ref_logits, cand_logits, targets, o):
+    """llama.cpp's figures of the candidate against the reference (``records.KlFigures``)."""
+    from ds4quant.records import KlFigures
+    from ds4quant.runtime import kl_figures as K
+
+    s = K.kl_summary(ref_logits, cand_logits, targets)
+    how = (f"llama.cpp chunks of {o.ctx_size}, second halves" if o.ctx_size is not None
+           else "every next token of each document")
+    return KlFigures(s.tokens, s.kld_mean, s.kld_median, s.kld_p99, s.kld_max, s.same_top1, s.rms_dp, s.ppl_ref,
+                     s.ppl_cand, how)
 
 
 # --------------------------------------------------------------------------
@@ -189,7 +247,7 @@ def measure(ctx: Context) -> FidelityReport:
     task = copy_task(o.source)
     prompt = [tok.bos_token_id] + tok.encode(fd.protocol_trials(task)[0].prompt)
     layers = [i for i, _ in moe_blocks(ref)]
-    pos = C.valid_positions(seqs)
+    pos = scored_positions(o, seqs)
     rows = torch.tensor([p[0] for p in pos], dtype=torch.long)
     cols = torch.tensor([p[1] for p in pos], dtype=torch.long)
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
@@ -231,7 +289,7 @@ def measure(ctx: Context) -> FidelityReport:
         runs=tuple(runs), logits=LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio),
         layers=tuple(MoeLayerError(L, first["local"][L], first["propagated"][L]) for L in layers),
         response_token_ids=tuple(first["response"].token_ids), reference_response_sha256=ref_resp.sha256,
-        exact_copy=ec, cluster=tuple(clusters))
+        exact_copy=ec, cluster=tuple(clusters), kl=kl_record(ref_logits, first["logits"], targets, o))
     if o.engines:
         from ds4quant.verify.engines import measure_engine
 
@@ -263,7 +321,8 @@ def placement_runs(view, placements) -> tuple:
 
 
 def _checks(ctx: Context, rep: FidelityReport) -> None:
-    _quality_checks(ctx, "fidelity", f"{rep.mode} mode", rep.logits, rep.exact_copy, rep.eval_tokens, rep.layers)
+    _quality_checks(ctx, "fidelity", f"{rep.mode} mode", rep.logits, rep.exact_copy, rep.eval_tokens, rep.layers,
+                    rep.kl)
     for eng in rep.engines:
         _quality_checks(ctx, f"fidelity.{eng.engine}", eng.engine, eng.logits, eng.exact_copy, rep.eval_tokens, ())
     sp = rep.second
@@ -278,7 +337,14 @@ def _checks(ctx: Context, rep: FidelityReport) -> None:
                                           f"vs {sp.response_sha256[:16]}", ctx.first)
 
 
-def _quality_checks(ctx: Context, check: str, what: str, m, ec, n: int, layers) -> None:
+def _llama_line(kf) -> str:
+    if kf is None:
+        return ""
+    return (f"; llama.cpp figures: KLD median {kf.kld_median:.4g} max {kf.kld_max:.4g}, same top-1 "
+            f"{100 * kf.same_top1:.2f}%, RMS dp {100 * kf.rms_dp:.3f}%, PPL {kf.ppl_cand:.4g} vs {kf.ppl_ref:.4g}")
+
+
+def _quality_checks(ctx: Context, check: str, what: str, m, ec, n: int, layers, kf=None) -> None:
     """KL and exact-copy against LIMITS, as ``check``.kl / ``check``.exact_copy; ``what`` names the run."""
     kl = m.kl_mean
     if not math.isfinite(kl) or kl > LIMITS["kl_mean"]:
@@ -289,7 +355,7 @@ def _quality_checks(ctx: Context, check: str, what: str, m, ec, n: int, layers) 
                  ctx.first)
     else:
         ctx.ok(f"{check}.kl", f"mean KL {kl:.4g} nats (p99 {m.kl_p99:.4g}), top-1 {100 * m.top1:.2f}% over "
-                              f"{n} tokens ({what}); limit {LIMITS['kl_mean']:g}", ctx.first)
+                              f"{n} tokens ({what}); limit {LIMITS['kl_mean']:g}" + _llama_line(kf), ctx.first)
     if ec is not None:
         need = ec.reference_passes - LIMITS["exact_copy_slack"]
         text = f"{ec.passes}/{ec.trials} exact copies (the source: {ec.reference_passes}/{ec.trials})"

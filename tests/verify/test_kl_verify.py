@@ -1,0 +1,53 @@
+"""verify --fidelity --ctx: llama.cpp's figures beside today's on samples/ds4-copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[2]
+COPY = ROOT / "samples" / "ds4-copy"
+
+
+@pytest.fixture(scope="module")
+def mx(tmp_path_factory):
+    from ds4quant.convert import convert
+
+    out = tmp_path_factory.mktemp("klv") / "mx"
+    convert(COPY, out, "mxfp4", force=True, command=["test"])
+    return out
+
+
+def test_chunked_figures_beside_todays(mx):
+    from ds4quant.records import FidelityReport
+    from ds4quant.verify import verify
+
+    rep = verify(mx, source=COPY, fidelity=True, mode="fast", ctx_size=64)
+    f = rep.fidelity
+    k = f.kl
+    assert k is not None and "chunks of 64" in f.eval and "llama.cpp" in k.chunking
+    assert k.tokens == f.eval_tokens and k.tokens % (64 - 1 - 32) == 0
+    # mxfp4 of an MXFP4 checkpoint is the source: both definitions agree on ~0
+    assert k.kld_mean < 1e-6 and k.kld_max < 1e-5 and k.same_top1 == 1.0 and k.rms_dp < 1e-4
+    assert k.ppl_ratio == pytest.approx(1.0, abs=1e-4) and f.logits.kl_mean < 1e-6
+    assert f.layers and f.moe_output_sha256 is None  # today's per-layer figures stay
+    j = rep.to_json()["fidelity"]
+    assert j["llama_cpp"]["chunking"] == k.chunking and "kl_mean" in j
+    assert FidelityReport.from_json(j).kl == k
+    assert "llama.cpp figures" in next(c for c in rep.checks if c.name == "fidelity.kl").detail
+
+
+def test_ctx_refusals(mx, tmp_path):
+    from ds4quant.errors import BadInputError
+    from ds4quant.verify import verify
+
+    with pytest.raises(BadInputError, match="--fidelity"):
+        verify(mx, source=COPY, ctx_size=64)
+    short = tmp_path / "short.txt"
+    short.write_text("abc")
+    with pytest.raises(BadInputError, match="at least 128"):
+        verify(mx, source=COPY, fidelity=True, text=short, ctx_size=64)
