@@ -240,17 +240,40 @@ class ExactCopyScore:
     failed: tuple[Mapping[str, Any], ...]
     task: str
     reference_passes: int
+    # with several seeded identifier sets (``runtime/copy_sets.py``; the first is the
+    # protocol's own, whose passes are ``passes``): per-set passes, the pooled score
+    # per 60 trials and its interval, for the candidate and the source
+    sets: tuple[int, ...] = ()
+    reference_sets: tuple[int, ...] = ()
+    per60: Optional[float] = None
+    interval: Optional[tuple[float, float]] = None
+    reference_per60: Optional[float] = None
+    reference_interval: Optional[tuple[float, float]] = None
+    interval_method: Optional[str] = None
 
     def to_json(self) -> dict:
-        return {"passes": self.passes, "trials": self.trials, "failed": [dict(f) for f in self.failed],
-                "task": self.task, "reference_passes": self.reference_passes}
+        out = {"passes": self.passes, "trials": self.trials, "failed": [dict(f) for f in self.failed],
+               "task": self.task, "reference_passes": self.reference_passes}
+        if self.sets:
+            out.update({"sets": list(self.sets), "reference_sets": list(self.reference_sets), "per_60": self.per60,
+                        "interval_per_60": list(self.interval), "reference_per_60": self.reference_per60,
+                        "reference_interval_per_60": list(self.reference_interval),
+                        "interval_method": self.interval_method})
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> "ExactCopyScore":
         failed = _need(obj, "failed", list)
-        return cls(_need(obj, "passes", int), _need(obj, "trials", int),
-                   tuple(MappingProxyType(dict(f)) for f in failed), _need(obj, "task", str),
-                   _need(obj, "reference_passes", int))
+        base = (_need(obj, "passes", int), _need(obj, "trials", int),
+                tuple(MappingProxyType(dict(f)) for f in failed), _need(obj, "task", str),
+                _need(obj, "reference_passes", int))
+        if "sets" not in obj:
+            return cls(*base)
+        pair = lambda k: tuple(float(x) for x in _need(obj, k, list))  # noqa: E731
+        return cls(*base, tuple(int(x) for x in _need(obj, "sets", list)),
+                   tuple(int(x) for x in _need(obj, "reference_sets", list)), float(_need(obj, "per_60", _NUM)),
+                   pair("interval_per_60"), float(_need(obj, "reference_per_60", _NUM)),
+                   pair("reference_interval_per_60"), _need(obj, "interval_method", str))
 
 
 @dataclass(frozen=True)

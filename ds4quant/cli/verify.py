@@ -44,12 +44,15 @@ from ds4quant.cli.output import emit_json, verify_progress
                    "chunks of this many tokens, the second half of each scored).")
 @protocol_option(help="Also run the exact-copy protocol (20 identifiers x 3 contexts; needs the source's "
                       "tokenizer.json and task.json).")
+@click.option("--copy-sets", "copy_sets", type=int, default=5, show_default=True,
+              help="With --protocol exact-copy: seeded identifier sets of 60 trials (the protocol's own first); "
+                   "the score is their mean per 60 with a 95% Wilson interval, and the check uses the interval.")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["llama.cpp"]),
               help="With --fidelity: also run the artifact through this engine (llama.cpp via llama-cpp-python, "
                    "which scripts/interop.sh installs) and report the same figures for it.")
 @json_option(help="Print one JSON object {ok, checks, tensors, summary[, fidelity]}.")
 def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, fidelity, placements, mode,
-               tokens_file, text_file, ctx_size, protocol, engines, as_json):
+               tokens_file, text_file, ctx_size, protocol, copy_sets, engines, as_json):
     """Check that an artifact (or release folder, or bare .gguf) is sound:
     types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
     file hashes against manifest.json (and SHA256SUMS). With --source, decode
@@ -78,7 +81,8 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
     progress = verify_progress(source is not None and not as_json and sys.stderr.isatty())
     rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
-                 text=text_file, protocol=protocol, engines=tuple(engines), ctx_size=ctx_size)
+                 text=text_file, protocol=protocol, engines=tuple(engines), ctx_size=ctx_size,
+                 copy_sets=copy_sets)
     report_path = None
     if report_dir is not None:
         from ds4quant.publish.report import write_report
@@ -110,6 +114,12 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
             if f.exact_copy:
                 line += f", exact copy {f.exact_copy.passes}/{f.exact_copy.trials}"
             click.echo(line)
+            ec = f.exact_copy
+            if ec is not None and ec.sets:
+                click.echo(f"exact copy over {len(ec.sets)} identifier sets: {ec.per60:.1f} per 60 "
+                           f"[{ec.interval[0]:.1f}, {ec.interval[1]:.1f}] {list(ec.sets)}; the source "
+                           f"{ec.reference_per60:.1f} [{ec.reference_interval[0]:.1f}, {ec.reference_interval[1]:.1f}] "
+                           f"{list(ec.reference_sets)} ({ec.interval_method})")
             if f.kl is not None:
                 k = f.kl
                 click.echo(f"llama.cpp figures ({k.tokens} tokens, {k.chunking}): KLD mean {k.kld_mean:.4g} median "

@@ -104,6 +104,7 @@ def verify(
     protocol: Optional[str] = None,
     engines: tuple = (),
     ctx_size: Optional[int] = None,
+    copy_sets: int = 5,
 ) -> VerifyReport:
     """Check an artifact folder, release folder or bare GGUF (see module doc).
 
@@ -119,6 +120,7 @@ def verify(
     (llama-cpp-python) and reports the same figures in ``rep.fidelity.engines``. ``ctx_size``:
     score as llama.cpp's perplexity tool does (the evaluation stream cut into chunks of that many
     tokens, the second half of each scored); the figures llama.cpp reports go to ``rep.fidelity.kl``.
+    ``copy_sets``: seeded identifier sets the exact-copy protocol runs (its check uses their interval).
     Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
@@ -141,6 +143,9 @@ def verify(
         mode = Mode.parse(mode, where="--mode")
         if tokens is not None and text is not None:
             raise BadInputError("give --tokens or --text, not both", where="--tokens")
+        from ds4quant.runtime.copy_sets import check_sets
+
+        check_sets(copy_sets)
         if ctx_size is not None and (isinstance(ctx_size, bool) or not isinstance(ctx_size, int) or ctx_size < 4):
             raise BadInputError(f"must be an int >= 4, got {ctx_size!r}", where="--ctx")
     elif (placements or tokens is not None or text is not None or protocol is not None or engines
@@ -160,7 +165,7 @@ def verify(
     ctx = Context(view, Options(None if source is None else Path(source), None if imatrix is None else Path(imatrix),
                                 threshold_db, progress, bool(fidelity), runs, mode,
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
-                                protocol, tuple(engines), ctx_size))
+                                protocol, tuple(engines), ctx_size, copy_sets))
     if fidelity:
         from ds4quant.verify.engines import check_engines
 

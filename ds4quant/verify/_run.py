@@ -42,6 +42,7 @@ class Options:
     protocol: Optional[str] = None
     engines: tuple[str, ...] = ()  # other engines measured beside the runtime (verify/engines.py)
     ctx_size: Optional[int] = None  # llama.cpp's chunking of the evaluation stream (runtime/kl_figures.py)
+    copy_sets: int = 5  # seeded identifier sets of the exact-copy protocol (runtime/copy_sets.py)
 
 
 @dataclass

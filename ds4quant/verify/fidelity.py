@@ -10,7 +10,11 @@ runtime on the given placement (default: one CPU owner) in the given mode
   candidate block fed the reference's own block input: what that layer adds,
   so a damaged layer is named) and ``propagated`` (in the candidate's run);
 - KL(ref || cand) of next-token distributions (mean, p99), top-1 agreement,
-  perplexity ratio (``runtime.fidelity`` metrics);
+  perplexity ratio (``runtime.fidelity`` metrics), and beside them the figures
+  llama.cpp's perplexity tool reports, defined as it defines them
+  (``runtime.kl_figures``; with ``ctx_size`` over its chunking);
+- every forward of both models breaks the CSA indexer's top-k ties by position
+  (``runtime.indexer_ties``), so a prefix's logits do not depend on what follows;
 - the greedy response (32 tokens, from the first protocol prompt) and its sha256;
 - the sha256 over every layer's routed-experts output in call order; with a
   second placement, whether it and the response hash are identical;
@@ -37,10 +41,12 @@ Which figures fail the check (``LIMITS``); every figure is reported either way:
   shape mismatch, or a model parameter the artifact lacks;
 - ``fidelity.kl``: mean KL above ``LIMITS["kl_mean"]`` nats (a guard against a
   broken conversion: the 2-3 bpw artifacts of samples/ds4-copy measure far below);
-- ``fidelity.exact_copy``: the candidate copies fewer than the source's own
-  passes minus ``LIMITS["exact_copy_slack"]`` trials;
+- ``fidelity.exact_copy``: over ``copy_sets`` seeded identifier sets
+  (``runtime/copy_sets.py``), the candidate's 95% Wilson interval per 60 trials
+  lies wholly below the source's (one set of 60 cannot resolve a few trials);
 - ``fidelity.identity``: exact mode with two placements and different hashes;
-- ``fidelity.<engine>.kl`` / ``.exact_copy``: the same limits for another engine
+- ``fidelity.<engine>.kl`` / ``.exact_copy``: the KL limit, and the protocol's own
+  set against the source's passes minus ``LIMITS["exact_copy_slack"]``, for another engine
   (``engines``: llama.cpp through llama-cpp-python, ``verify/engines.py``), whose
   figures go to ``engines[<engine>]`` with the engine named.
 
@@ -218,6 +224,9 @@ def measure(ctx: Context) -> FidelityReport:
 
     from ds4quant import runtime
     from ds4quant.runtime import fidelity as fd
+    from ds4quant.runtime.copy_sets import METHOD as COPY_METHOD
+    from ds4quant.runtime.copy_sets import copy_sets
+    from ds4quant.runtime.indexer_ties import stable_indexer
     from ds4quant.runtime.reference import load_reference, moe_blocks
     from ds4quant.verify import _candidate as C
 
@@ -252,19 +261,19 @@ def measure(ctx: Context) -> FidelityReport:
     cols = torch.tensor([p[1] for p in pos], dtype=torch.long)
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
     with C.one_thread(), torch.no_grad():
-        with C.trace_moe(ref, keep_inputs=True) as rtr:
+        with C.trace_moe(ref, keep_inputs=True) as rtr, stable_indexer(ref):
             ref_logits = C.logits_of(ref, seqs, pad)[rows, cols]
         ref_resp = fd.greedy_response(ref, prompt, RESPONSE_TOKENS, tok.eos_token_id)
-        ref_copy = None
+        ref_copy = ref_sets = None
         if o.protocol == "exact-copy":
-            ref_copy = fd.exact_copy(ref, tok, task)
+            ref_sets, ref_copy = copy_sets(ref, tok, task, o.copy_sets)
         runs, clusters = [], []
         first: dict = {}
         for label, plc in o.placements:
             with runtime.load(ctx.view, plc, o.mode) as rt:
                 old = C.swap_all(cand, rt)
                 try:
-                    with C.trace_moe(cand, routed=True) as ctr:
+                    with C.trace_moe(cand, routed=True) as ctr, stable_indexer(cand):
                         cand_logits = C.logits_of(cand, seqs, pad)[rows, cols]
                     resp = fd.greedy_response(cand, prompt, RESPONSE_TOKENS, tok.eos_token_id)
                     runs.append(PlacementRun(label, C.routed_sha256(ctr.routed), resp.sha256))
@@ -273,7 +282,7 @@ def measure(ctx: Context) -> FidelityReport:
                                  "propagated": {L: C.rel_error(rtr.outputs[L], ctr.outputs[L]) for L in layers},
                                  "local": C.local_moe_error(cand, rtr, layers)}
                         if o.protocol == "exact-copy":
-                            first["copy"] = fd.exact_copy(cand, tok, task)
+                            first["sets"], first["copy"] = copy_sets(cand, tok, task, o.copy_sets)
                     if rt.n_ranks:  # cluster ranks: what starting them once cost and each call took
                         clusters.append(rt.stats())
                 finally:
@@ -282,8 +291,10 @@ def measure(ctx: Context) -> FidelityReport:
     ec = None
     if "copy" in first:
         c = first["copy"].to_json()
+        cs_, rs_ = first["sets"], ref_sets
         ec = ExactCopyScore(c["passes"], c["trials"], tuple(MappingProxyType(f) for f in c["failed"]), c["task"],
-                            ref_copy.passes)
+                            ref_copy.passes, cs_.passes, rs_.passes, cs_.per60, cs_.interval, rs_.per60,
+                            rs_.interval, COPY_METHOD)
     rep = FidelityReport(
         requested=True, measured=True, mode=o.mode.value, tokenizer=tok_kind, eval=eval_what, eval_tokens=len(pos),
         runs=tuple(runs), logits=LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio),
@@ -356,7 +367,19 @@ def _quality_checks(ctx: Context, check: str, what: str, m, ec, n: int, layers, 
     else:
         ctx.ok(f"{check}.kl", f"mean KL {kl:.4g} nats (p99 {m.kl_p99:.4g}), top-1 {100 * m.top1:.2f}% over "
                               f"{n} tokens ({what}); limit {LIMITS['kl_mean']:g}" + _llama_line(kf), ctx.first)
-    if ec is not None:
+    if ec is not None and ec.sets:
+        # the interval, not one draw: fail only when the candidate's whole interval
+        # lies below the source's (a difference the sets resolve)
+        lo, hi = ec.interval
+        rlo, rhi = ec.reference_interval
+        text = (f"{ec.per60:.1f} per 60 exact copies [{lo:.1f}, {hi:.1f}] over {len(ec.sets)} identifier sets "
+                f"{list(ec.sets)} (the source: {ec.reference_per60:.1f} [{rlo:.1f}, {rhi:.1f}], "
+                f"{list(ec.reference_sets)}; {ec.interval_method})")
+        if hi < rlo:
+            ctx.fail(f"{check}.exact_copy", f"{text}; below the source's interval", ctx.first)
+        else:
+            ctx.ok(f"{check}.exact_copy", text + ("" if check == "fidelity" else f" ({what})"), ctx.first)
+    elif ec is not None:
         need = ec.reference_passes - LIMITS["exact_copy_slack"]
         text = f"{ec.passes}/{ec.trials} exact copies (the source: {ec.reference_passes}/{ec.trials})"
         if ec.passes < need:

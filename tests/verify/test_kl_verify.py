@@ -51,3 +51,20 @@ def test_ctx_refusals(mx, tmp_path):
     short.write_text("abc")
     with pytest.raises(BadInputError, match="at least 128"):
         verify(mx, source=COPY, fidelity=True, text=short, ctx_size=64)
+
+
+def test_copy_sets_interval_decides_the_check(mx):
+    from ds4quant.records import ExactCopyScore
+    from ds4quant.verify import verify
+
+    rep = verify(mx, source=COPY, fidelity=True, mode="fast", protocol="exact-copy", copy_sets=2)
+    ec = rep.fidelity.exact_copy
+    assert len(ec.sets) == len(ec.reference_sets) == 2 and ec.sets[0] == ec.passes and ec.trials == 60
+    assert ec.per60 == pytest.approx(sum(ec.sets) / 2)
+    assert ec.interval[0] <= ec.per60 <= ec.interval[1] and "Wilson" in ec.interval_method
+    assert ec.sets == ec.reference_sets  # mxfp4 of the MXFP4 source copies as the source does
+    for f in ec.failed:
+        assert f["position"] >= 0 and f["preferred_token"] >= 0
+    check = next(c for c in rep.checks if c.name == "fidelity.exact_copy")
+    assert check.ok and "identifier sets" in check.detail
+    assert ExactCopyScore.from_json(ec.to_json()) == ec
