@@ -231,6 +231,36 @@ class KlFigures:
 
 
 @dataclass(frozen=True)
+class ApproximationFigures:
+    """The same artifact with a runtime's routing shortcut (``runtime/routing_approx.py``):
+    what changed, and its figures against the reference, to set beside the
+    unmodified ones (the report's own)."""
+
+    description: str
+    experts_per_token: Optional[int]
+    dropped: int
+    logits: LogitFigures
+    kl: KlFigures
+    copy_per60: Optional[float] = None
+    copy_interval: Optional[tuple[float, float]] = None
+
+    def to_json(self) -> dict:
+        return {"description": self.description, "experts_per_token": self.experts_per_token,
+                "dropped_experts": self.dropped, **self.logits.to_json(), "llama_cpp": self.kl.to_json(),
+                "exact_copy_per_60": self.copy_per60,
+                "exact_copy_interval_per_60": None if self.copy_interval is None else list(self.copy_interval)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ApproximationFigures":
+        iv = obj.get("exact_copy_interval_per_60") if isinstance(obj, dict) else None
+        pc = obj.get("exact_copy_per_60") if isinstance(obj, dict) else None
+        return cls(_need(obj, "description", str), _need(obj, "experts_per_token", (int, type(None))),
+                   _need(obj, "dropped_experts", int), LogitFigures.from_json(obj),
+                   KlFigures.from_json(_need(obj, "llama_cpp", dict)), None if pc is None else float(pc),
+                   None if iv is None else (float(iv[0]), float(iv[1])))
+
+
+@dataclass(frozen=True)
 class ExactCopyScore:
     """The exact-copy protocol on the candidate (passes of trials, the failed
     trials as the protocol reports them) beside the source's own passes."""
@@ -349,6 +379,7 @@ class FidelityReport:
     seconds: float = 0.0
     engines: tuple[EngineFigures, ...] = ()
     kl: Optional[KlFigures] = None
+    approximation: Optional[ApproximationFigures] = None
 
     @classmethod
     def not_measured(cls, detail: str, requested: bool = False) -> "FidelityReport":
@@ -402,6 +433,8 @@ class FidelityReport:
                "exact_copy": None if self.exact_copy is None else self.exact_copy.to_json()}
         if self.kl is not None:
             out["llama_cpp"] = self.kl.to_json()
+        if self.approximation is not None:
+            out["approximation"] = self.approximation.to_json()
         if self.engines:
             out["engines"] = {e.engine: e.to_json(seconds) for e in self.engines}
         if self.cluster:
@@ -445,7 +478,9 @@ class FidelityReport:
             seconds=float(obj.get("seconds", 0.0)),
             engines=tuple(EngineFigures.from_json(e) for e in _need(obj, "engines", dict).values())
             if "engines" in obj else (),
-            kl=KlFigures.from_json(_need(obj, "llama_cpp", dict)) if "llama_cpp" in obj else None)
+            kl=KlFigures.from_json(_need(obj, "llama_cpp", dict)) if "llama_cpp" in obj else None,
+            approximation=ApproximationFigures.from_json(_need(obj, "approximation", dict))
+            if "approximation" in obj else None)
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,18 @@ from ds4quant.cli.output import emit_json, verify_progress
 @click.option("--copy-sets", "copy_sets", type=int, default=5, show_default=True,
               help="With --protocol exact-copy: seeded identifier sets of 60 trials (the protocol's own first); "
                    "the score is their mean per 60 with a 95% Wilson interval, and the check uses the interval.")
+@click.option("--experts-per-token", "experts_per_token", type=int, default=None,
+              help="With --fidelity: also measure the artifact routing top-K experts instead of the model's k "
+                   "(a runtime's speed switch), reported beside the unmodified figures.")
+@click.option("--drop-experts", "drop_experts", default=None, type=PATH,
+              help="With --fidelity: also measure with these experts never selected (JSON {layer: [expert, ...]}; "
+                   "routing renormalised as the model does).")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["llama.cpp"]),
               help="With --fidelity: also run the artifact through this engine (llama.cpp via llama-cpp-python, "
                    "which scripts/interop.sh installs) and report the same figures for it.")
 @json_option(help="Print one JSON object {ok, checks, tensors, summary[, fidelity]}.")
 def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, fidelity, placements, mode,
-               tokens_file, text_file, ctx_size, protocol, copy_sets, engines, as_json):
+               tokens_file, text_file, ctx_size, protocol, copy_sets, experts_per_token, drop_experts, engines, as_json):
     """Check that an artifact (or release folder, or bare .gguf) is sound:
     types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
     file hashes against manifest.json (and SHA256SUMS). With --source, decode
@@ -82,7 +88,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
     rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
                  text=text_file, protocol=protocol, engines=tuple(engines), ctx_size=ctx_size,
-                 copy_sets=copy_sets)
+                 copy_sets=copy_sets, experts_per_token=experts_per_token, drop_experts=drop_experts)
     report_path = None
     if report_dir is not None:
         from ds4quant.publish.report import write_report
@@ -126,6 +132,16 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
                            f"{k.kld_median:.4g} p99 {k.kld_p99:.4g} max {k.kld_max:.4g}, same top-1 "
                            f"{100 * k.same_top1:.2f}%, RMS dp {100 * k.rms_dp:.3f}%, PPL {k.ppl_cand:.4f} "
                            f"(reference {k.ppl_ref:.4f}, ratio {k.ppl_ratio:.4f})")
+            ap = f.approximation
+            if ap is not None:
+                k0, k1 = f.kl, ap.kl
+                line = (f"approximation ({ap.description}): KLD mean {k1.kld_mean:.4g} (unmodified {k0.kld_mean:.4g}), "
+                        f"same top-1 {100 * k1.same_top1:.2f}% ({100 * k0.same_top1:.2f}%), RMS dp "
+                        f"{100 * k1.rms_dp:.3f}% ({100 * k0.rms_dp:.3f}%), PPL ratio {k1.ppl_ratio:.4f} "
+                        f"({k0.ppl_ratio:.4f})")
+                if ap.copy_per60 is not None and f.exact_copy is not None and f.exact_copy.per60 is not None:
+                    line += f", exact copy {ap.copy_per60:.1f} per 60 ({f.exact_copy.per60:.1f})"
+                click.echo(line)
             for e in f.engines:
                 line = (f"fidelity ({e.engine}): KL mean {e.logits.kl_mean:.4g} p99 {e.logits.kl_p99:.4g}, top-1 "
                         f"{100 * e.logits.top1:.2f}%, PPL ratio {e.logits.ppl_ratio:.4f}, "

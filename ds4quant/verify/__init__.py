@@ -105,6 +105,8 @@ def verify(
     engines: tuple = (),
     ctx_size: Optional[int] = None,
     copy_sets: int = 5,
+    experts_per_token: Optional[int] = None,
+    drop_experts: "str | os.PathLike | None" = None,
 ) -> VerifyReport:
     """Check an artifact folder, release folder or bare GGUF (see module doc).
 
@@ -121,6 +123,8 @@ def verify(
     score as llama.cpp's perplexity tool does (the evaluation stream cut into chunks of that many
     tokens, the second half of each scored); the figures llama.cpp reports go to ``rep.fidelity.kl``.
     ``copy_sets``: seeded identifier sets the exact-copy protocol runs (its check uses their interval).
+    ``experts_per_token`` (route top-K) / ``drop_experts`` (a JSON file {layer: [expert, ...]}): also
+    measure the artifact with that routing shortcut (``rep.fidelity.approximation``).
     Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
@@ -149,8 +153,9 @@ def verify(
         if ctx_size is not None and (isinstance(ctx_size, bool) or not isinstance(ctx_size, int) or ctx_size < 4):
             raise BadInputError(f"must be an int >= 4, got {ctx_size!r}", where="--ctx")
     elif (placements or tokens is not None or text is not None or protocol is not None or engines
-          or ctx_size is not None):
-        raise BadInputError("--placement, --tokens, --text, --ctx, --protocol and --engine belong to the fidelity "
+          or ctx_size is not None or experts_per_token is not None or drop_experts is not None):
+        raise BadInputError("--placement, --tokens, --text, --ctx, --protocol, --engine, --experts-per-token and "
+                            "--drop-experts belong to the fidelity "
                             "measurement", where="verify", hint="add --fidelity")
     lay = locate(artifact)
     if lay.kind != "gguf" and lay.manifest is None:
@@ -165,7 +170,8 @@ def verify(
     ctx = Context(view, Options(None if source is None else Path(source), None if imatrix is None else Path(imatrix),
                                 threshold_db, progress, bool(fidelity), runs, mode,
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
-                                protocol, tuple(engines), ctx_size, copy_sets))
+                                protocol, tuple(engines), ctx_size, copy_sets, experts_per_token,
+                                None if drop_experts is None else Path(drop_experts)))
     if fidelity:
         from ds4quant.verify.engines import check_engines
 

@@ -13,6 +13,9 @@ runtime on the given placement (default: one CPU owner) in the given mode
   perplexity ratio (``runtime.fidelity`` metrics), and beside them the figures
   llama.cpp's perplexity tool reports, defined as it defines them
   (``runtime.kl_figures``; with ``ctx_size`` over its chunking);
+- with ``experts_per_token`` / ``drop_experts``: the first placement's candidate
+  again with that routing shortcut (``runtime.routing_approx``), its figures in
+  ``approximation`` beside the unmodified ones (reported, never a failed check);
 - every forward of both models breaks the CSA indexer's top-k ties by position
   (``runtime.indexer_ties``), so a prefix's logits do not depend on what follows;
 - the greedy response (32 tokens, from the first protocol prompt) and its sha256;
@@ -205,6 +208,34 @@ def kl_record(ref_logits, cand_logits, targets, o):
                      s.ppl_cand, how)
 
 
+def approx_requested(o) -> bool:
+    return o.experts_per_token is not None or o.drop_experts is not None
+
+
+def _approximated(cand, o, seqs, pad, rows, cols, ref_logits, targets, tok, task):
+    """The candidate again with the routing shortcut (``runtime.routing_approx``)."""
+    from types import MappingProxyType
+
+    from ds4quant.records import ApproximationFigures, LogitFigures
+    from ds4quant.runtime import fidelity as fd
+    from ds4quant.runtime.copy_sets import copy_sets
+    from ds4quant.runtime.indexer_ties import stable_indexer
+    from ds4quant.runtime.routing_approx import approximate_routing, read_drop_file
+    from ds4quant.verify import _candidate as C
+
+    drop = read_drop_file(o.drop_experts) if o.drop_experts is not None else MappingProxyType({})
+    where = str(o.drop_experts) if o.drop_experts is not None else "--experts-per-token"
+    with approximate_routing(cand, o.experts_per_token, drop, where) as a:
+        with stable_indexer(cand):
+            logits = C.logits_of(cand, seqs, pad)[rows, cols]
+        sets = copy_sets(cand, tok, task, o.copy_sets)[0] if o.protocol == "exact-copy" else None
+    m = fd.logit_metrics(ref_logits, logits, targets)
+    return ApproximationFigures(a.describe(), o.experts_per_token, sum(len(v) for v in drop.values()),
+                                LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio),
+                                kl_record(ref_logits, logits, targets, o),
+                                None if sets is None else sets.per60, None if sets is None else sets.interval)
+
+
 # --------------------------------------------------------------------------
 # the measurement
 
@@ -283,6 +314,9 @@ def measure(ctx: Context) -> FidelityReport:
                                  "local": C.local_moe_error(cand, rtr, layers)}
                         if o.protocol == "exact-copy":
                             first["sets"], first["copy"] = copy_sets(cand, tok, task, o.copy_sets)
+                        if approx_requested(o):
+                            first["approx"] = _approximated(cand, o, seqs, pad, rows, cols, ref_logits, targets,
+                                                            tok, task)
                     if rt.n_ranks:  # cluster ranks: what starting them once cost and each call took
                         clusters.append(rt.stats())
                 finally:
@@ -300,7 +334,8 @@ def measure(ctx: Context) -> FidelityReport:
         runs=tuple(runs), logits=LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio),
         layers=tuple(MoeLayerError(L, first["local"][L], first["propagated"][L]) for L in layers),
         response_token_ids=tuple(first["response"].token_ids), reference_response_sha256=ref_resp.sha256,
-        exact_copy=ec, cluster=tuple(clusters), kl=kl_record(ref_logits, first["logits"], targets, o))
+        exact_copy=ec, cluster=tuple(clusters), kl=kl_record(ref_logits, first["logits"], targets, o),
+        approximation=first.get("approx"))
     if o.engines:
         from ds4quant.verify.engines import measure_engine
 

@@ -68,3 +68,24 @@ def test_copy_sets_interval_decides_the_check(mx):
     check = next(c for c in rep.checks if c.name == "fidelity.exact_copy")
     assert check.ok and "identifier sets" in check.detail
     assert ExactCopyScore.from_json(ec.to_json()) == ec
+
+
+TINY = ROOT / "samples" / "ds4-tiny"
+
+
+def test_routing_shortcut_at_the_models_k_changes_nothing(tmp_path):
+    from ds4quant.convert import convert
+    from ds4quant.records import FidelityReport
+    from ds4quant.verify import verify
+
+    art = tmp_path / "tiny-mx"
+    convert(TINY, art, "mxfp4", force=True, command=["test"])
+    empty = tmp_path / "drop.json"
+    empty.write_text("{}")
+    rep = verify(art, source=TINY, fidelity=True, mode="fast", experts_per_token=4, drop_experts=empty)
+    f = rep.fidelity
+    ap = f.approximation
+    assert ap is not None and ap.experts_per_token == 4 and ap.dropped == 0
+    assert ap.kl == f.kl and ap.logits == f.logits  # bit-identical figures
+    j = rep.to_json()["fidelity"]
+    assert FidelityReport.from_json(j).approximation == ap
