@@ -53,12 +53,15 @@ from ds4quant.cli.output import emit_json, verify_progress
 @click.option("--drop-experts", "drop_experts", default=None, type=PATH,
               help="With --fidelity: also measure with these experts never selected (JSON {layer: [expert, ...]}; "
                    "routing renormalised as the model does).")
+@click.option("--reference", "reference", default=None, type=PATH,
+              help="With --fidelity: a reference base from `ds4quant reference` (same source, tokens, --ctx and "
+                   "protocol): the reference is read, not run.")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["llama.cpp"]),
               help="With --fidelity: also run the artifact through this engine (llama.cpp via llama-cpp-python, "
                    "which scripts/interop.sh installs) and report the same figures for it.")
 @json_option(help="Print one JSON object {ok, checks, tensors, summary[, fidelity]}.")
 def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, fidelity, placements, mode,
-               tokens_file, text_file, ctx_size, protocol, copy_sets, experts_per_token, drop_experts, engines, as_json):
+               tokens_file, text_file, ctx_size, protocol, copy_sets, experts_per_token, drop_experts, reference, engines, as_json):
     """Check that an artifact (or release folder, or bare .gguf) is sound:
     types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
     file hashes against manifest.json (and SHA256SUMS). With --source, decode
@@ -88,7 +91,8 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
     rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
                  text=text_file, protocol=protocol, engines=tuple(engines), ctx_size=ctx_size,
-                 copy_sets=copy_sets, experts_per_token=experts_per_token, drop_experts=drop_experts)
+                 copy_sets=copy_sets, experts_per_token=experts_per_token, drop_experts=drop_experts,
+                 reference=reference)
     report_path = None
     if report_dir is not None:
         from ds4quant.publish.report import write_report

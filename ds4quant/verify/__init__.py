@@ -107,6 +107,7 @@ def verify(
     copy_sets: int = 5,
     experts_per_token: Optional[int] = None,
     drop_experts: "str | os.PathLike | None" = None,
+    reference: "str | os.PathLike | None" = None,
 ) -> VerifyReport:
     """Check an artifact folder, release folder or bare GGUF (see module doc).
 
@@ -125,6 +126,7 @@ def verify(
     ``copy_sets``: seeded identifier sets the exact-copy protocol runs (its check uses their interval).
     ``experts_per_token`` (route top-K) / ``drop_experts`` (a JSON file {layer: [expert, ...]}): also
     measure the artifact with that routing shortcut (``rep.fidelity.approximation``).
+    ``reference``: a reference base (``ds4quant reference``) read instead of running the reference.
     Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
@@ -153,9 +155,10 @@ def verify(
         if ctx_size is not None and (isinstance(ctx_size, bool) or not isinstance(ctx_size, int) or ctx_size < 4):
             raise BadInputError(f"must be an int >= 4, got {ctx_size!r}", where="--ctx")
     elif (placements or tokens is not None or text is not None or protocol is not None or engines
-          or ctx_size is not None or experts_per_token is not None or drop_experts is not None):
-        raise BadInputError("--placement, --tokens, --text, --ctx, --protocol, --engine, --experts-per-token and "
-                            "--drop-experts belong to the fidelity "
+          or ctx_size is not None or experts_per_token is not None or drop_experts is not None
+          or reference is not None):
+        raise BadInputError("--placement, --tokens, --text, --ctx, --protocol, --engine, --experts-per-token, "
+                            "--drop-experts and --reference belong to the fidelity "
                             "measurement", where="verify", hint="add --fidelity")
     lay = locate(artifact)
     if lay.kind != "gguf" and lay.manifest is None:
@@ -171,7 +174,12 @@ def verify(
                                 threshold_db, progress, bool(fidelity), runs, mode,
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
                                 protocol, tuple(engines), ctx_size, copy_sets, experts_per_token,
-                                None if drop_experts is None else Path(drop_experts)))
+                                None if drop_experts is None else Path(drop_experts),
+                                None if reference is None else Path(reference)))
+    if reference is not None:
+        from ds4quant.runtime.reference_base import read_base
+
+        read_base(reference)  # a truncated or corrupt base is refused before anything runs
     if fidelity:
         from ds4quant.verify.engines import check_engines
 

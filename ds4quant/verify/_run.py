@@ -45,6 +45,7 @@ class Options:
     copy_sets: int = 5  # seeded identifier sets of the exact-copy protocol (runtime/copy_sets.py)
     experts_per_token: Optional[int] = None  # priced routing shortcut (runtime/routing_approx.py)
     drop_experts: Optional[Path] = None  # JSON {layer: [expert, ...]} never selected
+    reference: Optional[Path] = None  # a reference base (runtime/reference_base.py) instead of running it
 
 
 @dataclass

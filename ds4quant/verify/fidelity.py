@@ -16,6 +16,11 @@ runtime on the given placement (default: one CPU owner) in the given mode
 - with ``experts_per_token`` / ``drop_experts``: the first placement's candidate
   again with that routing shortcut (``runtime.routing_approx``), its figures in
   ``approximation`` beside the unmodified ones (reported, never a failed check);
+- with ``reference`` (a base from ``ds4quant reference``): the reference's
+  side is read from it (``verify/reference_side.py``), after it is checked
+  against this source, these tokens, protocol and config; the reference does
+  not run, and the per-layer MoE errors (which need its block inputs) are
+  left out;
 - every forward of both models breaks the CSA indexer's top-k ties by position
   (``runtime.indexer_ties``), so a prefix's logits do not depend on what follows;
 - the greedy response (32 tokens, from the first protocol prompt) and its sha256;
@@ -181,7 +186,7 @@ def _chunked(o, tok, vocab: int, max_len: int) -> tuple[list[list[int]], str]:
     try:
         seqs = K.chunks(stream, n, tok.bos_token_id)
     except BadInputError as e:
-        raise BadInputError(f"{e.args[0] if e.args else e}", where=what) from None
+        raise BadInputError(e.message, where=what) from None
     return seqs, f"{what}, {len(seqs)} chunks of {n} (llama.cpp's perplexity chunking, second halves scored)"
 
 
@@ -212,7 +217,7 @@ def approx_requested(o) -> bool:
     return o.experts_per_token is not None or o.drop_experts is not None
 
 
-def _approximated(cand, o, seqs, pad, rows, cols, ref_logits, targets, tok, task):
+def _approximated(cand, o, seqs, pad, rows, cols, side, targets, tok, task):
     """The candidate again with the routing shortcut (``runtime.routing_approx``)."""
     from types import MappingProxyType
 
@@ -229,10 +234,10 @@ def _approximated(cand, o, seqs, pad, rows, cols, ref_logits, targets, tok, task
         with stable_indexer(cand):
             logits = C.logits_of(cand, seqs, pad)[rows, cols]
         sets = copy_sets(cand, tok, task, o.copy_sets)[0] if o.protocol == "exact-copy" else None
-    m = fd.logit_metrics(ref_logits, logits, targets)
+    m = fd.logit_metrics(side.logits, logits, targets)
     return ApproximationFigures(a.describe(), o.experts_per_token, sum(len(v) for v in drop.values()),
                                 LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio),
-                                kl_record(ref_logits, logits, targets, o),
+                                kl_record(side.kl_base, logits, targets, o),
                                 None if sets is None else sets.per60, None if sets is None else sets.interval)
 
 
@@ -260,6 +265,7 @@ def measure(ctx: Context) -> FidelityReport:
     from ds4quant.runtime.indexer_ties import stable_indexer
     from ds4quant.runtime.reference import load_reference, moe_blocks
     from ds4quant.verify import _candidate as C
+    from ds4quant.verify.reference_side import from_base, run_reference
 
     o = ctx.options
     t0 = time.perf_counter()
@@ -291,13 +297,13 @@ def measure(ctx: Context) -> FidelityReport:
     rows = torch.tensor([p[0] for p in pos], dtype=torch.long)
     cols = torch.tensor([p[1] for p in pos], dtype=torch.long)
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
+    if o.reference is not None:  # the reference's side from its base: the reference does not run
+        side = from_base(o, seqs, cfg)
+        layers = []
+    else:
+        side = run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o)
+    ref_logits, rtr, ref_sets = side.logits, side.trace, side.sets
     with C.one_thread(), torch.no_grad():
-        with C.trace_moe(ref, keep_inputs=True) as rtr, stable_indexer(ref):
-            ref_logits = C.logits_of(ref, seqs, pad)[rows, cols]
-        ref_resp = fd.greedy_response(ref, prompt, RESPONSE_TOKENS, tok.eos_token_id)
-        ref_copy = ref_sets = None
-        if o.protocol == "exact-copy":
-            ref_sets, ref_copy = copy_sets(ref, tok, task, o.copy_sets)
         runs, clusters = [], []
         first: dict = {}
         for label, plc in o.placements:
@@ -315,7 +321,7 @@ def measure(ctx: Context) -> FidelityReport:
                         if o.protocol == "exact-copy":
                             first["sets"], first["copy"] = copy_sets(cand, tok, task, o.copy_sets)
                         if approx_requested(o):
-                            first["approx"] = _approximated(cand, o, seqs, pad, rows, cols, ref_logits, targets,
+                            first["approx"] = _approximated(cand, o, seqs, pad, rows, cols, side, targets,
                                                             tok, task)
                     if rt.n_ranks:  # cluster ranks: what starting them once cost and each call took
                         clusters.append(rt.stats())
@@ -327,14 +333,14 @@ def measure(ctx: Context) -> FidelityReport:
         c = first["copy"].to_json()
         cs_, rs_ = first["sets"], ref_sets
         ec = ExactCopyScore(c["passes"], c["trials"], tuple(MappingProxyType(f) for f in c["failed"]), c["task"],
-                            ref_copy.passes, cs_.passes, rs_.passes, cs_.per60, cs_.interval, rs_.per60,
+                            side.copy_passes, cs_.passes, rs_.passes, cs_.per60, cs_.interval, rs_.per60,
                             rs_.interval, COPY_METHOD)
     rep = FidelityReport(
         requested=True, measured=True, mode=o.mode.value, tokenizer=tok_kind, eval=eval_what, eval_tokens=len(pos),
         runs=tuple(runs), logits=LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio),
         layers=tuple(MoeLayerError(L, first["local"][L], first["propagated"][L]) for L in layers),
-        response_token_ids=tuple(first["response"].token_ids), reference_response_sha256=ref_resp.sha256,
-        exact_copy=ec, cluster=tuple(clusters), kl=kl_record(ref_logits, first["logits"], targets, o),
+        response_token_ids=tuple(first["response"].token_ids), reference_response_sha256=side.response_sha256,
+        exact_copy=ec, cluster=tuple(clusters), kl=kl_record(side.kl_base, first["logits"], targets, o),
         approximation=first.get("approx"))
     if o.engines:
         from ds4quant.verify.engines import measure_engine
@@ -342,7 +348,7 @@ def measure(ctx: Context) -> FidelityReport:
         with C.one_thread():
             rep = dataclasses.replace(rep, engines=tuple(
                 measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt, tok, task, o.protocol,
-                               RESPONSE_TOKENS, ref_copy.passes if ref_copy is not None else None, ref_resp.sha256)
+                               RESPONSE_TOKENS, side.copy_passes, side.response_sha256)
                 for e in o.engines))
     _checks(ctx, rep)
     return dataclasses.replace(rep, seconds=time.perf_counter() - t0)
