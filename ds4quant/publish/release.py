@@ -85,12 +85,14 @@ def publish(
     fidelity: bool = False,
     protocol: Optional[str] = None,
     mode: str = "fast",
+    reference: "str | os.PathLike | None" = None,
 ) -> PublishReport:
     """Verify ``artifact`` (an artifact folder with manifest.json) and write the
     release folder ``outdir``; optionally upload it to ``hf_repo``.
 
     fidelity / protocol / mode: measure fidelity through the runtime (``verify(fidelity=True)``,
-    needs ``source``); the model card then carries the figures.
+    needs ``source``); the model card then carries the figures. reference: a reference base
+    (``ds4quant reference``) read instead of running the reference.
     Raises UnsoundArtifactError when a check fails (nothing is written),
     HubError when the upload fails (the local release stays complete).
     """
@@ -104,7 +106,7 @@ def publish(
     if out.resolve() == art.resolve() or art.resolve() in out.resolve().parents:
         raise BadInputError("the release folder must lie outside the artifact folder", where=str(out))
     rep = verify(art, source=source, imatrix=imatrix, threshold_db=threshold_db, fidelity=fidelity,
-                 protocol=protocol, mode=mode)
+                 protocol=protocol, mode=mode, reference=reference)
     if not rep.ok:
         bad = rep.failed
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""

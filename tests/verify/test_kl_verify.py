@@ -53,11 +53,59 @@ def test_ctx_refusals(mx, tmp_path):
         verify(mx, source=COPY, fidelity=True, text=short, ctx_size=64)
 
 
-def test_copy_sets_interval_decides_the_check(mx):
-    from ds4quant.records import ExactCopyScore
+@pytest.fixture(scope="module")
+def copy_rep(mx):
     from ds4quant.verify import verify
 
-    rep = verify(mx, source=COPY, fidelity=True, mode="fast", protocol="exact-copy", copy_sets=2)
+    return verify(mx, source=COPY, fidelity=True, mode="fast", protocol="exact-copy", copy_sets=2)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from ds4quant.verify.reference_side import make_reference_base
+
+    out = tmp_path_factory.mktemp("base") / "copy.base"
+    s = make_reference_base(COPY, out, protocol="exact-copy", copy_sets=2)
+    assert s["max_storage_error_nats"] < 1.3e-4
+    return out
+
+
+def test_base_gives_the_same_figures_without_running_the_reference(mx, copy_rep, base):
+    from ds4quant.verify import verify
+
+    a = copy_rep.fidelity
+    b = verify(mx, source=COPY, fidelity=True, mode="fast", protocol="exact-copy", copy_sets=2,
+               reference=base).fidelity
+    assert b.kl.same_top1 == a.kl.same_top1 and abs(b.kl.kld_mean - a.kl.kld_mean) < 1e-4
+    assert abs(b.kl.rms_dp - a.kl.rms_dp) < 1e-4 and b.kl.ppl_cand == a.kl.ppl_cand
+    assert b.reference_response_sha256 == a.reference_response_sha256 and b.response_sha256 == a.response_sha256
+    assert b.exact_copy.reference_sets == a.exact_copy.reference_sets and b.exact_copy.sets == a.exact_copy.sets
+    assert b.layers == ()  # the per-layer errors need the reference's block inputs
+
+
+def test_cli_refuses_a_flipped_or_mismatched_base(mx, base, tmp_path):
+    from click.testing import CliRunner
+
+    from ds4quant.cli import cli
+
+    args = ["verify", str(mx), "--source", str(COPY), "--fidelity", "--copy-sets", "2"]
+    r = CliRunner().invoke(cli, args + ["--reference", str(base)])  # made with the protocol, asked without
+    assert r.exit_code == 2 and "another protocol" in r.output and "sound" not in r.output
+    bad = tmp_path / "flipped.base"
+    data = bytearray(base.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    bad.write_bytes(bytes(data))
+    r = CliRunner().invoke(cli, args + ["--protocol", "exact-copy", "--reference", str(bad)])
+    assert r.exit_code == 2 and "truncated or corrupt" in r.output and "fidelity" not in r.output.split("corrupt")[1]
+    bad.write_bytes(base.read_bytes()[:-1000])
+    r = CliRunner().invoke(cli, args + ["--protocol", "exact-copy", "--reference", str(bad)])
+    assert r.exit_code == 2 and "truncated or corrupt" in r.output
+
+
+def test_copy_sets_interval_decides_the_check(copy_rep):
+    from ds4quant.records import ExactCopyScore
+
+    rep = copy_rep
     ec = rep.fidelity.exact_copy
     assert len(ec.sets) == len(ec.reference_sets) == 2 and ec.sets[0] == ec.passes and ec.trials == 60
     assert ec.per60 == pytest.approx(sum(ec.sets) / 2)
