@@ -4,9 +4,10 @@ The runtime's floor: calibrate records importance and routing through it, and
 fidelity replaces each layer's routed experts with the runtime's executor.
 Facts this module relies on are in spec ds4-reference-model.md:
 
-- ``DeepseekV4ForCausalLM.from_pretrained(dir, dtype=..., experts_implementation=...)``
-  loads an official-layout folder; FP8/FP4 files are dequantized on load
-  (through accelerate), exactly as computed by hand (§"Official FP4 experts").
+- ``DeepseekV4ForCausalLM`` built from config.json holds the checkpoint's
+  weights once they are dequantized exactly (the numbers ``from_pretrained``
+  gives on a CPU host, §"Official FP4 experts"); we decode them ourselves
+  because transformers keeps FP8/FP4 quantized on recent GPUs.
 - ``model.model.layers[L].mlp`` is a ``DeepseekV4SparseMoeBlock``; its
   ``experts`` module is called as ``experts(hidden[T,H], top_k_index[T,k] int64,
   top_k_weights[T,k]) -> [T,H]`` with positional arguments (§Q2).
@@ -41,12 +42,11 @@ __all__ = [
 _INSTALL_HINT = "pip install 'ds4quant[reference]'"
 
 
-def check_dependencies(quantized: bool, needed_by: str = "the reference model") -> None:
-    """Refuse early (MissingDependencyError) when torch, transformers or, for an
-    FP8/FP4 checkpoint (``quantized``), accelerate is not installed."""
+def check_dependencies(quantized: bool = False, needed_by: str = "the reference model") -> None:
+    """Refuse early (MissingDependencyError) when torch or transformers is not
+    installed. ``quantized`` (an FP8/FP4 checkpoint) needs nothing more: our own
+    code dequantizes it."""
     need = [("torch", "the reference model"), ("transformers", "the DeepSeek-V4 reference model")]
-    if quantized:
-        need.append(("accelerate", "transformers dequantizes FP8/FP4 checkpoints on load through it"))
     for module, what in need:
         if importlib.util.find_spec(module) is None:
             raise MissingDependencyError(f"{needed_by} needs {module} ({what})", hint=_INSTALL_HINT)
@@ -111,13 +111,20 @@ def load_reference(source_dir: "str | os.PathLike[str]", *, threads: Optional[in
     """``DeepseekV4ForCausalLM`` on the exactly dequantized weights of an
     official-layout checkpoint folder, in eval mode.
 
-    dtype: torch dtype (or its name) of the parameters; experts_implementation:
-    transformers' experts backend ("eager" for bitwise checks). threads: when
-    given, torch's intra-op thread count is set to it for this process (it
-    changes the model's bits; use ``torch_threads`` for a scoped setting).
-    Refuses (Ds4quantError naming the folder) a GGUF or malformed source, a
-    missing dependency, missing or mismatched weights, a model whose MoE shape
-    differs from config.json, and a tid2eid entry that names no expert.
+    The model is built from config.json on the meta device and every weight is
+    decoded by our own code (``runtime.stream.SourceWeights``: FP8 e4m3 with
+    128x128 E8M0 blocks, FP4 e2m1 with E8M0 per 32, bf16/f32 as is), never by
+    transformers' quantizer, which keeps FP8/FP4 quantized on recent GPUs: the
+    same numbers on every host.
+
+    dtype: torch dtype (or its name) of the parameters (transformers' float32
+    modules stay float32); experts_implementation: transformers' experts
+    backend ("eager" for bitwise checks). threads: when given, torch's
+    intra-op thread count is set to it for this process (it changes the
+    model's bits; use ``torch_threads`` for a scoped setting). Refuses
+    (Ds4quantError naming the folder) a GGUF or malformed source, a missing
+    dependency, missing or mismatched weights, a model whose MoE shape differs
+    from config.json, and a tid2eid entry that names no expert.
 
         model = load_reference("samples/ds4-tiny", threads=1)
         logits = model(input_ids=ids, use_cache=False).logits   # float32 [B, S, vocab]
@@ -129,29 +136,36 @@ def load_reference(source_dir: "str | os.PathLike[str]", *, threads: Optional[in
     where = str(source_dir)
     with open_official_source(source_dir, "the transformers reference model") as src:
         cfg = src.config
-    check_dependencies(cfg.expert_dtype is not None or cfg.fp8_block is not None)
+    check_dependencies(False)
     torch_dtype = _torch_dtype(dtype)
 
     import torch
-    from transformers import DeepseekV4ForCausalLM
+
+    from ds4quant.runtime.stream.config import build_skeleton, fresh_rotary, keep_fp32, reference_config
+    from ds4quant.runtime.stream.source import SourceWeights
 
     if threads is not None:
         torch.set_num_threads(threads)
+    config = reference_config(where, dtype=torch_dtype, experts_implementation=experts_implementation)
     with quiet_transformers():
-        try:
-            model, info = DeepseekV4ForCausalLM.from_pretrained(
-                where, dtype=torch_dtype, experts_implementation=experts_implementation, output_loading_info=True
-            )
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CorruptDataError(f"transformers could not load the checkpoint: {first[:300]}",
-                                   where=where) from None
-    for key in ("missing_keys", "mismatched_keys"):
-        bad = sorted(str(k) for k in (info.get(key) or ()))
-        if bad:
-            raise CorruptDataError(f"the reference model has {len(bad)} {key.replace('_', ' ')} "
-                                   f"(first: {bad[0]}); the checkpoint is incomplete or has the wrong shapes",
-                                   where=where)
+        model = build_skeleton(config)
+    with SourceWeights(where) as weights:
+        state = _reference_state(weights)
+    want = model.state_dict()
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise CorruptDataError(f"the reference model has {len(missing)} missing keys (first: {missing[0]}); "
+                               "the checkpoint is incomplete", where=where)
+    for name in sorted(want):
+        got, ref = state[name], want[name]
+        if tuple(got.shape) != tuple(ref.shape):
+            raise CorruptDataError(f"the reference model has mismatched keys (first: {name}: checkpoint "
+                                   f"{tuple(got.shape)}, model {tuple(ref.shape)}); the checkpoint has the "
+                                   "wrong shapes", where=where)
+        if got.is_floating_point():
+            state[name] = got.to(torch.float32 if keep_fp32(name) else torch_dtype)
+    model.load_state_dict({k: state[k] for k in want}, strict=True, assign=True)
+    fresh_rotary(model, config, "cpu")
     model.eval()
     hash_layers = tuple(i for i, t in enumerate(cfg.mlp_layer_types) if t == HASH_MOE)
     _check_model(model, (cfg.num_hidden_layers, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size),
@@ -161,6 +175,25 @@ def load_reference(source_dir: "str | os.PathLike[str]", *, threads: Optional[in
         raise RuntimeError(f"reference model runs experts with {impl!r}, "
                            f"not {experts_implementation!r}")  # a bug, not user input
     return model
+
+
+def _reference_state(weights) -> dict:
+    """The whole model's state dict (transformers names) from a SourceWeights:
+    routed experts stacked as ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]."""
+    import torch
+
+    state = {}
+    for part in ("embed", "head"):
+        state.update(weights.global_state(part))
+    n_expert = int(weights.config.n_routed_experts)
+    for layer in range(weights.n_layers):
+        prefix = f"model.layers.{layer}."
+        state.update({prefix + k: v for k, v in weights.layer_state(layer).items()})
+        pairs = [weights.expert_weights(layer, e) for e in range(n_expert)]
+        state[prefix + "mlp.experts.gate_up_proj"] = torch.stack([g for g, _ in pairs])
+        state[prefix + "mlp.experts.down_proj"] = torch.stack([d for _, d in pairs])
+        del pairs
+    return state
 
 
 def _check_model(model, shape: tuple[int, int, int, int], hash_layers: tuple[int, ...], where: str) -> None:

@@ -17,6 +17,7 @@ import make_ds4_tiny as tiny  # noqa: E402  (the tiny sample's native config)
 
 
 GENERATOR = "ds4quant-synthetic/1"
+_RATIO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 FP4_BLOCK = 32
 FP8_BLOCK = 128
 
@@ -102,6 +103,8 @@ class SyntheticSpec:
             "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank, "num_experts_per_tok": self.topk,
             "n_routed_experts": self.experts, "n_shared_experts": self.shared_experts,
             "num_hash_layers": self.hash_layers, "compress_ratios": list(self.ratios()),
+            # the tiny sample's layer_types name its own 4 layers; these name ours
+            "layer_types": [_RATIO_TYPE[r] for r in self.ratios()],
             "compress_rate_csa": self.compress_rate_csa, "compress_rate_hca": self.compress_rate_hca,
             "sliding_window": self.sliding_window, "hc_mult": self.hc_mult, "index_n_heads": self.index_heads,
             "index_head_dim": self.index_head_dim, "index_topk": self.index_topk,
@@ -125,6 +128,20 @@ def _dims(hidden: int, moe_inter: int) -> dict:
     }
 
 
+# DeepSeek-V4 Flash's attention types per layer (native compress_ratios codes):
+# two sliding-window layers, then CSA (ratio 4) and HCA (ratio 128) alternating
+# for 40 layers, and a last CSA layer (shared/spec/ds4-and-lucebox.md §2).
+DS4_FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
+
+# DeepSeek-V4 Flash's real dimensions (same section): a slice of N layers has the
+# real layers' shapes, so its cost per layer is the real model's.
+_DS4_FLASH = dict(
+    layers=2, experts=256, hidden=4096, moe_inter=2048, vocab=129280, topk=6, hash_layers=3, shared_experts=1,
+    heads=64, head_dim=512, rope_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, index_heads=64,
+    index_head_dim=128, index_topk=512, hc_mult=4, sliding_window=128, compress_rate_csa=4,
+    compress_rate_hca=128, shard_size=4 << 30,
+)
+
 PRESETS = {
     # seconds: tests
     "tiny": dict(layers=3, experts=8, hidden=256, moe_inter=128, vocab=512, topk=4, hash_layers=1),
@@ -134,16 +151,33 @@ PRESETS = {
     # ~0.96 GB of FP4 expert data (1.81 G weights): benchmarks/convert.py
     "bench": dict(layers=6, experts=48, hidden=2048, moe_inter=1024, vocab=8192, topk=6, hash_layers=2,
                   shard_size=256 << 20),
+    # DeepSeek-V4 Flash at its real dimensions, --layers N of its 43 (2 layers: ~8.6 GB)
+    "ds4-flash": _DS4_FLASH,
+    # the same layout and ratio pattern, small (tests of streaming and memory budgets)
+    "ds4-flash-mini": dict(layers=4, experts=32, hidden=512, moe_inter=512, vocab=8192, topk=6, hash_layers=3,
+                           shared_experts=1, heads=8, head_dim=128, rope_dim=32, q_lora_rank=256, o_groups=8,
+                           o_lora_rank=128, index_heads=8, index_head_dim=64, index_topk=32, hc_mult=4,
+                           sliding_window=128, compress_rate_csa=4, compress_rate_hca=128, shard_size=256 << 20),
 }
+# presets whose layers follow DS4 Flash's attention pattern (from layer ``ratio_offset``)
+_DS4_PATTERN = ("ds4-flash", "ds4-flash-mini")
 
 
-def preset(name: str, **overrides) -> SyntheticSpec:
-    """A SyntheticSpec from a preset ("tiny", "medium", "bench") with overrides;
-    attention sizes follow ``hidden`` unless given."""
+def preset(name: str, ratio_offset: int = 0, **overrides) -> SyntheticSpec:
+    """A SyntheticSpec from a preset ("tiny", "medium", "bench", "ds4-flash",
+    "ds4-flash-mini") with overrides; attention sizes follow ``hidden`` unless
+    given. The ds4-flash presets take DS4 Flash's attention types per layer,
+    starting at its layer ``ratio_offset`` (a slice of later layers)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     kw = dict(PRESETS[name])
     kw.update({k: v for k, v in overrides.items() if v is not None})
+    if name in _DS4_PATTERN and "compress_ratios" not in overrides:
+        n = kw["layers"]
+        if not 0 <= ratio_offset or ratio_offset + n > len(DS4_FLASH_RATIOS):
+            raise ValueError(f"layers {ratio_offset}..{ratio_offset + n - 1} are outside DS4 Flash's "
+                             f"{len(DS4_FLASH_RATIOS)} layers")
+        kw["compress_ratios"] = DS4_FLASH_RATIOS[ratio_offset:ratio_offset + n]
     dims = _dims(kw["hidden"], kw["moe_inter"])
     dims.update(kw)
     spec = SyntheticSpec(**dims)

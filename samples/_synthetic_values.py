@@ -184,8 +184,41 @@ def _dense(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.ndarray
     return tiny._init_value(f"synthetic-{spec.seed}.{name}", shape)
 
 
-def make_unit(spec: SyntheticSpec, unit: Unit) -> list[np.ndarray]:
-    """The arrays of one unit, in ``unit.tensors`` order (raw little-endian words)."""
+# A plain tensor with more values than this (DS4 Flash's 129,280 x 4096 embedding
+# and head) is made in row blocks, each seeded by its rows, and written block by
+# block, so generating it never holds more than a block. Smaller tensors (every
+# tensor of the smaller presets) are made whole, as before.
+CHUNK_VALUES = 1 << 26
+
+
+class RowBlocks:
+    """A large plain tensor as a lazy sequence of row blocks (raw words, in order)."""
+
+    def __init__(self, spec: SyntheticSpec, kind: str, name: str, shape: tuple[int, ...]):
+        self.spec, self.kind, self.name, self.shape = spec, kind, name, shape
+        self.rows = max(1, CHUNK_VALUES // max(1, math.prod(shape[1:])))
+
+    def __iter__(self):
+        for lo in range(0, self.shape[0], self.rows):
+            hi = min(self.shape[0], lo + self.rows)
+            w = tiny._init_value(f"synthetic-{self.spec.seed}.rows{lo}-{hi}.{self.name}", (hi - lo,) + self.shape[1:])
+            yield _plain_words(self.kind, w)
+
+
+def _plain_words(kind: str, w: np.ndarray) -> np.ndarray:
+    if kind == "f32":
+        return w
+    from ds4quant.formats import bf16_round
+
+    return (bf16_round(w).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+def make_unit(spec: SyntheticSpec, unit: Unit) -> list:
+    """The arrays of one unit, in ``unit.tensors`` order (raw little-endian words);
+    a large plain tensor comes as ``RowBlocks``."""
+    if unit.kind in ("f32", "bf16") and math.prod(unit.tensors[-1].shape) > CHUNK_VALUES:
+        t = unit.tensors[-1]
+        return [RowBlocks(spec, unit.kind, t.name, t.shape)]
     if unit.kind == "expert":
         which = unit.tensors[1].name.split(".")[-2]
         packed, scales = expert_fp4(spec, unit.layer, unit.expert, which)
@@ -194,12 +227,8 @@ def make_unit(spec: SyntheticSpec, unit: Unit) -> list[np.ndarray]:
         return [tid2eid(spec, unit.layer)]
     t = unit.tensors[-1]
     w = _dense(spec, t.name, t.shape)
-    if unit.kind == "f32":
-        return [w]
-    if unit.kind == "bf16":
-        from ds4quant.formats import bf16_round
-
-        return [(bf16_round(w).view(np.uint32) >> np.uint32(16)).astype(np.uint16)]
+    if unit.kind in ("f32", "bf16"):
+        return [_plain_words(unit.kind, w)]
     import torch  # tiny's FP8 encoder rounds through torch.float8_e4m3fn
 
     q, s = tiny.encode_fp8(w, torch)

@@ -3,6 +3,7 @@
     python samples/make_synthetic.py --preset medium              # into a new temp folder
     python samples/make_synthetic.py /tmp/syn --preset bench --seed 3
     python samples/make_synthetic.py /tmp/syn --layers 4 --experts 32 --hidden 1024 --moe-inter 512
+    python samples/make_synthetic.py /tmp/flash --preset ds4-flash --layers 2     # DS4 Flash's real dims
 
     from make_synthetic import make_synthetic, preset        # with samples/ on sys.path
     info = make_synthetic("/tmp/syn", preset("tiny"))
@@ -67,7 +68,7 @@ import make_ds4_tiny as tiny  # noqa: E402  (the tiny sample's JSON writer)
 from _synthetic_spec import (  # noqa: E402,F401  (make_synthetic's public names, re-exported)
     GENERATOR, PRESETS, SyntheticSpec, TensorPlan, Unit, plan_units, preset, shard_units,
 )
-from _synthetic_values import expert_fp4, expert_values, make_unit, rng_for, tid2eid  # noqa: E402,F401
+from _synthetic_values import RowBlocks, expert_fp4, expert_values, make_unit, rng_for, tid2eid  # noqa: E402,F401
 
 INDEX = "model.safetensors.index.json"
 
@@ -176,10 +177,13 @@ def make_synthetic(out: "str | os.PathLike", spec: SyntheticSpec, *, workers: Op
             for arrays in _ordered(lambda u: make_unit(spec, u), units, workers):
                 for a in arrays:
                     t = want[i]
-                    b = np.ascontiguousarray(a)
-                    if b.nbytes != spans[i][1] - spans[i][0]:  # a bug here, not a user error
-                        raise RuntimeError(f"{t.name}: made {b.nbytes} bytes, planned {t.nbytes}")
-                    f.write(memoryview(b).cast("B"))
+                    made = 0
+                    for block in (a if isinstance(a, RowBlocks) else (a,)):
+                        b = np.ascontiguousarray(block)
+                        f.write(memoryview(b).cast("B"))
+                        made += b.nbytes
+                    if made != spans[i][1] - spans[i][0]:  # a bug here, not a user error
+                        raise RuntimeError(f"{t.name}: made {made} bytes, planned {t.nbytes}")
                     weight_map[t.name] = name
                     i += 1
         os.replace(tmp, out / name)
@@ -217,10 +221,12 @@ def add_spec_args(ap: argparse.ArgumentParser, default_preset: str) -> None:
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--shard-size", type=shard_size, help="max shard size, e.g. 256M")
+    ap.add_argument("--ratio-offset", type=int, default=0,
+                    help="ds4-flash presets: take DS4 Flash's attention types from this layer on (default 0)")
 
 
 def spec_from_args(args) -> SyntheticSpec:
-    return preset(args.preset, layers=args.layers, experts=args.experts, hidden=args.hidden,
+    return preset(args.preset, getattr(args, "ratio_offset", 0), layers=args.layers, experts=args.experts, hidden=args.hidden,
                   moe_inter=args.moe_inter, vocab=args.vocab, seed=args.seed, shard_size=args.shard_size)
 
 

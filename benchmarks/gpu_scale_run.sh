@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# benchmarks/scale.py on a lent CUDA GPU (one H200, 16 cores), from the checkout root, with the gguf
+# wheel in .whl (the device image lacks it):
+#   OUT=... LAYERS="2 4" SEQS=64 TOKENS=2048 MAXMEM=32G bash benchmarks/gpu_scale_run.sh
+# For each N in LAYERS: generate a DS4 Flash slice of N layers (real dimensions, random weights) on the
+# local disk, then the streamed reference pass (calibrate-like observer) and the streamed candidate
+# pass with --device cuda, uniform convert and adaptive convert --device cuda, each in its own child:
+# seconds per layer, peak host RSS, peak GPU memory, and the projection to 43 layers.
+# Everything that comes back is under $OUT (one JSON and one text file per N, device.txt).
+set -u
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/pip.log 2>&1 || { echo "editable install failed"; tail -5 /tmp/pip.log; }
+for p in formats codebooks runtime; do [ -e "ds4quant/$p" ] || ln -s "../$p" "ds4quant/$p"; done
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, sys, os; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'cores', os.cpu_count())"
+  grep -m1 "model name" /proc/cpuinfo; git log -1 --format=%h 2>/dev/null; df -h /tmp | tail -1; free -g | head -2; } > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+for N in ${LAYERS:-2 4}; do
+  t0=$(date +%s)
+  timeout "${T_EACH:-3000}" python3 benchmarks/scale.py --layers "$N" --seqs "${SEQS:-64}" --tokens "${TOKENS:-2048}" \
+      --device "${DEVICE:-cuda}" --max-memory "${MAXMEM:-32G}" --adaptive-candidates "${CANDIDATES:-default}" \
+      --work "/tmp/scale$N" --json-out "$OUT/scale_flash${N}_h200.json" > "$OUT/scale_flash${N}_h200.txt" 2>&1
+  echo "N=$N rc=$? $(( $(date +%s) - t0 )) s"; tail -12 "$OUT/scale_flash${N}_h200.txt"
+  rm -rf "/tmp/scale$N"
+done

@@ -1,0 +1,312 @@
+"""The pipeline at DeepSeek-V4 Flash's real dimensions: cost per layer and peak memory.
+
+    python benchmarks/scale.py --layers 2 --seqs 4 --tokens 64 --max-memory 6G         # CPU, small
+    python benchmarks/scale.py --layers 4 --seqs 64 --tokens 2048 --device cuda --max-memory 32G \\
+        --json-out benchmarks/results/scale_flash4_h200.json
+
+On a slice of N layers of DS4 Flash (``samples/make_synthetic.py --preset
+ds4-flash --layers N``: real shapes, random weights; or ``--source DIR``),
+each step runs in its own child process:
+
+1. reference: the layer-streamed reference forward (``runtime.stream``,
+   ``SourceWeights``) over S sequences x T tokens, one sequence per batch, with
+   a calibrate-like observer (routed slots per expert, sum of x^2 of every
+   expert's inputs and down-projection inputs in float64, as calibrate sums);
+2. uniform convert (``ds4quant convert --recipe R``, default --jobs/threads);
+3. candidate: the same streamed pass over the uniform artifact
+   (``ArtifactWeights``: dense tensors decoded, experts on one owner);
+4. adaptive convert (``--recipe adaptive``, candidates ``--adaptive-candidates``).
+
+For each: wall seconds, seconds per layer (streamed passes: measured per
+layer; convert: wall / N, an upper bound since it includes the embedding
+and head), peak RSS of that child (its VmHWM: ru_maxrss would start from this
+process's size at fork), and on CUDA the peak GPU memory the child allocated.
+Then a PROJECTION to DS4 Flash's 43 layers: per-layer seconds x 43 + the
+measured fixed part; peak memory is per layer, so it is projected flat (the
+hidden states grow with S x T, not with N). Printed as a projection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FLASH_LAYERS = 43
+
+
+def _status(pid="self") -> dict:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in text.splitlines())
+            if k in ("VmHWM", "RssAnon", "RssFile")}
+
+
+def _gpu_peak() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+
+
+# --------------------------------------------------------------------------
+# children
+
+
+class _CalibLike:
+    """What calibrate collects per layer, through the Observer hooks."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.np = np
+        self.slots = {}
+        self.sums = {}
+
+    def on_experts(self, layer, index, experts, hidden, top_k_index, top_k_weights):
+        import torch
+
+        from ds4quant.runtime.stream import expert_rows
+
+        np = self.np
+        n = experts.num_experts
+        flat = top_k_index.reshape(-1)
+        counts = torch.bincount(flat[flat < n], minlength=n).cpu().numpy()
+        self.slots[layer] = self.slots.get(layer, 0) + counts
+        idx_t = top_k_index.transpose(0, 1)
+        for e in torch.unique(flat).tolist():
+            if e >= n:
+                continue
+            _pos, _tok, x, act = expert_rows(experts, hidden, idx_t, e)
+            sx = np.square(x.double().cpu().numpy()).sum(axis=0)
+            sa = np.square(act.double().cpu().numpy()).sum(axis=0)
+            key = (layer, e)
+            old = self.sums.get(key)
+            self.sums[key] = (sx, sa) if old is None else (old[0] + sx, old[1] + sa)
+
+
+def _child_stream(a) -> int:
+    import numpy as np
+
+    from ds4quant.runtime.stream import (ArtifactWeights, Observer, SourceWeights, StreamedModel, plan_memory,
+                                         stream_forward)
+
+    t0 = time.perf_counter()
+    if a.artifact:
+        weights = ArtifactWeights(a.artifact, None, "exact", source_dir=a.source)
+    else:
+        weights = SourceWeights(a.source)
+    rng = np.random.default_rng(0)
+    with weights as w:
+        sm = StreamedModel(w, device=a.device, threads=a.threads)
+        seqs = [[int(t) for t in rng.integers(3, w.config.vocab_size, a.tokens)] for _ in range(a.seqs)]
+        batches = sm.batches(seqs)
+        plan = plan_memory(w, [b.shape for b in batches], a.max_memory, a.device)
+        calib = _CalibLike()
+        logit_sum = [0.0]
+
+        class Obs(Observer):
+            def on_experts(self, *args):
+                if not a.artifact:
+                    calib.on_experts(*args)
+
+            def on_logits(self, index, batch, logits):
+                logit_sum[0] += float(logits.double().sum())
+
+        steps = []
+        last = [time.perf_counter()]
+
+        def progress(ev):
+            now = time.perf_counter()
+            steps.append({"item": ev.item, "seconds": now - last[0]})
+            last[0] = now
+
+        t1 = time.perf_counter()
+        stream_forward(sm, batches, observer=Obs(), plan=plan, work_dir=a.work, progress=progress,
+                       keep_logits=False)
+        t2 = time.perf_counter()
+    per_layer = [s["seconds"] for s in steps if s["item"].startswith("layer")]
+    print(json.dumps({"seconds": t2 - t0, "setup_seconds": t1 - t0, "steps": steps,
+                      "seconds_per_layer": per_layer, "head_seconds": steps[-1]["seconds"] if steps else 0.0,
+                      "plan": plan.to_json(), "peak_rss_bytes": _status().get("VmHWM", 0),
+                      "peak_gpu_bytes": _gpu_peak(), "logit_sum": logit_sum[0],
+                      "experts_reached": len(calib.sums)}))
+    return 0
+
+
+def _child_convert(a) -> int:
+    from ds4quant.cli import main as cli
+
+    t0 = time.perf_counter()
+    args = ["convert", a.source, a.out, "--recipe", a.recipe, "--force", "--json"] + list(a.extra or [])
+    try:
+        cli(args)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_bytes": _status().get("VmHWM", 0),
+                      "peak_gpu_bytes": _gpu_peak()}))
+    return 0
+
+
+# --------------------------------------------------------------------------
+# parent
+
+
+def _run(cmd: list, env: dict) -> dict:
+    """A child's last JSON line, with its wall time and the peak of its anonymous RSS (polled)."""
+    peak_anon = 0
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env)
+        while True:
+            pid, status, _ = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            peak_anon = max(peak_anon, _status(p.pid).get("RssAnon", 0))
+            time.sleep(0.05)
+        wall = time.perf_counter() - t0
+        fo.seek(0)
+        fe.seek(0)
+        out, err = fo.read().decode(errors="replace"), fe.read().decode(errors="replace")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed (exit {code}):\n{err[-3000:]}")
+    d = json.loads(out.strip().splitlines()[-1])
+    d["wall_seconds"] = wall
+    d["peak_anon_bytes"] = peak_anon
+    return d
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", choices=("stream", "convert"), help=argparse.SUPPRESS)
+    ap.add_argument("--artifact", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--extra", nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("--layers", type=int, default=2, help="slice of DS4 Flash to generate (default 2)")
+    ap.add_argument("--ratio-offset", type=int, default=0, help="first DS4 Flash layer of the slice's pattern")
+    ap.add_argument("--source", help="an existing checkpoint folder instead of generating one")
+    ap.add_argument("--work", help="work folder (default: a new temp folder, removed unless --keep)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--seqs", type=int, default=4, help="sequences of the streamed passes")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--max-memory", default=None, help="streamed passes' budget, e.g. 6G")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (streamed passes and adaptive convert)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the streamed passes")
+    ap.add_argument("--recipe", default="rocmfp2-strix", help="uniform recipe (default rocmfp2-strix)")
+    ap.add_argument("--adaptive-candidates", default="rocmfp2,rocmfp3,rocmfp4",
+                    help="adaptive convert's --candidates ('default': convert's own list)")
+    ap.add_argument("--target-bpw", default="2.6", help="adaptive convert's --target-bpw")
+    ap.add_argument("--skip", default="", help="comma list of steps to skip: reference,uniform,candidate,adaptive")
+    ap.add_argument("--json-out", help="write the results here")
+    a = ap.parse_args(argv)
+    if a.child == "stream":
+        return _child_stream(a)
+    if a.child == "convert":
+        return _child_convert(a)
+
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ds4-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    me = [sys.executable, str(Path(__file__).resolve())]
+    skip = {s for s in a.skip.split(",") if s}
+    res: dict = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+                 "settings": {k: v for k, v in vars(a).items() if k not in ("child", "artifact", "out", "extra")}}
+    try:
+        if a.source:
+            src = Path(a.source)
+        else:
+            src = work / f"flash{a.layers}"
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, str(REPO / "samples" / "make_synthetic.py"), str(src), "--preset",
+                            "ds4-flash", "--layers", str(a.layers), "--ratio-offset", str(a.ratio_offset),
+                            "--force"], check=True, env=env, stdout=subprocess.DEVNULL)
+            res["generate_seconds"] = time.perf_counter() - t0
+        res["source_bytes"] = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+        n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        common = ["--source", str(src), "--seqs", str(a.seqs), "--tokens", str(a.tokens), "--device", a.device,
+                  "--work", str(work / "hidden")]
+        if a.max_memory:
+            common += ["--max-memory", a.max_memory]
+        if a.threads:
+            common += ["--threads", str(a.threads)]
+        uni = work / "uniform"
+        if "reference" not in skip:
+            res["reference"] = _run(me + ["--child", "stream"] + common, env)
+        if "uniform" not in skip:
+            res["uniform_convert"] = _run(me + ["--child", "convert", "--source", str(src), "--out", str(uni),
+                                                "--recipe", a.recipe], env)
+        if "candidate" not in skip and (uni / "..").exists() and any(uni.glob("*.gguf")):
+            res["candidate"] = _run(me + ["--child", "stream", "--artifact", str(uni)] + common, env)
+        if "adaptive" not in skip:
+            extra = ["--target-bpw", a.target_bpw]
+            if a.adaptive_candidates != "default":
+                extra += ["--candidates", a.adaptive_candidates]
+            if a.device != "cpu":
+                extra += ["--device", a.device]
+            res["adaptive_convert"] = _run(me + ["--child", "convert", "--source", str(src), "--out",
+                                                 str(work / "adaptive"), "--recipe", "adaptive", "--extra"] + extra,
+                                           env)
+    finally:
+        if not a.keep and not a.work:
+            shutil.rmtree(work, ignore_errors=True)
+    res["projection_43_layers"] = _project(res, n)
+    _print(res, n)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+def _project(res: dict, n: int) -> dict:
+    """PROJECTION to 43 layers: streamed passes = fixed part + mean seconds per layer x 43;
+    convert = wall / n x 43 (upper bound); peak memory flat."""
+    out = {}
+    for key in ("reference", "candidate"):
+        r = res.get(key)
+        if r:
+            per = sum(r["seconds_per_layer"]) / max(1, len(r["seconds_per_layer"]))
+            fixed = r["wall_seconds"] - sum(r["seconds_per_layer"])
+            out[key] = {"seconds": fixed + per * FLASH_LAYERS, "peak_rss_bytes": r["peak_rss_bytes"],
+                        "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
+    for key in ("uniform_convert", "adaptive_convert"):
+        r = res.get(key)
+        if r:
+            out[key] = {"seconds": r["wall_seconds"] / n * FLASH_LAYERS, "peak_rss_bytes": r["peak_rss_bytes"],
+                        "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
+    return out
+
+
+def _print(res: dict, n: int) -> None:
+    print(f"DS4 Flash slice: {n} layers, source {res.get('source_bytes', 0) / 1e9:.2f} GB")
+    print(f"{'step':18s} {'wall s':>9s} {'s/layer':>9s} {'peak RSS':>11s} {'peak anon':>11s} {'peak GPU':>10s}")
+    for key in ("reference", "uniform_convert", "candidate", "adaptive_convert"):
+        r = res.get(key)
+        if not r:
+            continue
+        per = r.get("seconds_per_layer")
+        spl = sum(per) / len(per) if per else r["wall_seconds"] / n
+        print(f"{key:18s} {r['wall_seconds']:9.1f} {spl:9.1f} {_gib(r['peak_rss_bytes']):>11s} "
+              f"{_gib(r['peak_anon_bytes']):>11s} {_gib(r.get('peak_gpu_bytes', 0)):>10s}")
+    print(f"PROJECTION to {FLASH_LAYERS} layers (per-layer cost x {FLASH_LAYERS}; memory flat in the layer count):")
+    for key, p in res["projection_43_layers"].items():
+        print(f"  {key:18s} {p['seconds'] / 60:8.1f} min   peak RSS {_gib(p['peak_rss_bytes'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The reference's weights: the source checkpoint, dequantized by our own code.
+
+``SourceWeights`` reads an official-layout folder lazily, one layer at a time,
+through ``sources.open_source`` (memory-mapped shards) and decodes every tensor
+with ``read_dequantized`` (FP8 e4m3 with 128x128 E8M0 block scales, FP4 e2m1
+with an E8M0 scale per 32 inputs, bf16/f32 as is: exact in float32). It never
+asks transformers to load or dequantize anything, so the numbers are the same
+on every host (transformers' own loader keeps FP8 quantized on recent GPUs).
+
+Routed experts stay encoded until a token reaches them: ``SourceExperts``
+decodes an expert on first use (kept while the layer lives, within a byte
+budget) and computes the eager experts' math in eager's order, so its output
+has the bits of ``experts_implementation="eager"`` over the dequantized stack.
+
+    with SourceWeights("samples/ds4-tiny") as w:
+        sd = w.layer_state(2)          # {"self_attn.q_a_proj.weight": tensor, ...}
+        ex = w.experts_module(2)       # called like DeepseekV4Experts
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from ds4quant.errors import BadInputError, CorruptDataError
+
+__all__ = ["EagerExperts", "SourceExperts", "SourceWeights", "WeightProvider", "expert_rows", "GLOBAL_PARTS"]
+
+# The model's tensors outside the decoder layers, by the stage that uses them.
+GLOBAL_PARTS = {
+    "embed": ("model.embed_tokens.weight",),
+    "head": ("model.hc_head.hc_fn", "model.hc_head.hc_base", "model.hc_head.hc_scale", "model.norm.weight",
+             "lm_head.weight"),
+}
+
+
+class WeightProvider(Protocol):
+    """What a streamed model reads its numbers from (see the package docstring)."""
+
+    config: Any
+    n_layers: int
+
+    def layer_state(self, layer: int) -> dict: ...
+
+    def experts_module(self, layer: int): ...
+
+    def global_state(self, part: str) -> dict: ...
+
+    def layer_bytes(self, layer: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def _tensor(arr: np.ndarray, dtype=None):
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+
+
+class SourceWeights:
+    """The source folder's weights per layer, dequantized exactly (a context manager).
+
+    expert_cache: bytes of decoded routed experts a layer keeps (None: all of
+    them; 0: decode on every call)."""
+
+    def __init__(self, source_dir: "str | os.PathLike[str]", *, expert_cache: Optional[int] = None):
+        from ds4quant.runtime.stream.config import reference_config
+        from ds4quant.sources import open_official_source
+        from ds4quant.sources.naming import hf_name
+
+        self.where = str(source_dir)
+        self.src = open_official_source(source_dir, "the reference model")
+        try:
+            self.config = reference_config(source_dir)
+            c = self.src.config
+            self.n_layers = c.num_hidden_layers
+            self.expert_cache = expert_cache
+            self._layers: dict[int, dict[str, str]] = {}
+            self._globals: dict[str, str] = {}
+            self._experts: dict[int, dict[tuple[int, str], str]] = {}
+            for m in self.src.names.mapped:
+                if m.role != "weight":
+                    continue
+                hf, part = hf_name(m.name)
+                if part is not None:
+                    self._experts.setdefault(m.layer, {})[part] = m.name
+                elif m.layer is not None:
+                    self._layers.setdefault(m.layer, {})[hf.split(".", 3)[3]] = m.name
+                else:
+                    self._globals[hf] = m.name
+            if "lm_head.weight" not in self._globals and self.config.tie_word_embeddings:
+                self._globals["lm_head.weight"] = self._globals.get("model.embed_tokens.weight", "")
+        except BaseException:
+            self.src.close()
+            raise
+
+    # -- reading ---------------------------------------------------------------
+
+    def _read(self, name: str):
+        info = self.src.info(name)
+        if info.dtype in ("I64", "I32", "U8", "I8", "U32", "I16") and info.encoding == "plain":
+            return _tensor(np.asarray(self.src.read(name)).astype(np.int64))
+        arr = self.src.read_dequantized(name)
+        self.src.release(name)
+        return _tensor(arr)
+
+    def layer_state(self, layer: int) -> dict:
+        """{name inside the layer: float32 tensor} for every tensor but the routed experts."""
+        names = self._layers.get(layer)
+        if names is None:
+            raise CorruptDataError(f"the checkpoint has no tensors for layer {layer}", where=self.where)
+        return {k: self._read(v) for k, v in sorted(names.items())}
+
+    def global_state(self, part: str) -> dict:
+        """{model name: tensor} of ``part`` ("embed" or "head")."""
+        out = {}
+        for hf in GLOBAL_PARTS[part]:
+            name = self._globals.get(hf)
+            if not name:
+                raise CorruptDataError(f"the checkpoint has no tensor for {hf}", where=self.where)
+            out[hf] = self._read(name)
+        return out
+
+    def expert_names(self, layer: int) -> dict:
+        """{(expert, "gate"|"up"|"down"): official name} of ``layer``."""
+        return self._experts.get(layer, {})
+
+    def experts_module(self, layer: int) -> "SourceExperts":
+        return SourceExperts(self, layer, cache_bytes=self.expert_cache)
+
+    def expert_weights(self, layer: int, e: int):
+        """(gate_up [2I, H], down [H, I]) float32 of expert ``e``: w1 rows then w3 rows,
+        the layout of transformers' ``gate_up_proj[e]``."""
+        import torch
+
+        names = self._experts.get(layer, {})
+        try:
+            w1, w3, w2 = (names[(e, p)] for p in ("gate", "up", "down"))
+        except KeyError:
+            raise CorruptDataError(f"layer {layer} has no routed expert {e}", where=self.where) from None
+        gate_up = torch.cat([self._read(w1), self._read(w3)], dim=0)
+        return gate_up, self._read(w2)
+
+    def layer_bytes(self, layer: int) -> int:
+        """float32 bytes of the layer's dense tensors plus all its decoded routed experts."""
+        total = 0
+        for name in list(self._layers.get(layer, {}).values()) + list(self._experts.get(layer, {}).values()):
+            shape = self.src.info(name).shape_logical
+            total += 4 * int(np.prod(shape, dtype=np.int64))
+        return total
+
+    def expert_bytes(self, layer: int) -> int:
+        """float32 bytes of one decoded routed expert (gate, up and down) of ``layer``."""
+        names = self._experts.get(layer, {})
+        return sum(4 * int(np.prod(self.src.info(names[(0, p)]).shape_logical, dtype=np.int64))
+                   for p in ("gate", "up", "down") if (0, p) in names)
+
+    def global_bytes(self, part: str) -> int:
+        return sum(4 * int(np.prod(self.src.info(self._globals[h]).shape_logical, dtype=np.int64))
+                   for h in GLOBAL_PARTS[part] if self._globals.get(h))
+
+    def close(self) -> None:
+        self.src.close()
+
+    def __enter__(self) -> "SourceWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _experts_base():
+    import torch
+
+    return torch.nn.Module
+
+
+class _ExpertsLoop(_experts_base()):  # type: ignore[misc]
+    """Routed experts called as transformers' ``DeepseekV4Experts``:
+    ``(hidden [T,H], top_k_index [T,k] int64, top_k_weights [T,k]) -> [T,H]``,
+    with the same math in the same order as its eager forward (experts in
+    ascending id, rows in the one-hot mask's order, ``index_add_`` into zeros),
+    so the same bits. Subclasses say where ``expert_weights(e)`` comes from."""
+
+    num_experts: int
+    limit: float
+
+    def expert_weights(self, e: int):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        import torch
+
+        out = torch.zeros_like(hidden_states)
+        idx_t = top_k_index.transpose(0, 1)
+        for e in torch.unique(top_k_index).tolist():  # ascending: eager's order over hit experts
+            if e >= self.num_experts:
+                continue  # eager skips the expert-parallel placeholder id
+            pos, tok, _x, act = expert_rows(self, hidden_states, idx_t, e)
+            down = self.expert_weights(e)[1]
+            y = torch.nn.functional.linear(act, down) * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class EagerExperts(_ExpertsLoop):
+    """Routed experts over stacked weights (``gate_up`` [E, 2I, H], ``down`` [E, H, I],
+    transformers' layout), e.g. a perturbed copy of a layer's experts.
+
+        ex = EagerExperts(gate_up, down, act_fn=src.act_fn, limit=src.limit)
+    """
+
+    def __init__(self, gate_up, down, act_fn, limit: float):
+        super().__init__()
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+            raise BadInputError(f"expert stacks must be [E, 2I, H] and [E, H, I], got {tuple(gate_up.shape)} "
+                                f"and {tuple(down.shape)}", where="EagerExperts")
+        self.gate_up, self.down = gate_up, down
+        self.num_experts = int(gate_up.shape[0])
+        self.act_fn, self.limit = act_fn, limit
+
+    def expert_weights(self, e: int):
+        return self.gate_up[e], self.down[e]
+
+
+class SourceExperts(_ExpertsLoop):
+    """A layer's routed experts, decoded from the source on first use (see
+    ``_ExpertsLoop`` for the call); decoded experts are kept while the layer
+    lives, within ``cache_bytes`` (None: all)."""
+
+    def __init__(self, weights: SourceWeights, layer: int, *, cache_bytes: Optional[int] = None):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        cfg = weights.config
+        self.weights = weights
+        self.layer = layer
+        self.num_experts = int(cfg.n_routed_experts)
+        self.limit = cfg.swiglu_limit
+        self.act_fn = ACT2FN[cfg.hidden_act]
+        self.cache_bytes = cache_bytes
+        self._cache: dict[int, tuple] = {}
+        self._cached = 0
+        self.decoded = 0  # experts decoded so far (a cache miss each)
+
+    def expert_weights(self, e: int):
+        """(gate_up [2I,H], down [H,I]) float32 of expert ``e`` on this module's device.
+        The tensors are the cache's: clone before changing them."""
+        hit = self._cache.get(e)
+        if hit is not None:
+            return hit
+        gate_up, down = self.weights.expert_weights(self.layer, e)
+        dev = getattr(self, "device", None)
+        if dev is not None:
+            gate_up, down = gate_up.to(dev), down.to(dev)
+        self.decoded += 1
+        size = 4 * (gate_up.numel() + down.numel())
+        # Once the budget is full nothing is evicted: every batch visits the experts
+        # in ascending order, a cyclic scan that least-recently-used eviction would
+        # turn into a miss on every call; keeping the first ones makes them hits.
+        if self.cache_bytes is None or self._cached + size <= self.cache_bytes:
+            self._cache[e] = (gate_up, down)
+            self._cached += size
+        return gate_up, down
+
+    def release(self) -> None:
+        self._cache.clear()
+        self._cached = 0
+
+
+def expert_rows(experts, hidden, idx_t, e: int):
+    """The rows routed to expert ``e`` and its down-projection input, exactly as the
+    eager experts forward computes them, for a ``SourceExperts`` or an eager
+    ``DeepseekV4Experts``.
+
+    hidden: float32 [T, H]; idx_t: int64 [k, T] (top_k_index transposed). Returns
+    (top_k_pos [n], token_idx [n], x = hidden[token_idx] [n, H], act [n, I]),
+    act = silu(clamp(gate, max=limit)) * clamp(up, -limit, limit).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    if hasattr(experts, "expert_weights"):
+        gate_up = experts.expert_weights(e)[0]
+    else:
+        gate_up = experts.gate_up_proj[e]
+    pos, tok = torch.where(idx_t == e)
+    x = hidden[tok]
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    act = experts.act_fn(gate.clamp(max=experts.limit)) * up.clamp(min=-experts.limit, max=experts.limit)
+    return pos, tok, x, act

@@ -1,0 +1,45 @@
+"""Child process of test_memory: a streamed run under a --max-memory budget,
+printing one JSON line with its peak RSS, so the parent measures this run alone.
+
+Peak RSS is the kernel's high-water mark of this process (VmHWM), not
+ru_maxrss: on Linux a child's ru_maxrss starts from its parent's RSS at fork."""
+
+import json
+import sys
+
+import numpy as np
+
+
+def _vm_hwm() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def main(src: str, budget: str, work: str) -> None:
+    from ds4quant.runtime.reference import torch_threads
+    from ds4quant.runtime.stream import SourceWeights, StreamedModel, plan_memory, stream_forward
+
+    rng = np.random.default_rng(1)
+    with SourceWeights(src) as w, torch_threads(1):
+        sm = StreamedModel(w)
+        seqs = [[int(t) for t in rng.integers(3, w.config.vocab_size, 64)] for _ in range(4)]
+        batches = sm.batches(seqs)
+        plan = plan_memory(w, [b.shape for b in batches], budget)
+        sums = []
+
+        class Keep:
+            def on_logits(self, index, batch, logits):
+                sums.append(float(logits.double().sum()))
+
+        from ds4quant.runtime.stream import Observer
+
+        obs = type("O", (Observer,), {"on_logits": Keep.on_logits})()
+        stream_forward(sm, batches, plan=plan, work_dir=work, observer=obs, keep_logits=False)
+    rss = _vm_hwm()
+    print(json.dumps({"peak_rss": rss, "plan": plan.to_json(), "sums": sums}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

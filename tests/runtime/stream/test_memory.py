@@ -1,0 +1,88 @@
+"""A streamed run fits a --max-memory budget that the model's float weights exceed.
+
+The model is a DS4-Flash-shaped synthetic checkpoint (samples/make_synthetic.py
+--preset ds4-flash-mini, 6 layers of 64 experts); the run happens in a child process so its
+peak RSS (VmHWM) is this run's alone. Its logits are the same bits as an
+unbounded run in this process. A budget below one layer's need is refused
+before anything runs, naming the layer and the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from ds4quant.errors import BadInputError, BudgetError  # noqa: E402
+from ds4quant.runtime.reference import torch_threads  # noqa: E402
+from ds4quant.runtime.stream import Observer, SourceWeights, StreamedModel, plan_memory, stream_forward  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+CHILD = Path(__file__).with_name("_budget_child.py")
+BUDGET = 800 << 20
+
+
+@pytest.fixture(scope="module")
+def flash_mini(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "samples"))
+    try:
+        from make_synthetic import make_synthetic, preset
+    finally:
+        sys.path.pop(0)
+    out = tmp_path_factory.mktemp("flash") / "mini"
+    make_synthetic(out, preset("ds4-flash-mini", layers=6, experts=64))
+    return out
+
+
+def _float_bytes(w) -> int:
+    return sum(w.layer_bytes(L) for L in range(w.n_layers)) + w.global_bytes("embed") + w.global_bytes("head")
+
+
+def test_runs_within_a_budget_its_float_weights_exceed(flash_mini, tmp_path):
+    with SourceWeights(flash_mini) as w:
+        assert _float_bytes(w) > BUDGET * 1.15
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, str(CHILD), str(flash_mini), str(BUDGET), str(tmp_path / "work")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["peak_rss"] <= BUDGET, got
+    assert got["plan"]["peak_bytes"] <= BUDGET
+    # the same logits as an unbounded run here (the budget changes where things live, never bits)
+    rng = np.random.default_rng(1)
+    sums = []
+
+    class Keep(Observer):
+        def on_logits(self, index, batch, logits):
+            sums.append(float(logits.double().sum()))
+
+    with SourceWeights(flash_mini) as w, torch_threads(1):
+        sm = StreamedModel(w)
+        seqs = [[int(t) for t in rng.integers(3, w.config.vocab_size, 64)] for _ in range(4)]
+        stream_forward(sm, sm.batches(seqs), observer=Keep(), keep_logits=False)
+    assert sums == got["sums"]
+
+
+def test_budget_below_one_layer_is_refused(flash_mini):
+    with SourceWeights(flash_mini) as w:
+        with pytest.raises(BudgetError, match=r"layer 0 needs 0\.[0-9]+ GiB .* more than --max-memory 0\.50 GiB"):
+            plan_memory(w, [(1, 64)] * 4, "512M")
+        one = plan_memory(w, [(1, 64)] * 4, "1G")
+        assert one.store_kind == "ram" and one.expert_cache is None
+        # hidden states larger than the budget leave the largest layer: a memmap, bounded expert cache
+        big = plan_memory(w, [(1, 512)] * 256, "1200M")
+        assert big.hidden_bytes >= 1 << 30 and big.store_kind == "memmap"
+        with pytest.raises(BudgetError, match="need a work folder"):
+            big.make_store(None)
+        tight = plan_memory(w, [(1, 64)] * 4, "600M")
+        assert tight.expert_cache is not None and tight.expert_cache < tight.all_experts_bytes[0]
+        with pytest.raises(BadInputError, match="size must be positive"):
+            plan_memory(w, [(1, 64)], "-1G")
