@@ -396,7 +396,8 @@ class FidelityReport:
 
     @property
     def response_matches_reference(self) -> bool:
-        return bool(self.runs) and self.runs[0].response_sha256 == self.reference_response_sha256
+        return bool(self.runs) and bool(self.runs[0].response_sha256) \
+            and self.runs[0].response_sha256 == self.reference_response_sha256
 
     @property
     def moe_output_sha256(self) -> Optional[str]:

@@ -405,7 +405,7 @@ def exact_copy(model, tok, task: CopyTask = ECHO, *, seed: int = PROTOCOL_SEED, 
             checks = generated_trials(model, t, trials)
         else:
             checks = check_trials(model, t, trials, batch=batch, pad_id=t.eos_token_id or 0)
-        return _result(model, t, task, seed, trials, checks, generate_failures)
+        return copy_result(t, task, seed, trials, checks, generate_failures, model)
 
 
 def _stable(model):
@@ -420,7 +420,10 @@ def _stable(model):
         return contextlib.nullcontext()
 
 
-def _result(model, t, task, seed, trials, checks, generate_failures) -> ExactCopyResult:
+def copy_result(t, task: CopyTask, seed: int, trials: Sequence[Trial], checks, generate_failures: bool = False,
+                model=None) -> ExactCopyResult:
+    """The protocol's result from per-trial (passed, first wrong index, the token there);
+    ``model`` decodes a failure greedily when ``generate_failures``."""
     failures = []
     for tr, (ok, k, tok_k) in zip(trials, checks):
         if ok:

@@ -70,29 +70,28 @@ def read_drop_file(path: "str | Path") -> Mapping[int, tuple[int, ...]]:
     return MappingProxyType(out)
 
 
-def check(model, experts_per_token: Optional[int], drop: Mapping[int, tuple[int, ...]], where: str) -> Approximation:
-    """Refuse K or dropped experts the model cannot take (naming ``where``)."""
-    from ds4quant.runtime.reference import moe_blocks
-
-    blocks = dict(moe_blocks(model))
-    n_exp = model.config.n_routed_experts
-    k = model.config.num_experts_per_tok
+def check(config, moe_layers: Mapping[int, bool], experts_per_token: Optional[int],
+          drop: Mapping[int, tuple[int, ...]], where: str) -> Approximation:
+    """Refuse K or dropped experts the model cannot take (naming ``where``).
+    moe_layers: layer -> whether it is hash-routed."""
+    n_exp = config.n_routed_experts
+    k = config.num_experts_per_tok
     if experts_per_token is not None:
         if isinstance(experts_per_token, bool) or not isinstance(experts_per_token, int) \
                 or not 1 <= experts_per_token <= n_exp:
             raise BadInputError(f"experts per token must be 1..{n_exp} (the model routes {k}), got "
                                 f"{experts_per_token!r}", where="--experts-per-token")
     for layer, exps in drop.items():
-        if layer not in blocks:
-            raise BadInputError(f"layer {layer} has no MoE block (layers {sorted(blocks)})", where=where)
+        if layer not in moe_layers:
+            raise BadInputError(f"layer {layer} has no MoE block (layers {sorted(moe_layers)})", where=where)
         bad = [e for e in exps if not 0 <= e < n_exp]
         if bad:
             raise BadInputError(f"layer {layer}: expert {bad[0]} outside 0..{n_exp - 1}", where=where)
         kk = k if experts_per_token is None else experts_per_token
-        if not blocks[layer].is_hash and n_exp - len(exps) < kk:
+        if not moe_layers[layer] and n_exp - len(exps) < kk:
             raise BadInputError(f"layer {layer}: {len(exps)} dropped leaves fewer than {kk} experts to route",
                                 where=where)
-    hashed = tuple(i for i, b in sorted(blocks.items()) if b.is_hash)
+    hashed = tuple(i for i, h in sorted(moe_layers.items()) if h)
     return Approximation(experts_per_token, MappingProxyType(dict(drop)), hashed if experts_per_token else ())
 
 
@@ -133,34 +132,40 @@ def _hash_forward(gate, dropped):
 
 
 @contextlib.contextmanager
+def route_block(block, n_experts: int, experts_per_token: Optional[int] = None,
+                dropped: tuple[int, ...] = ()) -> Iterator[None]:
+    """One MoE block (``DeepseekV4SparseMoeBlock``) routes as the module doc says
+    inside the block (checked by ``check`` beforehand)."""
+    import torch
+
+    gate = block.gate
+    mask = None
+    if dropped:
+        mask = torch.zeros(n_experts, dtype=torch.bool, device=gate.weight.device)
+        mask[list(dropped)] = True
+    old = gate.__dict__.get("forward")
+    gate.forward = _hash_forward(gate, mask) if block.is_hash else \
+        _topk_forward(gate, experts_per_token or gate.top_k, mask)
+    try:
+        yield
+    finally:
+        if old is None:
+            del gate.forward
+        else:
+            gate.forward = old
+
+
+@contextlib.contextmanager
 def approximate_routing(model, experts_per_token: Optional[int] = None,
                         drop: Mapping[int, tuple[int, ...]] = MappingProxyType({}),
                         where: str = "--drop-experts") -> Iterator[Approximation]:
     """Inside the block every MoE router of ``model`` routes as described in the module doc."""
-    import torch
-
     from ds4quant.runtime.reference import moe_blocks
 
-    approx = check(model, experts_per_token, drop, where)
-    n_exp = model.config.n_routed_experts
-    saved = []
-    for i, block in moe_blocks(model):
-        gate = block.gate
-        mask = None
-        if drop.get(i):
-            mask = torch.zeros(n_exp, dtype=torch.bool, device=gate.weight.device)
-            mask[list(drop[i])] = True
-        if block.is_hash:
-            fwd = _hash_forward(gate, mask)
-        else:
-            fwd = _topk_forward(gate, experts_per_token or gate.top_k, mask)
-        saved.append((gate, gate.__dict__.get("forward")))
-        gate.forward = fwd
-    try:
+    blocks = moe_blocks(model)
+    approx = check(model.config, {i: b.is_hash for i, b in blocks}, experts_per_token, drop, where)
+    with contextlib.ExitStack() as stack:
+        for i, block in blocks:
+            stack.enter_context(route_block(block, model.config.n_routed_experts, experts_per_token,
+                                            tuple(drop.get(i, ()))))
         yield approx
-    finally:
-        for gate, old in saved:
-            if old is None:
-                del gate.forward
-            else:
-                gate.forward = old

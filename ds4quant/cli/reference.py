@@ -20,9 +20,11 @@ from ds4quant.cli.output import emit_json
 @protocol_option(help="Also store the reference's exact-copy scores (needs the source's tokenizer.json and task.json).")
 @click.option("--copy-sets", "copy_sets", type=int, default=5, show_default=True,
               help="With --protocol exact-copy: seeded identifier sets of 60 trials.")
+@click.option("--stream", is_flag=True,
+              help="Run the reference layer by layer (DeepSeek-V4-Flash size; no greedy response is stored).")
 @click.option("--out", "out", required=True, type=PATH, help="The base file to write (atomically).")
 @json_option(help="Print one JSON object {path, tokens, bytes, max_storage_error_nats, seconds, eval}.")
-def reference_cmd(source, tokens_file, text_file, ctx_size, protocol, copy_sets, out, as_json):
+def reference_cmd(source, tokens_file, text_file, ctx_size, protocol, copy_sets, stream, out, as_json):
     """Run the transformers reference of SOURCE once over the evaluation tokens and
     store, per scored token, its log-probabilities (llama.cpp's uint16 per-token
     quantization), argmax and target, with its greedy response and exact-copy
@@ -39,7 +41,7 @@ def reference_cmd(source, tokens_file, text_file, ctx_size, protocol, copy_sets,
     from ds4quant.verify.reference_side import make_reference_base
 
     s = make_reference_base(source, out, tokens=tokens_file, text=text_file, ctx_size=ctx_size, protocol=protocol,
-                            copy_sets=copy_sets)
+                            copy_sets=copy_sets, stream=stream)
     if as_json:
         emit_json(s)
     else:

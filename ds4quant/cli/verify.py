@@ -56,12 +56,15 @@ from ds4quant.cli.output import emit_json, verify_progress
 @click.option("--reference", "reference", default=None, type=PATH,
               help="With --fidelity: a reference base from `ds4quant reference` (same source, tokens, --ctx and "
                    "protocol): the reference is read, not run.")
+@click.option("--stream", is_flag=True,
+              help="With --fidelity: run the reference (or read --reference) and the candidate layer by layer "
+                   "(DeepSeek-V4-Flash size); no greedy response or per-layer MoE errors then.")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["llama.cpp"]),
               help="With --fidelity: also run the artifact through this engine (llama.cpp via llama-cpp-python, "
                    "which scripts/interop.sh installs) and report the same figures for it.")
 @json_option(help="Print one JSON object {ok, checks, tensors, summary[, fidelity]}.")
 def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, fidelity, placements, mode,
-               tokens_file, text_file, ctx_size, protocol, copy_sets, experts_per_token, drop_experts, reference, engines, as_json):
+               tokens_file, text_file, ctx_size, protocol, copy_sets, experts_per_token, drop_experts, reference, stream, engines, as_json):
     """Check that an artifact (or release folder, or bare .gguf) is sound:
     types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
     file hashes against manifest.json (and SHA256SUMS). With --source, decode
@@ -92,7 +95,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
                  text=text_file, protocol=protocol, engines=tuple(engines), ctx_size=ctx_size,
                  copy_sets=copy_sets, experts_per_token=experts_per_token, drop_experts=drop_experts,
-                 reference=reference)
+                 reference=reference, stream=stream)
     report_path = None
     if report_dir is not None:
         from ds4quant.publish.report import write_report
@@ -120,7 +123,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
             m = f.logits
             line = (f"fidelity ({f.mode} mode, {f.eval_tokens} tokens): KL mean {m.kl_mean:.4g} "
                     f"p99 {m.kl_p99:.4g}, top-1 {100 * m.top1:.2f}%, PPL ratio {m.ppl_ratio:.4f}, "
-                    f"response {f.response_sha256[:16]}")
+                    f"response {f.response_sha256[:16] or 'not decoded (streamed)'}")
             if f.exact_copy:
                 line += f", exact copy {f.exact_copy.passes}/{f.exact_copy.trials}"
             click.echo(line)

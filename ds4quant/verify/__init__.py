@@ -108,6 +108,7 @@ def verify(
     experts_per_token: Optional[int] = None,
     drop_experts: "str | os.PathLike | None" = None,
     reference: "str | os.PathLike | None" = None,
+    stream: bool = False,
 ) -> VerifyReport:
     """Check an artifact folder, release folder or bare GGUF (see module doc).
 
@@ -127,6 +128,8 @@ def verify(
     ``experts_per_token`` (route top-K) / ``drop_experts`` (a JSON file {layer: [expert, ...]}): also
     measure the artifact with that routing shortcut (``rep.fidelity.approximation``).
     ``reference``: a reference base (``ds4quant reference``) read instead of running the reference.
+    ``stream``: run both sides through the layer-streamed forward (no whole model in memory; no
+    greedy response or per-layer MoE errors then).
     Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
@@ -156,9 +159,9 @@ def verify(
             raise BadInputError(f"must be an int >= 4, got {ctx_size!r}", where="--ctx")
     elif (placements or tokens is not None or text is not None or protocol is not None or engines
           or ctx_size is not None or experts_per_token is not None or drop_experts is not None
-          or reference is not None):
+          or reference is not None or stream):
         raise BadInputError("--placement, --tokens, --text, --ctx, --protocol, --engine, --experts-per-token, "
-                            "--drop-experts and --reference belong to the fidelity "
+                            "--drop-experts, --reference and --stream belong to the fidelity "
                             "measurement", where="verify", hint="add --fidelity")
     lay = locate(artifact)
     if lay.kind != "gguf" and lay.manifest is None:
@@ -175,7 +178,7 @@ def verify(
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
                                 protocol, tuple(engines), ctx_size, copy_sets, experts_per_token,
                                 None if drop_experts is None else Path(drop_experts),
-                                None if reference is None else Path(reference)))
+                                None if reference is None else Path(reference), bool(stream)))
     if reference is not None:
         from ds4quant.runtime.reference_base import read_base
 

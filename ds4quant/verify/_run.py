@@ -46,6 +46,7 @@ class Options:
     experts_per_token: Optional[int] = None  # priced routing shortcut (runtime/routing_approx.py)
     drop_experts: Optional[Path] = None  # JSON {layer: [expert, ...]} never selected
     reference: Optional[Path] = None  # a reference base (runtime/reference_base.py) instead of running it
+    stream: bool = False  # both sides through the layer-streamed forward (verify/streamed.py)
 
 
 @dataclass

@@ -21,6 +21,8 @@ runtime on the given placement (default: one CPU owner) in the given mode
   against this source, these tokens, protocol and config; the reference does
   not run, and the per-layer MoE errors (which need its block inputs) are
   left out;
+- with ``stream``: both sides through the layer-streamed forward
+  (``verify/streamed.py``), without the greedy response and per-layer errors;
 - every forward of both models breaks the CSA indexer's top-k ties by position
   (``runtime.indexer_ties``), so a prefix's logits do not depend on what follows;
 - the greedy response (32 tokens, from the first protocol prompt) and its sha256;
@@ -279,6 +281,10 @@ def measure(ctx: Context) -> FidelityReport:
             raise BadInputError(f"the exact-copy protocol needs the source's {' and '.join(missing)} "
                                 "(a model that was trained to copy, with its task)", where=str(o.source),
                                 hint="drop --protocol, or use a source such as samples/ds4-copy")
+    if o.stream:
+        from ds4quant.verify.streamed import measure_streamed
+
+        return measure_streamed(ctx)
     tok, tok_kind = _tokenizer(o.source)
     with C.one_thread():
         ref = load_reference(o.source)

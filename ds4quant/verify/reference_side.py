@@ -80,10 +80,24 @@ def from_base(o, seqs, cfg) -> ReferenceSide:
                          None if sets is None else sets.passes[0])
 
 
+def _streamed_side(o, seqs, pos, pad, tok, task) -> ReferenceSide:
+    from ds4quant.runtime.stream import SourceWeights, StreamedModel
+    from ds4quant.runtime.stream_fidelity import streamed_copy_sets, streamed_logits
+    from ds4quant.verify import _candidate as C
+
+    with C.one_thread(), SourceWeights(o.source) as w:
+        sm = StreamedModel(w, threads=1)
+        logits = streamed_logits(sm, seqs, pos, pad).logits
+        sets = streamed_copy_sets(sm, tok, task, o.copy_sets)[0] if o.protocol == "exact-copy" else None
+    return ReferenceSide(logits, logits, None, "", sets, None if sets is None else sets.passes[0])
+
+
 def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Optional[int] = None,
-                        protocol: Optional[str] = None, copy_sets: int = 5) -> dict:
+                        protocol: Optional[str] = None, copy_sets: int = 5, stream: bool = False) -> dict:
     """Run the reference once and write its base to ``out``; returns a summary
-    (tokens scored, bytes, seconds, the storage error bound)."""
+    (tokens scored, bytes, seconds, the storage error bound). ``stream``: through
+    the layer-streamed forward (the whole model is never held; no greedy
+    response then, its hash stored empty)."""
     import numpy as np
     import torch
 
@@ -105,9 +119,14 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     o = Options(source=Path(source), tokens=None if tokens is None else Path(tokens),
                 text=None if text is None else Path(text), protocol=protocol, ctx_size=ctx_size, copy_sets=copy_sets)
     tok, _ = _tokenizer(o.source)
-    with C.one_thread():
-        ref = load_reference(o.source)
-    cfg = ref.config
+    if stream:
+        from ds4quant.runtime.stream import reference_config
+
+        cfg = reference_config(o.source)
+    else:
+        with C.one_thread():
+            ref = load_reference(o.source)
+        cfg = ref.config
     seqs, what = eval_tokens(o, tok, cfg.vocab_size, cfg.max_position_embeddings)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     pos = scored_positions(o, seqs)
@@ -115,7 +134,8 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     cols = torch.tensor([p[1] for p in pos], dtype=torch.long)
     task = copy_task(o.source)
     prompt = [tok.bos_token_id] + tok.encode(fd.protocol_trials(task)[0].prompt)
-    side = run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o)
+    side = _streamed_side(o, seqs, pos, pad, tok, task) if stream else \
+        run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o)
     q = K.quantize_log_probs(side.logits)
     exp = _expect(o, seqs, cfg)
     header = {"source_fingerprint": exp["source_fingerprint"], "tokens_sha256": exp["tokens_sha"],
