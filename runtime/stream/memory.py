@@ -157,6 +157,10 @@ def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: An
         else:
             store = "memmap"
             left = budget - (floor + max(layer_min, default=0))
+        # Decoding an expert briefly holds its three matrices twice (the values and the
+        # gate/up concatenation), and the allocator keeps some slack: the cache stops
+        # short of the budget by that much.
+        left -= 2 * max(one_expert, default=0) + budget // 16
         need_all = max(all_experts, default=0)
         cache = None if left >= need_all else max(0, left)
     devices = tuple(device for _ in layer_min)
