@@ -12,11 +12,10 @@ scenario): the subset the always-on test compiles.
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
-
-import re
+from dataclasses import dataclass
 
 from ds4quant.runtime.kernels import catalog
 
