@@ -66,13 +66,16 @@ def _topk(counter: TieCount, x, k, dim=-1, largest=True, sorted=True):
 
 @contextlib.contextmanager
 def stable_indexer(model) -> Iterator[TieCount]:
-    """Inside the block every CSA indexer of ``model`` breaks top-k ties by position."""
+    """Inside the block every CSA indexer of ``model`` breaks top-k ties by position.
+
+    A model that is no torch module (another engine's adapter) has no indexer
+    of ours to patch: the block changes nothing and counts no ties."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
 
     counter = TieCount()
     cls = _stable_class(counter)
     handles = []
-    for mod in model.modules():
+    for mod in (model.modules() if hasattr(model, "modules") else ()):
         if isinstance(mod, DeepseekV4Indexer):
             handles.append(mod.scorer.register_forward_hook(lambda m, a, out: out.as_subclass(cls)))
     try:
