@@ -247,7 +247,7 @@ def _approximated(cand, o, seqs, pad, rows, cols, side, targets, tok, task):
 # the measurement
 
 
-def _tokenizer(source: Path):
+def tokenizer_for(source: Path):
     from ds4quant.runtime import fidelity as fd
     from ds4quant.verify._candidate import source_tokenizer
 
@@ -285,7 +285,7 @@ def measure(ctx: Context) -> FidelityReport:
         from ds4quant.verify.streamed import measure_streamed
 
         return measure_streamed(ctx)
-    tok, tok_kind = _tokenizer(o.source)
+    tok, tok_kind = tokenizer_for(o.source)
     with C.one_thread():
         ref = load_reference(o.source)
     cfg = ref.config
@@ -356,7 +356,7 @@ def measure(ctx: Context) -> FidelityReport:
                 measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt, tok, task, o.protocol,
                                RESPONSE_TOKENS, side.copy_passes, side.response_sha256)
                 for e in o.engines))
-    _checks(ctx, rep)
+    report_checks(ctx, rep)
     return dataclasses.replace(rep, seconds=time.perf_counter() - t0)
 
 
@@ -378,7 +378,7 @@ def placement_runs(view, placements) -> tuple:
     return tuple(out)
 
 
-def _checks(ctx: Context, rep: FidelityReport) -> None:
+def report_checks(ctx: Context, rep: FidelityReport) -> None:
     _quality_checks(ctx, "fidelity", f"{rep.mode} mode", rep.logits, rep.exact_copy, rep.eval_tokens, rep.layers,
                     rep.kl)
     for eng in rep.engines:

@@ -108,7 +108,7 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     from ds4quant.runtime.reference import load_reference
     from ds4quant.verify import _candidate as C
     from ds4quant.verify._run import Options
-    from ds4quant.verify.fidelity import PROTOCOLS, _tokenizer, copy_task, eval_tokens, scored_positions
+    from ds4quant.verify.fidelity import PROTOCOLS, tokenizer_for, copy_task, eval_tokens, scored_positions
 
     t0 = time.perf_counter()
     if tokens is not None and text is not None:
@@ -118,7 +118,7 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     check_sets(copy_sets)
     o = Options(source=Path(source), tokens=None if tokens is None else Path(tokens),
                 text=None if text is None else Path(text), protocol=protocol, ctx_size=ctx_size, copy_sets=copy_sets)
-    tok, _ = _tokenizer(o.source)
+    tok, _ = tokenizer_for(o.source)
     if stream:
         from ds4quant.runtime.stream import reference_config
 
