@@ -137,7 +137,7 @@ def print_report(r: dict) -> None:
     print("(cache): priced from the measurement cache only (MIX with the optimized books); "
           "*: not loadable by Lucebox (rocmfp3_mix on gate/up), so outside the tensor-granularity choices")
 
-    print("\nissue 4 checks:")
+    print("\nallocation checks:")
     for gname, ch in r["checks"].items():
         a, b = ch["at_strix"], ch["at_2.7"]
         print(f"  [{gname}] target {r['strix_bpw']:.6f} (rocmfp2-strix): adaptive {_f(a['adaptive_db'], '.3f')} dB "

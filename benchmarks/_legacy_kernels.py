@@ -1,7 +1,7 @@
 """The measure stage's kernels from before its speed-up: the anchor that
 benchmarks/adaptive.py times the current ones against, in the same run.
 
-- ``_encode_nb`` (mode 1, §9.4) and ``_encode_fixed_nb`` (mode 0): the MIX
+- ``_encode_nb`` (mode 1, docs/formats.md#mix-encoder) and ``_encode_fixed_nb`` (mode 0): the MIX
   encode one row per prange iteration with a binary-search NL, every byte
   of mode 0 evaluated. The same bytes and refusals as the library's
   vectorised search (``ds4quant.formats.search``); ``encode`` wraps them as
@@ -46,7 +46,7 @@ def _nl_nb(v, split):
 
 @numba.njit(cache=True, nogil=True)
 def _put_code(qs, i, code, bits):
-    # LE bit stream: code bit j -> stream bit bits*i + j (§3, §5)
+    # LE bit stream: code bit j -> stream bit bits*i + j (docs/formats.md#rocmfp2, #rocmfp3)
     pos = bits * i
     byte = pos >> 3
     sh = pos & 7
@@ -58,7 +58,7 @@ def _put_code(qs, i, code, bits):
 @numba.njit(cache=True, inline="always")
 def _scan_half(x, r, c0, w, has_w):
     """One half's max |x|, whether all 16 values are finite, and whether every
-    importance weight is finite and >= 0 (§9.4 steps 1-3)."""
+    importance weight is finite and >= 0 (docs/formats.md#mix-encoder steps 1-3)."""
     zero_f = np.float32(0.0)
     m = zero_f
     finite = True

@@ -52,7 +52,7 @@ current ones on 1 and all threads, each from an empty cache at 2.8333 bpw and
 warm at 2.7, with the weighted SQNR of both plans and a check that plans,
 errors and GGUF bytes agree.
 
-Where the measure stage spends its time (issue 14; cProfile, 1 thread,
+Where the measure stage spends its time (cProfile, 1 thread,
 samples/ds4-tiny with its calibration, --fit-effort 6,1,512, 192 expert
 matrices x 6 candidates; a shared 2-core machine, so shares, not seconds):
 
@@ -67,14 +67,14 @@ matrices x 6 candidates; a shared 2-core machine, so shares, not seconds):
     non-MIX candidates (scale search), MIX decode,
       codebook validation, Python glue                      8 %
 
-    after the previous session (17 CPU s, the same plan, errors and bytes)
+    with the vectorised MIX search (17 CPU s, the same plan, errors and bytes)
     vectorised MIX search (SIMD lanes over 64 halves)       23 %
     book projection (numba) + fit glue                      ~15 %
     non-MIX candidate encodes (unchanged)                    7 %
     the measurement cache's JSON, rewritten per tensor       8 %
     mode-0 search (vectorised), fused error / level sums     9 %
 
-    now (12 CPU s under load 8; cProfile shares)
+    with windowed searches (12 CPU s under load 8; cProfile shares)
     mode-1 MIX search, 8,576 calls (~22 per MIX fit: 3 starts
       x <= 6 Lloyd steps, the final errors, the encode)     37 %
     non-MIX candidate encodes (scale search), 832 calls     10 %
@@ -84,7 +84,7 @@ matrices x 6 candidates; a shared 2-core machine, so shares, not seconds):
     mode-0 search (a window of bytes, not 126)               4 %
     numpy sums, reference fitter, error_sums, glue          35 %
 
-    session 4 (8.5 CPU s under load 2.5; the same plans and bytes)
+    with the fitter's sums fused (8.5 CPU s under load 2.5; the same plans and bytes)
     mode-1 search + the fitter's float64 terms, Lloyd sums and np.sum's
       pairwise order in one numba call, 8,064 calls         47 %
     non-MIX candidate encodes (scale search), 832 calls     16 %
@@ -99,16 +99,16 @@ At DS4 Flash shapes (--ds4-shape 1: gate/up 2048 x 4096, down 4096 x 2048,
 the Lloyd steps on 512 sampled rows, the final evaluations on all rows):
 mode-1 search 36 %, non-MIX encodes 27 %, the fitter's sums 11 %, mode-0
 search 11 %, decodes 3 %, error sums 2 %: the full-row evaluations and the
-non-MIX candidates weigh more than on the sample. Session 4 (1 core, 20 s for
+non-MIX candidates weigh more than on the sample. Fused sums (1 core, 20 s for
 one expert under load 3): mode-1 search with its sums 36 %, non-MIX encodes
 32 %, mode-0 search 12 % and its sums 6 %, the final encode 4 %.
 
 Measured with --cost-only on the 2-core machine (load 8-13): 1 core 5.5x
 fewer CPU s/GB than the anchor (16,580 -> 3,013), 7.5x wall; 2 cores
-(--jobs 2) 14.4x wall; plans, errors and GGUF bytes identical. Session 4
-(load 2.0-2.7, benchmarks/results/adaptive_cost_ds4tiny_2core_run2.json):
+(--jobs 2) 14.4x wall; plans, errors and GGUF bytes identical. With the
+fitter's sums fused (load 2.0-2.7):
 1 core 6.5x fewer CPU s/GB (16,055 -> 2,463), 6.8x wall; at load 3.1-4.1
-(..._run3.json): 1 core 6.5x CPU, 8.6x wall, 2 cores 14.3x, --fit-effort
+(benchmarks/results/adaptive_measure_ds4tiny_2core.json): 1 core 6.5x CPU, 8.6x wall, 2 cores 14.3x, --fit-effort
 3,0,512 on 2 cores 22.2x (the same plans, 0.2 dB less).
 """
 
@@ -290,7 +290,7 @@ def strix_bpw() -> float:
 
 def measure_cost(run: "Runner", work: Path, facts: dict, threads: int, devices=(), efforts=(),
                  anchor: bool = True, one_core: bool = True, partial: Optional[Path] = None) -> dict:
-    """The measure stage's cost per GB of FP4 source, before and after issue 14,
+    """The measure stage's cost per GB of FP4 source, before and after its speed-up,
     in this run: the pre-change kernels (``legacy_kernels()``, 1 thread, the
     anchor), the current ones on 1 core and on ``threads`` cores (``--jobs``
     experts at once), on each of ``devices`` (``--device``), and at each of
@@ -424,7 +424,7 @@ def benchmark(args) -> dict:
                            "imatrix_predicted_db": result["uniform"].get(label, {}).get("imatrix_sqnr_db")}
         result["uniform_converted"] = real
 
-        # the questions of issue 4, per granularity
+        # allocation checks per granularity: the gain at rocmfp2-strix's size, the 2.7 bpw budget
         checks = {}
         for g in grans:
             rb = runs.get((g, B)) or run.convert(target=B, granularity=g, cache=cache["optimized"], threads=threads)

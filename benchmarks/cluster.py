@@ -1,4 +1,4 @@
-"""Benchmark the expert-parallel cluster (issue 10): MoE layer latency at batch 1
+"""Benchmark the expert-parallel cluster: MoE layer latency at batch 1
 and 64 and bytes resident per rank for 1, 2 and 4 gloo ranks on localhost.
 
     python benchmarks/cluster.py            # DS4 layer shapes (hidden 4096, expert 2048, top-6), 32 experts

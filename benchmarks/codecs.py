@@ -4,7 +4,7 @@ For every registered qtype that can encode, on float32 input of --rows x
 --cols (default 512 x 4096, 8 MiB):
 
 * encode and decode throughput, single-thread and all-core, in MB/s of
-  float32 input (MB = 1e6 bytes, as in spec §15), each beside gguf-py's own
+  float32 input (MB = 1e6 bytes), each beside gguf-py's own
   numpy Q4_0 quantizer / dequantizer timed in the same run (ratio column);
 * SQNR in dB on Gaussian and Laplace data, beside the Gaussian
   rate-distortion bound at the format's bits per weight (6.02 * bpw dB).

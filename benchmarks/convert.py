@@ -19,7 +19,7 @@ ceiling and the conversions see the same cache state):
 Figures: source MB/s = source bytes / conversion seconds; encode MB/s =
 source FP4 expert bytes (codes + scales) / seconds spent in routed-expert
 tensors (read, dequantize, encode, error figures, piece write); "x ceiling" =
-source MB/s / read-and-hash MB/s. The memory target (issue 3) is peak RSS
+source MB/s / read-and-hash MB/s. The memory target is peak RSS
 within about 2x the largest tensor plus a fixed overhead: the table shows
 (peak - overhead) / largest tensor, with the largest tensor counted as its
 float32 values (what the converter holds while encoding it), for the total
@@ -48,7 +48,7 @@ import make_synthetic  # noqa: E402
 
 _EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
 _READ = 8 << 20
-RSS_FACTOR = 2.0  # issue 3: "within about 2x the largest tensor plus a fixed overhead"
+RSS_FACTOR = 2.0  # memory target: peak RSS within about 2x the largest tensor plus a fixed overhead
 
 
 # --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Benchmark the bundled runtime's MoE layer against two anchors (issue 9).
+"""Benchmark the bundled runtime's MoE layer against two anchors.
 
     python benchmarks/runtime.py                      # DS4 layer shapes: hidden 4096, expert 2048, 256 experts, top-6
     python benchmarks/runtime.py --quick              # tiny shapes (a smoke run of the script)

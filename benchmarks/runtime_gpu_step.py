@@ -6,12 +6,12 @@
 Layer as in benchmarks/runtime_gpu.py (256 experts resident, top-6, hidden
 4096, expert 2048, rocmfp2-strix from seeded random valid bytes). In one run:
 
-* before: a previous ``gemv_triton.py`` (``--before``, e.g. session 3's) and
+* before: a previous ``gemv_triton.py`` (``--before``, e.g. an earlier revision's) and
   the grouped tl.dot kernels, from CUDA graphs;
 * after: the decode-step kernels (``kernels/gemv_triton``), a tile sweep per
   stage, every tile's output against a float64 product on the device;
-* three figures for the best tiles: the same experts every replay (what
-  session 3 reported: 53.5 MB is about the 50 MB L2, so some weights come
+* three figures for the best tiles: the same experts every replay (the
+  optimistic figure: 53.5 MB is about the 50 MB L2, so some weights come
   from L2), the headline: a new expert set (16 disjoint sets cycled) copied
   into the graph's id buffer before each timed replay, and pipelined: one
   graph of 8 decode steps over 8 disjoint sets, time / 8;
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_gpu as base  # noqa: E402
 
 # (rows per program, 16-weight words per step, warps, pipeline stages, prefetch, computed scales) of the
-# decode-step kernels; run 1 of session 4 led with (8, 32, 2) for gate/up, (16, 32, 2, no prefetch) for down
+# decode-step kernels; an H200 sweep led with (8, 32, 2) for gate/up, (16, 32, 2, no prefetch) for down
 TILES = [(8, 32, 2, 1, True, False), (8, 32, 2, 1, True, True), (16, 32, 2, 1, False, True),
          (16, 32, 2, 1, True, True), (8, 32, 4, 1, True, True), (16, 64, 8, 1, True, True),
          (8, 64, 4, 1, True, True), (16, 32, 4, 1, False, True), (8, 16, 2, 1, True, True), (4, 64, 2, 1, True, True)]
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     if cuda:
         res["floor_b1_us"] = res["bytes_b1"] / (res["copy_TBps"] * 1e12) * 1e6
 
-    # ---- before: the session-3 decode-step kernel (--before: a copy of its gemv_triton.py), and the
+    # ---- before: an earlier decode-step kernel (--before: a copy of its gemv_triton.py), and the
     # grouped tl.dot kernels of moe_triton (the 112 us path)
     from ds4quant.runtime.kernels import gemv_triton as gk
     from ds4quant.runtime.owners.cuda_owner import group_t

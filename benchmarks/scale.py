@@ -201,6 +201,9 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=2, help="slice of DS4 Flash to generate (default 2)")
     ap.add_argument("--ratio-offset", type=int, default=0, help="first DS4 Flash layer of the slice's pattern")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts per layer of the generated slice (default DS4 Flash's 256; fewer keeps "
+                         "every matrix's shape, for memory figures at a fraction of the time)")
     ap.add_argument("--source", help="an existing checkpoint folder instead of generating one")
     ap.add_argument("--work", help="work folder (default: a new temp folder, removed unless --keep)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
@@ -236,7 +239,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             subprocess.run([sys.executable, str(REPO / "samples" / "make_synthetic.py"), str(src), "--preset",
                             "ds4-flash", "--layers", str(a.layers), "--ratio-offset", str(a.ratio_offset),
-                            "--force"], check=True, env=env, stdout=subprocess.DEVNULL)
+                            "--force"] + (["--experts", str(a.experts)] if a.experts else []),
+                           check=True, env=env, stdout=subprocess.DEVNULL)
             res["generate_seconds"] = time.perf_counter() - t0
         res["source_bytes"] = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         n = json.loads((src / "config.json").read_text())["num_hidden_layers"]

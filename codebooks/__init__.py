@@ -1,10 +1,10 @@
 """Codebook fitting, validation, and the out-of-band tables' wire formats.
 
-    fit_reference(matrices, levels, importance)   the Lucebox fitter, bit-exact (§10)
+    fit_reference(matrices, levels, importance)   the Lucebox fitter, bit-exact (docs/formats.md#mix-fitter)
     fit_optimized(matrices, qtype, importance)    ours: Lloyd against the MIX encoder
     CodebookEntry / CodebookTable                 ds4quant's name-keyed table
     read_table / write_table / check_coverage     its wire and the exact-cover rule
-    p4mix, gumix, dmix                            Lucebox sidecars (§11)
+    p4mix, gumix, dmix                            Lucebox sidecars (docs/formats.md#p4mix, #gumix, #dmix)
     to_lucebox / from_lucebox                     table <-> Lucebox sidecars
 """
 

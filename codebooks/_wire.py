@@ -13,7 +13,7 @@ import numpy as np
 
 from ds4quant.errors import CodebookError, CorruptDataError
 
-MAX_EXPERTS = 65536  # Lucebox reader bound on E (spec §11.1)
+MAX_EXPERTS = 65536  # Lucebox reader bound on E (docs/formats.md#p4mix)
 MAX_DIM = 1 << 20  # Lucebox reader bound on out / in
 
 
@@ -110,7 +110,7 @@ def f32_to_bf16(values: np.ndarray, what: str) -> np.ndarray:
 
 def check_books(books: np.ndarray, modes: np.ndarray, what: str) -> None:
     """Books float32 (E, 2, L): finite and strictly increasing per book for
-    every expert in mode 1 (mode-0 experts never read their books, §9.3)."""
+    every expert in mode 1 (mode-0 experts never read their books, docs/formats.md#mix)."""
     if books.shape[0] == 0:
         return
     use = modes == 1

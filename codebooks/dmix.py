@@ -1,4 +1,4 @@
-"""``DMIXs1``: Lucebox's sidecar for dense (attention) MIX tensors (§11.3).
+"""``DMIXs1``: Lucebox's sidecar for dense (attention) MIX tensors (docs/formats.md#dmix).
 
 Wire (little-endian, defined by Lucebox's reader; ours is the only writer)::
 

@@ -1,4 +1,4 @@
-"""``GUMIXs1``: Lucebox's split sidecar of qtype-106 routed codebooks (§11.2).
+"""``GUMIXs1``: Lucebox's split sidecar of qtype-106 routed codebooks (docs/formats.md#gumix).
 
 Wire (little-endian, no padding, no checksum, no trailing bytes)::
 
@@ -13,8 +13,8 @@ Wire (little-endian, no padding, no checksum, no trailing bytes)::
 
 There is no rotation field. Entry size = 28 + 17E; DS4 Flash (E = 256,
 86 entries) is 376,696 B. The fused ``GUMIXv1`` form is refused. Reader
-checks as P4MIXv1 (§11.1) per (layer, surface), plus surface <= 2 and
-in % 128 == 0 (qtype 106's row rule, §9.3).
+checks as P4MIXv1 (docs/formats.md#p4mix) per (layer, surface), plus surface <= 2 and
+in % 128 == 0 (qtype 106's row rule, docs/formats.md#mix).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The reference codebook fitter (Lucebox ``HistogramFitter``), spec §10.
+"""The reference codebook fitter (Lucebox ``HistogramFitter``), docs/formats.md#mix-fitter.
 
 One fitter per (layer, expert, book group): gate rows then up rows for the
 106 gate/up books, down rows for the 105 books. Values are added half by half
@@ -25,7 +25,7 @@ from ds4quant.errors import BadInputError, CodebookError, ShapeError
 
 BINS = 4097  # bin b sits at coord(b) = -1 + 2b/4096
 _HALF = 16
-_ZERO_HALF_MASS = 16.0  # a zero half adds 16.0 to population 0, bin 2048 (§10 step 3)
+_ZERO_HALF_MASS = 16.0  # a zero half adds 16.0 to population 0, bin 2048 (docs/formats.md#mix-fitter)
 _PEAKY_RATIO = 0.52  # rms/max below this -> population 0
 LLOYD_ITERATIONS = 24
 _REF_ROWS = 256  # rows per numpy-reference chunk
@@ -220,7 +220,7 @@ def _seq_sum(a: np.ndarray) -> float:
 
 
 def _lloyd(h: np.ndarray, levels: int) -> np.ndarray:
-    """§10 Lloyd: quantile init, 24 iterations, sorted float32 (levels,) centres."""
+    """The Lloyd iteration (docs/formats.md#mix-fitter): quantile init, 24 iterations, sorted float32 (levels,) centres."""
     mass = _seq_sum(h)
     if not (mass > 0):
         raise CodebookError(
@@ -346,7 +346,7 @@ def _bf16_repair(c: np.ndarray, population: int) -> tuple[np.ndarray, bool]:
             repaired = True
     if _bf16_value(bits[-1]) > 1.0:
         bits[-1] = 0x3F80
-        for j in range(len(bits) - 1, 0, -1):  # not flagged as a repair (§10)
+        for j in range(len(bits) - 1, 0, -1):  # not flagged as a repair (docs/formats.md#mix-fitter)
             if _bf16_value(bits[j - 1]) >= _bf16_value(bits[j]):
                 bits[j - 1] = _step_down(bits[j])
     vals = [_bf16_value(b) for b in bits]
@@ -447,7 +447,7 @@ def fit_reference_result(
 
 
 def fit_reference(matrices: Sequence[np.ndarray], levels: int, importance=None, *, impl: str = "auto"):
-    """Fit one expert's two books exactly like the Lucebox converter (§10).
+    """Fit one expert's two books exactly like the Lucebox converter (docs/formats.md#mix-fitter).
 
     matrices: float32 (rows, cols) arrays added in order (gate then up for 106,
         down for 105); cols % 16 == 0.

@@ -1,6 +1,6 @@
 """Convert ds4quant's name-keyed table to Lucebox's sidecar blobs and back.
 
-Lucebox keys codebooks by layer and surface, not by name (§11), using the
+Lucebox keys codebooks by layer and surface, not by name (docs/formats.md#gumix, #p4mix), using the
 GGUF tensor names of its DeepSeek-V4 loader:
 
     blk.L.ffn_{gate,up}_exps.weight  rocmfp2_mix (106) -> GUMIXs1 surface 0/1

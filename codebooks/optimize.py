@@ -1,7 +1,7 @@
 """ds4quant's own codebook fitter: Lloyd against the MIX encoder itself.
 
-The reference fitter (§10) clusters max-normalised values in a histogram; the
-encoder (§9.4) then picks, per half, a book and a UE4M3 scale from a window,
+The reference fitter (docs/formats.md#mix-fitter) clusters max-normalised values in a histogram; the
+encoder (docs/formats.md#mix-encoder) then picks, per half, a book and a UE4M3 scale from a window,
 so the books it is given are not the books that minimise its error.
 ``fit_optimized`` closes that loop, for one expert's book pair:
 
@@ -13,7 +13,7 @@ so the books it is given are not the books that minimise its error.
    level[b][j] = sum(w S x) / sum(w S^2), the exact least-squares level for
    those choices (w = the importance, raw as the encoder uses it); rescale
    each book by a power of two so max|level| is in (0.5, 1] (a scale byte
-   moves by 8 per octave, so this is free), bf16-round and repair (§10).
+   moves by 8 per octave, so this is free), bf16-round and repair (docs/formats.md#mix-fitter).
 3. The error of a candidate is sum_c q_c (x - decode(encode(x)))^2 in float64
    over every matrix (q = 1 without importance). The result is the best of the
    reference books, the best refined books and fixed levels (mode 0), so it

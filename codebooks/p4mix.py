@@ -1,4 +1,4 @@
-"""``P4MIXv1``: Lucebox's sidecar of qtype-105 routed down-expert codebooks (§11.1).
+"""``P4MIXv1``: Lucebox's sidecar of qtype-105 routed down-expert codebooks (docs/formats.md#p4mix).
 
 Wire (little-endian, no padding, no checksum, no trailing bytes)::
 

@@ -1,6 +1,6 @@
 """One routed-expert codebook record of a Lucebox blob, and the coverage rule.
 
-P4MIXv1 (§11.1) and GUMIXs1 (§11.2) both carry, per (layer, surface), a
+P4MIXv1 (docs/formats.md#p4mix) and GUMIXs1 (docs/formats.md#gumix) both carry, per (layer, surface), a
 3-D expert tensor's per-expert modes and book pairs. ``MixEntry`` is that
 record; ``check_routed_coverage`` is the loader's rule that every resident
 tensor is covered exactly once with matching dimensions.

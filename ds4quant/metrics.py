@@ -92,6 +92,12 @@ class ErrorFigures:
     max_abs: Optional[float] = None
     finite: bool = True
     expert_sqnr_db: tuple[float, ...] = ()
+    # experts of a stack the importance matrix has no data for (the calibration never routed a
+    # token to them): wsse/wssx cover the other experts only, and these experts' unweighted
+    # error is kept apart, so the weighted figure neither drops them silently nor goes missing
+    unreached: tuple[int, ...] = ()
+    unreached_sse: float = 0.0
+    unreached_ssx: float = 0.0
 
     @classmethod
     def of(cls, s: Sums, expert_sqnr_db: tuple[float, ...] = ()) -> "ErrorFigures":
@@ -130,15 +136,32 @@ class ErrorFigures:
             return 0.0
         return self.dot / math.sqrt(self.ssx * self.ssy)
 
+    @property
+    def unreached_rel_mse(self) -> Optional[float]:
+        """Unweighted relative MSE over the unreached experts (None when there are none)."""
+        if not self.unreached or not self.unreached_ssx:
+            return None
+        return self.unreached_sse / self.unreached_ssx
+
     def plus(self, o: "ErrorFigures") -> "ErrorFigures":
         def add(a, b):
             return None if a is None or b is None else a + b
 
+        def add_weighted(a, b):
+            # a part with no weighted figure only because none of its experts were reached adds nothing
+            if a is None and self.unreached:
+                return b
+            if b is None and o.unreached:
+                return a
+            return add(a, b)
+
         return ErrorFigures(
             self.origin if self.origin == o.origin else "mixed", self.n + o.n, self.sse + o.sse, self.ssx + o.ssx,
-            add(self.wsse, o.wsse), add(self.wssx, o.wssx), add(self.ssy, o.ssy), add(self.dot, o.dot),
+            add_weighted(self.wsse, o.wsse), add_weighted(self.wssx, o.wssx), add(self.ssy, o.ssy),
+            add(self.dot, o.dot),
             None if self.max_abs is None or o.max_abs is None else max(self.max_abs, o.max_abs),
-            self.finite and o.finite, self.expert_sqnr_db + o.expert_sqnr_db)
+            self.finite and o.finite, self.expert_sqnr_db + o.expert_sqnr_db, self.unreached + o.unreached,
+            self.unreached_sse + o.unreached_sse, self.unreached_ssx + o.unreached_ssx)
 
     def to_json(self) -> dict:
         sq = self.sqnr_db
@@ -149,6 +172,10 @@ class ErrorFigures:
             "max_abs_error": finite_or_none(self.max_abs), "cosine": finite_or_none(self.cosine), "finite": self.finite,
             "sse": finite_or_none(self.sse), "ssx": finite_or_none(self.ssx),
             "weighted_sse": finite_or_none(self.wsse), "weighted_ssx": finite_or_none(self.wssx),
+            **({"unreached_experts": list(self.unreached),
+                "unreached_rel_mse": finite_or_none(self.unreached_rel_mse),
+                "unreached_sqnr_db": finite_or_none(sqnr_db(self.unreached_sse, self.unreached_ssx))}
+               if self.unreached else {}),
         }
 
 

@@ -2,7 +2,7 @@
 
 A leaf (imports nothing of ours but ``errors``): the pipeline, the artifact
 view, verify and the runtime take names and keys from here, so a rule is
-written once. Routed-expert stacks (spec ds4-and-lucebox.md §2)::
+written once. Routed-expert stacks (docs/formats.md#ds4-gguf)::
 
     blk.L.ffn_{gate,up,down}_exps.weight            full stack, experts 0..E-1
     blk.L.ffn_{gate,up,down}_exps.<qtype>.weight    compact stack (expert granularity),
@@ -64,9 +64,9 @@ KEY_ROPE_YARN_ATTN_FACTOR = f"{ARCH}.rope.scaling.yarn_attn_factor"
 GATING_FUNC = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
 
 # The one DS4 header table: every UINT32 ``deepseek4.*`` key convert writes, and
-# whether the Lucebox loader requires it (LOADER ``kRequiredU32Keys``, spec
-# ds4-and-lucebox.md §2). ``attention.value_length`` is written (newer loaders
-# read it) but the spec's loader list does not require it.
+# whether the Lucebox loader requires it (LOADER ``kRequiredU32Keys``,
+# docs/formats.md#ds4-gguf). ``attention.value_length`` is written (newer loaders
+# read it) but that loader's list does not require it.
 DS4_U32_KEYS: tuple[tuple[str, bool], ...] = tuple((f"{ARCH}.{k}", req) for k, req in (
     ("block_count", True),
     ("embedding_length", True),

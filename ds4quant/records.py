@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from ds4quant.errors import CorruptDataError
 from ds4quant.metrics import ErrorFigures, finite_or_none
+from ds4quant import names
 from ds4quant.names import EXPERT_GROUPS, GROUPS, MANIFEST_NAME
 
 MANIFEST = MANIFEST_NAME
@@ -530,6 +531,29 @@ class VerifyReport:
                 tot = t.errors if tot is None else tot.plus(t.errors)
         return tot
 
+    def unreached(self) -> Optional[dict]:
+        """The experts the importance matrix never reached (verify ``imatrix=``), or None when
+        it reached every one: their count (layer x expert pairs, and tensor x expert pairs),
+        the weights they hold, their unweighted error (the weighted figure leaves them out),
+        and the first few by name."""
+        from ds4quant.metrics import sqnr_db
+
+        pairs, rows, sse, ssx, n = set(), [], 0.0, 0.0, 0
+        for t in self.tensors:
+            e = t.errors
+            if not t.is_expert or e is None or not e.unreached:
+                continue
+            layer = names.layer_of(t.name)
+            pairs |= {(layer, x) for x in e.unreached}
+            rows += [f"{t.name} expert {x}" for x in e.unreached]
+            sse, ssx = sse + e.unreached_sse, ssx + e.unreached_ssx
+            n += len(e.unreached) * t.n_weights // max(1, t.shape[2] if len(t.shape) == 3 else 1)
+        if not rows:
+            return None
+        return {"experts": len(pairs), "tensor_experts": len(rows), "weights": n,
+                "rel_mse": finite_or_none(sse / ssx) if ssx else None, "sqnr_db": finite_or_none(sqnr_db(sse, ssx)),
+                "first": rows[:5]}
+
     @property
     def summary(self) -> dict:
         ex = [t for t in self.tensors if t.is_expert]
@@ -568,6 +592,8 @@ class VerifyReport:
             "runtimes": list(self.runtimes),
             "runtimes_excluded": {k: list(v) for k, v in self.runtimes_excluded.items()},
             "groups": [g.to_json() for g in self.groups],
+            # only when an imatrix left experts out: the weighted figure covers the others
+            **({"experts_unreached": un} if (un := self.unreached()) is not None else {}),
         }
 
     def to_json(self) -> dict:

@@ -48,10 +48,10 @@ def _fp2_level_nb(v):
 
 @numba.njit(cache=True, inline="always")
 def _weight_nb(fmt, x, q, sigma2):
-    """§2.2 weight of one finite element (the S40 fork: not clamped), as selects.
+    """The importance weight (docs/formats.md#scale-search) of one finite element (the S40 fork: not clamped), as selects.
 
     With q > 0 an overflowing sigma^2 + x*x gives q*sqrt(inf) = inf, so one
-    inf test covers both of §2.2's FLT_MAX cases.
+    inf test covers both FLT_MAX cases of docs/formats.md#scale-search.
     """
     w = q * np.sqrt(sigma2 + x * x)
     if fmt != S40:
@@ -295,7 +295,7 @@ def _smaller_scales_lose_nb(fmt, xg, wg, n, s, z, best):
 
 @numba.njit(cache=True, inline="always")
 def search_nb(fmt, xg, wg, n, max_abs, w_max, init_e, init_err, t, z):
-    """§2.3 for one group with max_abs > 0: returns (e, err(e)).
+    """The scale search (docs/formats.md#scale-search) for one group with max_abs > 0: returns (e, err(e)).
 
     The walk visits e0, e0-1, e0+1, ... from e0 = N(max_abs/top). Walking
     down stops once (w_max*cd)*cd > best with cd = max_abs - top*S > 0: the
@@ -353,14 +353,14 @@ def search_nb(fmt, xg, wg, n, max_abs, w_max, init_e, init_err, t, z):
 def _pack_block_nb(fmt, codes, out, off):
     """Write 32 codes as the format's qs bytes at out[off:]."""
     bits = BITS[fmt]
-    if bits == 4:  # §8 split nibbles: low = weight j, high = weight j+16
+    if bits == 4:  # docs/formats.md#rocmfp4 split nibbles: low = weight j, high = weight j+16
         for j in range(16):
             out[off + j] = np.uint8((codes[j] & 15) | ((codes[j + 16] & 15) << 4))
         return
     nbytes = 4 * bits
     for j in range(nbytes):
         out[off + j] = 0
-    for i in range(32):  # little-endian bit stream, code i at bits*i (§3, §5, §6)
+    for i in range(32):  # little-endian bit stream, code i at bits*i (docs/formats.md#rocmfp2, #rocmfp3, #rocmfp6)
         pos = bits * i
         b = pos >> 3
         v = np.int64(codes[i]) << (pos & 7)
@@ -432,7 +432,7 @@ def _encode_row_nb(fmt, x, imp, has_imp, group, mirror, zero_seed, fp8_nearest, 
             flip = False
             if max_abs > _ZERO:
                 if fp8_nearest and not has_imp:
-                    e = nearest_nb(max_abs / F32(127.0))  # §7: no search
+                    e = nearest_nb(max_abs / F32(127.0))  # docs/formats.md#rocmfp8: no search
                 else:
                     init_e = INIT_E[fmt]
                     init_err = INIT_ERR[fmt]

@@ -1,6 +1,6 @@
-"""The numpy reference of the scale search (rocmfpx-codecs.md §2-§8).
+"""The numpy reference of the scale search (docs/formats.md#scale-search).
 
-Reads like the spec: the scale search evaluates all 126 candidates for every
+Reads like docs/formats.md: the scale search evaluates all 126 candidates for every
 group at once, and sums each candidate's error terms with sequential float32
 adds in element order (never ``np.sum``, which adds pairwise and rounds
 differently). The rule it implements, and the fast path that must give the
@@ -36,24 +36,24 @@ def quantize_ref(fmt: int, x: np.ndarray, inv: np.ndarray) -> np.ndarray:
     a = np.abs(v)
     neg = (x < 0).astype(np.int64)
     if fmt == FP2:
-        # §3: nearest of {-1,0,1,2}, ties to the lower code. The reference
+        # docs/formats.md#rocmfp2: nearest of {-1,0,1,2}, ties to the lower code. The reference
         # compares float32 |q - V| (first minimum wins), which matches the
-        # §3 thresholds only while |q| < 2^24 (checked over every float32);
+        # docs/formats.md#rocmfp2 thresholds only while |q| < 2^24 (checked over every float32);
         # beyond that the distances collapse and the lower code wins, so an
         # outlier of 1e20 at S = 2^-10 gets code 0 (the golden overflow cases).
         dist = np.abs(v[..., None] - LEVELS[FP2, :4]).astype(np.float32)
         code = np.argmin(dist, axis=-1)
-    elif fmt == FP3:  # §5: magnitudes {0,1,2,4}, ties to the lower magnitude
+    elif fmt == FP3:  # docs/formats.md#rocmfp3: magnitudes {0,1,2,4}, ties to the lower magnitude
         idx = (a > F32(0.5)).astype(np.int64) + (a > F32(1.5)) + (a > F32(3.0))
         code = np.where(idx == 0, 0, idx | (4 * neg))
-    elif fmt == FP6:  # §6: m = lroundf(min(|x*inv|, 31))
+    elif fmt == FP6:  # docs/formats.md#rocmfp6: m = lroundf(min(|x*inv|, 31))
         m = _round_half_away(np.minimum(a, F32(31))).astype(np.int64)
         code = np.where(m == 0, 0, m | (32 * neg))
-    elif fmt == FP8:  # §7: q = lroundf(clamp(x*inv, -127, 127)), int8
+    elif fmt == FP8:  # docs/formats.md#rocmfp8: q = lroundf(clamp(x*inv, -127, 127)), int8
         c = np.clip(v, F32(-127), F32(127))
         q = (np.sign(c) * _round_half_away(np.abs(c))).astype(np.int64)
         code = q & 0xFF
-    elif fmt == FP4:  # §8: Codebook10 thresholds, ties to the lower index
+    elif fmt == FP4:  # docs/formats.md#rocmfp4: Codebook10 thresholds, ties to the lower index
         idx = (a[..., None] > FP4_THRESHOLDS).sum(axis=-1)
         code = np.where(idx == 0, 0, idx | (8 * neg))
     elif fmt == S40:  # fork: inner (+-1) up to |x*inv| = 2.5, sign by signbit
@@ -65,7 +65,7 @@ def quantize_ref(fmt: int, x: np.ndarray, inv: np.ndarray) -> np.ndarray:
 
 
 def row_energy_ref(x: np.ndarray) -> np.ndarray:
-    """§2.1 sigma^2 per row: float32 (rows,) for float32 x (rows, k).
+    """Row energy sigma^2 (docs/formats.md#scale-search) per row: float32 (rows,) for float32 x (rows, k).
 
     The float32 sum of finite x_i^2 in element order (a cumulative sum is the
     sequential sum); if a square is non-finite or the sum would pass FLT_MAX,
@@ -98,7 +98,7 @@ def row_energy_s40_ref(x: np.ndarray) -> np.ndarray:
 
 
 def importance_weights_ref(x: np.ndarray, importance: np.ndarray, sigma2: np.ndarray) -> np.ndarray:
-    """§2.2 per-element weights: float32 (rows, k).
+    """Per-element importance weights (docs/formats.md#scale-search): float32 (rows, k).
 
     w = q * sqrtf(sigma^2 + x*x) when q > 0 and both are finite; FLT_MAX when
     sigma^2 + x*x or the product overflows; 0 otherwise.
@@ -126,7 +126,7 @@ def importance_weights_s40_ref(x: np.ndarray, importance: np.ndarray, sigma2: np
 def fork_nearest_ref(t: np.ndarray) -> np.ndarray:
     """The S40 fork's nearest byte: binary search, ties to the lower byte.
 
-    Unlike N() of §1 it does not collapse for huge targets (>224 gives 126).
+    Unlike N() (docs/formats.md#ue4m3) it does not collapse for huge targets (>224 gives 126).
     """
     t = np.asarray(t, dtype=np.float32)
     table = UE4M3[1:127]
@@ -172,7 +172,7 @@ def _lexmin(err: np.ndarray, init_err: np.ndarray, init_e: np.ndarray) -> np.nda
 
 
 def search_ref(fmt: int, xg: np.ndarray, wg, zero_seed: bool = False, chunk: int = 2048):
-    """§2.3 scale byte and its error for every group.
+    """The scale byte (docs/formats.md#scale-search) and its error for every group.
 
     xg float32 (G, n) (may hold NaN/Inf); wg float32 (G, n) weights or None.
     Returns (e uint8 (G,), err float32 (G,)): err is err(e), 0 for e = 0.
@@ -205,7 +205,7 @@ def search_ref(fmt: int, xg: np.ndarray, wg, zero_seed: bool = False, chunk: int
 
 def encode_groups_ref(fmt: int, x: np.ndarray, importance, group: int, *, mirror: bool = False,
                       zero_seed: bool = False, fp8_nearest: bool = False):
-    """Scale bytes and codes for every group of every row (spec §2-§8).
+    """Scale bytes and codes for every group of every row (docs/formats.md#scale-search).
 
     x float32 (rows, cols), importance float32 (cols,) or None, group 16/32.
     mirror: FP2 only, the fp2s option (also search -x; bit 7 when the mirrored

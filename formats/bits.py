@@ -2,7 +2,7 @@
 
 ROCmFPX packs b-bit codes as a little-endian bit stream: code ``i`` of a
 block occupies stream bits ``b*i .. b*i+b-1`` and stream bit ``s`` is bit
-``s % 8`` of byte ``s // 8`` (spec §3, §5, §6). For b = 2 that is the familiar
+``s % 8`` of byte ``s // 8`` (docs/formats.md#rocmfp2, #rocmfp3, #rocmfp6). For b = 2 that is the familiar
 "weight i at bits 2*(i%4) of qs[i//4]"::
 
     qs[0] = w3 w3 w2 w2 w1 w1 w0 w0   (bit 7 .. bit 0)

@@ -2,10 +2,10 @@
 
 Every quantized ROCmFPX / MIX / MXFP4 / Q8_0 weight decodes as one float32
 product of a *level* (a small integer, or a bf16 MIX book entry) and a
-per-group *scale* (UE4M3, E8M0 or f16), spec rocmfpx-codecs.md §3-§9::
+per-group *scale* (UE4M3, E8M0 or f16), docs/formats.md#levels, #mix::
 
     y = levels[table[g], codes[i]] * scale[g]                 g = i // group
-    y = (levels[0, codes[i]] * scale[g]) - offset[g]          rocmfp2_affine (§4)
+    y = (levels[0, codes[i]] * scale[g]) - offset[g]          rocmfp2_affine (docs/formats.md#rocmfp2-affine)
     y = scale[i]                                              plain (group 1)
 
 ``components`` returns those parts for a block array and ``Components.recompose``
@@ -65,7 +65,7 @@ _SCALE_QTYPES = {
 _MIX_BITS = {"rocmfp2_mix": 2, "rocmfp3_mix": 3}
 _PLAIN = {"bf16": K_BF16, "f16": K_F16, "f32": K_F32}
 
-# Mode-0 MIX levels (§9.3): 106 is code - 1, 105 is FP3 sign-magnitude.
+# Mode-0 MIX levels (docs/formats.md#mix): 106 is code - 1, 105 is FP3 sign-magnitude.
 _FIXED = {2: FIXED_106, 3: FIXED_105}
 
 #: float32 value of every f16 word, as numpy converts (NaN payloads kept).
@@ -219,7 +219,7 @@ def components(qtype: str, data: Any, cols: int, codebooks: Any = None, modes: A
 #
 # A block's codes are read in *chunks* of ``per`` codes (``cb`` = per * bits
 # stream bits): 2-bit codes 4 per byte, 3-bit 4 per 12 bits, 6-bit 2 per 12
-# bits, 8-bit 1 per byte; 4-bit split nibbles (§8, MXFP4) give byte j the
+# bits, 8-bit 1 per byte; 4-bit split nibbles (docs/formats.md#rocmfp4, MXFP4) give byte j the
 # codes j and j + 16. ``row_lut`` maps each chunk value to its ``per`` levels
 # (float32 (books, 2^cb, per)), so decoding is one table row times the scale:
 # no per-code shifts or gathers, and the same float32 product as ``decode``.
@@ -355,7 +355,7 @@ def decode_row_nb(kind, p0, p1, row, cols, lut, mode, out, out_bits):
             off = UE4M3[row[o + 9]]
             _group_nb(lut, 0, row, o, 2, 0, 32, s, out, b * 32)
             for i in range(b * 32, b * 32 + 32):
-                out[i] = out[i] - off  # (code * s) - o: two roundings (§4)
+                out[i] = out[i] - off  # (code * s) - o: two roundings (docs/formats.md#rocmfp2-affine)
     elif kind == K_MIX:
         bits = p0
         qsb = 4 * bits
@@ -366,7 +366,7 @@ def decode_row_nb(kind, p0, p1, row, cols, lut, mode, out, out_bits):
                 meta = np.int64(row[o + qsb + h])
                 if mode == 1:
                     _group_any_nb(lut, meta >> 7, row, o, bits, 16 * h, 16, UE4M3[meta & 0x7F], out, b * 32)
-                else:  # mode 0: fixed levels, the whole byte is the scale (§9.3)
+                else:  # mode 0: fixed levels, the whole byte is the scale (docs/formats.md#mix)
                     _group_any_nb(lut, 0, row, o, bits, 16 * h, 16, UE4M3[meta], out, b * 32)
     elif kind == K_MXFP4:
         for b in range(nb):

@@ -1,7 +1,7 @@
 """The DeepSeek-V4 source element formats: FP8 E4M3, E8M0 scales, FP4 E2M1.
 
-An official DeepSeek-V4 checkpoint stores (spec ds4-and-lucebox.md §2,
-ds4-reference-model.md "[C]"):
+An official DeepSeek-V4 checkpoint stores (docs/formats.md#ds4-checkpoint,
+docs/reference-model.md#loading):
 
 - dense weights as ``F8_E4M3`` (e4m3fn: 1 sign, 4 exponent bits with bias 7,
   3 mantissa bits; no infinities, 0x7F/0xFF are NaN) with one ``F8_E8M0``

@@ -28,7 +28,7 @@ class QType:
 
     ``layout`` is the block written as a sum of fields, e.g.
     ``"qs[8] 2-bit codes + e[2] UE4M3 half scales"``; ``block_bytes`` must equal
-    that sum (a test checks each entry against the spec and golden lengths).
+    that sum (a test checks each entry against docs/formats.md and the golden lengths).
     ``variant`` is the explicit tag written per tensor into artifacts, because
     ggml type ids collide between forks (107 has three meanings).
     """

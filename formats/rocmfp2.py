@@ -1,4 +1,4 @@
-"""ROCmFP2 default -- ggml type 107, variant "fp2-default" (spec §3, §12).
+"""ROCmFP2 default -- ggml type 107, variant "fp2-default" (docs/formats.md#rocmfp2).
 
 Block of 32 weights, 10 bytes::
 
@@ -9,13 +9,13 @@ A weight decodes as ``(code - 1) * H(e)``: levels {-1, 0, 1, 2} times the
 half scale ``H(e) = S(e & 0x7F)``, negated when bit 7 is set (the fp2s
 mirror: levels {1, 0, -1, -2}, zero code -> -0.0; ``e & 0x7F == 0x7F`` -> +-0).
 
-The default encoder is the reference one (§2.3 scale search per half with
+The default encoder is the reference one (docs/formats.md#scale-search per half with
 top = 2) and never sets bit 7. Its element quantiser picks the level with
-the smallest float32 ``|x/S - V|``, ties to the lower code: §3's threshold
+the smallest float32 ``|x/S - V|``, ties to the lower code: the threshold (docs/formats.md#rocmfp2)
 table, except that beyond |x/S| = 2^24 the distances collapse and the lower
 code wins (an outlier of 1e20 at S = 2^-10 gets code 0, as the golden
 overflow vectors show). ``fp2s=True`` is our own option (the fp2s
-encoder is unpublished, §13.1): per half it also searches the mirrored level
+encoder is unpublished, docs/formats.md#rocmfp2): per half it also searches the mirrored level
 set -- equivalently it encodes -x -- and sets bit 7 when the mirrored half's
 (weighted) error is strictly lower, so it never raises a half's error.
 """

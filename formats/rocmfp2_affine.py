@@ -1,7 +1,7 @@
-"""ROCmFP2 AFFINE: ggml 107 in a Lucebox built with ROCMFP2_AFFINE, spec §4.
+"""ROCmFP2 AFFINE: ggml 107 in a Lucebox built with ROCMFP2_AFFINE, docs/formats.md#rocmfp2-affine.
 
 One 32-weight block is 10 bytes: 8 bytes of 2-bit codes, then a scale byte
-and an offset byte, both plain UE4M3 (§1; bit 7 is NOT the fp2s mirror)::
+and an offset byte, both plain UE4M3 (docs/formats.md#ue4m3; bit 7 is NOT the fp2s mirror)::
 
     qs[0..7]  weight i at bits 2*(i%4) of qs[i//4]:
               qs[0] = w3 w3 w2 w2 w1 w1 w0 w0   (bit 7 .. bit 0)
@@ -12,10 +12,10 @@ Decode: ``y = (code * s) - o`` with codes 0..3, each operation rounded on its
 own (no FMA). The file carries no sign of which 107 it is; ``variant`` is
 the tag that tells this codec apart from the default ROCmFP2.
 
-Encode (§4): per block, min/max over weighted finite elements, a start point
+Encode (docs/formats.md#rocmfp2-affine): per block, min/max over weighted finite elements, a start point
 from them, then three coordinate sweeps (scale, offset, scale) over all
 UE4M3 bytes, each an argmin with ties to the smaller byte. The error weights
-are the §2.1/§2.2 imatrix weights with sigma^2 over the whole row.
+are the imatrix weights of docs/formats.md#scale-search with sigma^2 over the whole row.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from ds4quant.formats.ue4m3 import UE4M3, nearest_nb, nearest_ref
 _F32 = np.float32
 _BLOCK = 32
 _BLOCK_BYTES = 10
-_TINY = _F32(2.0**-10)  # floor of the start scale, §4 step 3
+_TINY = _F32(2.0**-10)  # floor of the start scale (docs/formats.md#rocmfp2-affine)
 _BLOCK_CHUNK = 1 << 14  # blocks per numpy-reference chunk (bounds memory)
 
 # --------------------------------------------------------------------------
-# §4 numpy reference, vectorised over blocks (each step is the spec's step)
+# docs/formats.md#rocmfp2-affine numpy reference, vectorised over blocks (each step as docs/formats.md writes it)
 
 
 def _acode_ref(x: np.ndarray, s: np.ndarray, o: np.ndarray) -> np.ndarray:
@@ -58,7 +58,7 @@ def _acode_ref(x: np.ndarray, s: np.ndarray, o: np.ndarray) -> np.ndarray:
 
 
 def _block_error_ref(x, w, valid, se, oe) -> np.ndarray:
-    """A(se, oe) per block (§4): float32 (B,).
+    """A(se, oe) per block (docs/formats.md#rocmfp2-affine): float32 (B,).
 
     err = sum over valid elements, in element order, of (w*d)*d with
     d = x - ((code*s) - o). Invalid terms are +0 and leave the sum unchanged.
@@ -77,7 +77,7 @@ def _block_error_ref(x, w, valid, se, oe) -> np.ndarray:
 
 
 def _sweep_ref(x, w, valid, se, oe, which: str, lo: int):
-    """One coordinate sweep (§4 steps 4-6): for e = lo..126, adopt e when its
+    """One coordinate sweep (the sweeps of docs/formats.md#rocmfp2-affine): for e = lo..126, adopt e when its
     error is strictly lower than the running best, or equal with e below the
     current byte. Returns the new (se, oe)."""
     se, oe = se.copy(), oe.copy()
@@ -136,7 +136,7 @@ def _encode_ref(x: np.ndarray, importance: Optional[np.ndarray], codebooks=None)
     if importance is None:
         w = None
     else:
-        w = importance_weights_ref(x, importance, row_energy_ref(x))  # §2.1, §2.2
+        w = importance_weights_ref(x, importance, row_energy_ref(x))  # docs/formats.md#scale-search
     xb = x.reshape(rows * nb, _BLOCK)
     wb = None if w is None else w.reshape(rows * nb, _BLOCK)
     out = np.empty((rows * nb, _BLOCK_BYTES), dtype=np.uint8)
@@ -177,7 +177,7 @@ _NB = dict(cache=True, nogil=True, error_model="numpy")
 
 @numba.njit(**_NB)
 def _weights_nb(row, q, sigma2, w):
-    """§2.2 weights of one row into w (the shared per-element helper)."""
+    """The importance weights (docs/formats.md#scale-search) of one row into w (the shared per-element helper)."""
     for i in range(row.shape[0]):
         w[i] = _weight_nb(FP2, row[i], q[i], sigma2)  # any Lucebox format: the clamped form
 
@@ -245,7 +245,7 @@ def _error_at_zero_scale_nb(xv, wv, n, o):
 
 @numba.njit(**_NB)
 def _adopt_nb(err, lo, cur, best):
-    """The §4 sweep rule over e = lo..126 with incumbent (cur, best)."""
+    """The sweep rule (docs/formats.md#rocmfp2-affine) over e = lo..126 with incumbent (cur, best)."""
     for e in range(lo, 127):
         v = err[e]
         if v < best or (v == best and e < cur):

@@ -1,13 +1,13 @@
 """ROCmFP2 S40 -- ggml type 107 in other forks, variant "fp2-s40".
 
-Not Lucebox: the spec (§0, §13.7) names only its level set. The layout and
+Not Lucebox (docs/formats.md#rocmfp2-s40, #type-107). The layout and
 encoder here follow the public fork sources found in the code index:
 ``ggml/rocmfpx/rocmfpx.{c,h}`` of ``halo-box/strix-llama.cpp`` (commits
 ``b6a3f392`` and ``463bc10e``) and an identical copy in another llama.cpp fork
 ("ROCmFP2 S40 uses the frozen MORD code order {-4, -1, +1, +4}"). Facts only;
 the code is ours.
 
-Block of 32 weights, 10 bytes (the 107 wire of §3)::
+Block of 32 weights, 10 bytes (the 107 wire of docs/formats.md#rocmfp2)::
 
     qs[8]  2-bit codes, weight i at bits 2*(i%4) of qs[i//4]
     e[2]   UE4M3 half scales (weights 0-15, 16-31); e > 0x7E decodes as 0,
@@ -21,7 +21,7 @@ zero scale gives code 0 (the -4 level, times 0 when e = 0); otherwise the
 magnitude is outer (4) when ``|x/S| > 2.5`` (ties inner) and the sign comes
 from ``signbit(x)``, so -0.0 gives -1 and +0.0 gives +1.
 
-Scale search per half: §2.3 with top = 4, with the fork's own weighting:
+Scale search per half: docs/formats.md#scale-search with top = 4, with the fork's own weighting:
 sigma^2 is the plain float32 sum of finite x^2 over k (no double fallback)
 and ``w = q * sqrtf(sigma^2 + x*x)`` is not clamped to FLT_MAX, so an infinite
 weight can make a candidate's error NaN; such a candidate is never chosen.

@@ -1,4 +1,4 @@
-"""ROCmFP3 -- ggml type 104 (Q3_0_ROCMFPX), variant "fp3" (spec §5).
+"""ROCmFP3 -- ggml type 104 (Q3_0_ROCMFPX), variant "fp3" (docs/formats.md#rocmfp3).
 
 Block of 32 weights, 14 bytes::
 
@@ -8,7 +8,7 @@ Block of 32 weights, 14 bytes::
     e[2]    UE4M3 half scales (weights 0-15, 16-31)
 
 Code bit 2 is the sign, bits 0-1 index magnitudes {0, 1, 2, 4}; code 4
-("-0") decodes as +0. Encoder: §2.3 per half with top = 4.
+("-0") decodes as +0. Encoder: docs/formats.md#scale-search per half with top = 4.
 """
 
 from __future__ import annotations

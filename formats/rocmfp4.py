@@ -1,5 +1,5 @@
 """ROCmFP4 -- ggml types 100 (Q4_0_ROCMFP4, "fp4-cb10-h16", 18 B) and
-101 (Q4_0_ROCMFP4_FAST, "fp4-cb10-b32", 17 B) (spec §8).
+101 (Q4_0_ROCMFP4_FAST, "fp4-cb10-b32", 17 B) (docs/formats.md#rocmfp4).
 
 Blocks of 32 weights::
 
@@ -9,7 +9,7 @@ Blocks of 32 weights::
     e       (101) one UE4M3 scale for all 32
 
 Code bit 3 is the sign, bits 0-2 index the Codebook10 magnitudes
-{0, 1, 2, 3, 4, 6, 8, 10}; code 8 ("-0") decodes as +0. Encoder: §2.3 with
+{0, 1, 2, 3, 4, 6, 8, 10}; code 8 ("-0") decodes as +0. Encoder: docs/formats.md#scale-search with
 top = 10 per half (100) or per block (101), and the FP4 rule: a candidate
 whose error is >= FLT_MAX is never chosen; if none is below, e = 0.
 """

@@ -1,4 +1,4 @@
-"""ROCmFP6 -- ggml type 102 (Q6_0_ROCMFPX), variant "fp6" (spec §6).
+"""ROCmFP6 -- ggml type 102 (Q6_0_ROCMFPX), variant "fp6" (docs/formats.md#rocmfp6).
 
 Block of 32 weights, 26 bytes::
 
@@ -7,7 +7,7 @@ Block of 32 weights, 26 bytes::
 
 Code bit 5 is the sign, bits 0-4 the magnitude m in 0..31 (V = +-m; code 32
 decodes as +0). Element quantiser m = lroundf(min(|x/S|, 31)). Encoder:
-§2.3 per half with top = 31.
+docs/formats.md#scale-search per half with top = 31.
 """
 
 from __future__ import annotations

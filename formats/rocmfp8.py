@@ -1,4 +1,4 @@
-"""ROCmFP8 -- ggml type 103 (Q8_0_ROCMFPX), variant "fp8" (spec §7).
+"""ROCmFP8 -- ggml type 103 (Q8_0_ROCMFPX), variant "fp8" (docs/formats.md#rocmfp8).
 
 Block of 32 weights, 33 bytes::
 
@@ -6,9 +6,9 @@ Block of 32 weights, 33 bytes::
     e       one UE4M3 scale for the whole block
 
 Decode ``qs_i * S(e)``. Element quantiser q = lroundf(clamp(x/S, -127, 127)).
-Without importance there is **no search**: ``e = N(max_abs / 127)`` (§1 N,
+Without importance there is **no search**: ``e = N(max_abs / 127)`` (docs/formats.md#ue4m3 N,
 with its float32 collapse towards 1 for huge targets). With importance,
-§2.3 over the 32-block with top = 127.
+docs/formats.md#scale-search over the 32-block with top = 127.
 """
 
 from __future__ import annotations

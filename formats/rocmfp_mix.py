@@ -1,9 +1,9 @@
-"""ROCmFP MIX: ggml 106 (2-bit, 10 B/32) and 105 (3-bit, 14 B/32), spec §9.
+"""ROCmFP MIX: ggml 106 (2-bit, 10 B/32) and 105 (3-bit, 14 B/32), docs/formats.md#mix.
 
-The wire is the uniform ROCmFP2 / ROCmFP3 block (§3, §5); only the two
+The wire is the uniform ROCmFP2 / ROCmFP3 block (docs/formats.md#rocmfp2, #rocmfp3); only the two
 half bytes change meaning. They are "meta" bytes, 7-bit scale + 1-bit book::
 
-    meta = book << 7 | e          e: UE4M3 byte 0..126 (§1), book: 0 or 1
+    meta = book << 7 | e          e: UE4M3 byte 0..126 (docs/formats.md#ue4m3), book: 0 or 1
     106 block: qs[8]  2-bit codes, weight i at bits 2i..2i+1 of qs (LE)
                + e[2] meta (weights 0-15, 16-31)                    = 10 B
     105 block: qs[12] 3-bit codes, weight i at bits 3i..3i+2 of the
@@ -11,19 +11,19 @@ half bytes change meaning. They are "meta" bytes, 7-bit scale + 1-bit book::
 
 A code indexes one of L levels (L = 4 for 106, 8 for 105) of the selected
 book. The books live out of band, one (2, L) bf16 pair and a mode byte per
-expert (§9.2; see ds4quant.codebooks for the tables that carry them).
+expert (docs/formats.md#mix; see ds4quant.codebooks for the tables that carry them).
 
-Decode (§9.3):
+Decode (docs/formats.md#mix):
     mode 1 (codebook): y = S(meta & 0x7F) * level[meta >> 7][code]
     mode 0 (fixed):    y = V(code) * S(meta); the WHOLE meta byte is the
                        scale, so bit 7 set -> scale 0. V is 106: code - 1,
                        105: FP3 sign-magnitude {0, 1, 2, 4, +0, -1, -2, -4}.
 
-Encode: ``mode=1`` (default) is §9.4, the Lucebox CPU reference
+Encode: ``mode=1`` (default) is docs/formats.md#mix-encoder, the Lucebox CPU reference
 ``quantize_row_fp{2,3}_mix_ref``, byte for byte. ``mode=0`` is ds4quant's own
-fixed-level encoder (no public one exists, §13.3): per half the UE4M3 byte
+fixed-level encoder (no public one exists, docs/formats.md#mix-encoder): per half the UE4M3 byte
 1..126 with the least raw-importance-weighted error, ties to the smaller byte,
-with §3's / §5's element quantiser; zero halves get meta 0; the same inputs are
+with the rocmfp2 / rocmfp3 element quantiser (docs/formats.md#rocmfp2, #rocmfp3); zero halves get meta 0; the same inputs are
 refused. Its rows must be decoded with mode 0.
 """
 
@@ -45,7 +45,7 @@ from ds4quant.formats.ue4m3 import UE4M3, UE4M3_INV, nearest_ref
 
 _HALF_CHUNK = 1 << 15  # halves per numpy-reference chunk (bounds memory of N(t))
 
-_FIXED_SPLITS_106 = np.array([-0.5, 0.5, 1.5], dtype=np.float32)  # §3 thresholds
+_FIXED_SPLITS_106 = np.array([-0.5, 0.5, 1.5], dtype=np.float32)  # docs/formats.md#rocmfp2 thresholds
 
 
 # --------------------------------------------------------------------------
@@ -53,7 +53,7 @@ _FIXED_SPLITS_106 = np.array([-0.5, 0.5, 1.5], dtype=np.float32)  # §3 threshol
 
 
 def _nl_ref(v: np.ndarray, split: np.ndarray) -> np.ndarray:
-    """NL(v): binary search over the levels, ties to the lower level (§9.4)."""
+    """NL(v): binary search over the levels, ties to the lower level (docs/formats.md#mix-encoder)."""
     lo = np.zeros(v.shape, dtype=np.int64)
     hi = np.full(v.shape, split.shape[0], dtype=np.int64)  # L - 1
     active = lo < hi
@@ -111,7 +111,7 @@ def _encode_halves_ref(h: np.ndarray, w: Optional[np.ndarray], books: np.ndarray
                 best_err = np.where(adopt, err, best_err)
                 best_b = np.where(adopt, b, best_b)
                 best_e = np.where(adopt, e, best_e)
-        # zero half: book 0, byte 0 (§9.4 step 2)
+        # zero half: book 0, byte 0 (docs/formats.md#mix-encoder step 2)
         best_b[zero] = 0
         best_e[zero] = 0
         status[~zero & (best_err == np.inf)] = NO_CANDIDATE
@@ -125,8 +125,8 @@ def _encode_halves_ref(h: np.ndarray, w: Optional[np.ndarray], books: np.ndarray
 
 
 def _fixed_codes_ref(v: np.ndarray, bits: int) -> np.ndarray:
-    """Mode-0 element quantiser: 106 is §3's nearest of {-1, 0, 1, 2} (ties to
-    the lower code), 105 is §5's sign + {0, 1, 2, 4} (ties to the lower magnitude)."""
+    """Mode-0 element quantiser: 106 is rocmfp2's nearest of {-1, 0, 1, 2} (ties to
+    the lower code), 105 is rocmfp3's sign + {0, 1, 2, 4} (ties to the lower magnitude)."""
     if bits == 2:
         return _nl_ref(v, _FIXED_SPLITS_106)
     a = np.abs(v)
@@ -135,7 +135,7 @@ def _fixed_codes_ref(v: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _encode_halves_fixed_ref(h: np.ndarray, w: Optional[np.ndarray], bits: int):
-    """Mode 0 (ds4quant's encoder; no public reference exists, §13.3): per half
+    """Mode 0 (ds4quant's encoder; no public reference exists, docs/formats.md#mix-encoder): per half
     the byte e in 1..126 with the least raw-weighted error (ties to the smaller
     byte), fixed levels, meta = e (bit 7 clear). Same refusals as mode 1."""
     n = h.shape[0]
@@ -169,7 +169,7 @@ def _encode_halves_fixed_ref(h: np.ndarray, w: Optional[np.ndarray], bits: int):
 
 
 def _encode_ref(x: np.ndarray, importance, books: np.ndarray, *, qt: QType, bits: int, mode: int = 1) -> np.ndarray:
-    """mode 1: the Lucebox reference (§9.4); mode 0: fixed levels (ours)."""
+    """mode 1: the Lucebox reference (docs/formats.md#mix-encoder); mode 0: fixed levels (ours)."""
     if mode not in (0, 1):
         raise BadInputError(f"{qt.name} encoder: mode must be 0 or 1, got {mode!r}")
     rows, cols = x.shape

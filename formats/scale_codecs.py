@@ -1,8 +1,8 @@
 """The scale-search machinery shared by ROCmFP2/3/4/6/8 and ROCmFP2 S40.
 
-Spec: rocmfpx-codecs.md §2 (row energy, importance weights, scale search),
-with the element quantisers of §3 (FP2), §5 (FP3), §6 (FP6), §7 (FP8) and
-§8 (FP4), plus the S40 fork quantiser (see ``rocmfp2_s40``).
+docs/formats.md#scale-search (row energy, importance weights, scale search),
+with the element quantisers of FP2, FP3, FP6, FP8 and FP4 (docs/formats.md#rocmfp2, #rocmfp3, #rocmfp6, #rocmfp8,
+#rocmfp4), plus the S40 fork quantiser (see ``rocmfp2_s40``).
 
 Each format encodes a *group* (a 16-weight half, or a 32-weight block) with
 one UE4M3 scale byte ``e`` and one code per weight. A decoded weight is
@@ -10,7 +10,7 @@ one UE4M3 scale byte ``e`` and one code per weight. A decoded weight is
 
 Two implementations that must give the same bytes:
 
-* ``*_ref`` (numpy): reads like the spec. The scale search evaluates all 126
+* ``*_ref`` (numpy): reads like docs/formats.md. The scale search evaluates all 126
   candidates for every group at once, and sums each candidate's error terms
   with sequential float32 adds in element order (never ``np.sum``, which
   adds pairwise and rounds differently).
@@ -22,14 +22,14 @@ Two implementations that must give the same bytes:
   does, or of all of them); above, the terms of the elements already on the
   zero level, or a proof that every larger scale ties (ties go to the
   smaller byte). No pruned candidate could have been chosen, so the walk
-  returns exactly the argmin the spec defines.
+  returns exactly the argmin docs/formats.md defines.
 
 The search picks ``lexmin((err(e), e))`` over the candidates ``e = 1..126``
 whose error is not NaN, together with an initial pair:
 
 * Lucebox FP2/FP3/FP6/FP8: ``(+inf, 127)``, so "smallest e among the minimum
-  errors, +inf == +inf" (§2.3; all-inf gives e = 1);
-* FP4/FP4-FAST: ``(FLT_MAX, 0)`` -- an error >= FLT_MAX is never chosen (§2.3);
+  errors, +inf == +inf" (docs/formats.md#scale-search; all-inf gives e = 1);
+* FP4/FP4-FAST: ``(FLT_MAX, 0)`` -- an error >= FLT_MAX is never chosen (docs/formats.md#scale-search);
 * S40: ``(+inf, N_fork(max/4))`` as in the fork's walk, or ``(err(0), 0)``
   with the fork's later zero-scale seed (``zero_seed=True``).
 

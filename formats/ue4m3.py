@@ -1,4 +1,4 @@
-"""The UE4M3 scale byte shared by every ROCmFPX format (spec §1).
+"""The UE4M3 scale byte shared by every ROCmFPX format (docs/formats.md#ue4m3).
 
 Byte ``e`` (0..126) decodes to ``M * 2^-10`` when ``E = e >> 3`` is 0, else
 ``(8 + M) * 2^(E - 11)`` with ``M = e & 7``; bytes above 0x7E decode to 0.
@@ -36,7 +36,7 @@ def decode_scale(e: np.ndarray) -> np.ndarray:
 
 
 def nearest_ref(t: np.ndarray) -> np.ndarray:
-    """N(t): the byte in 1..126 nearest to each target (spec §1), uint8.
+    """N(t): the byte in 1..126 nearest to each target (docs/formats.md#ue4m3), uint8.
 
     Distances are float32 ``|S(e) - t|``, ties to the smaller byte, so huge
     targets collapse towards 1 exactly as the reference does. Non-positive or

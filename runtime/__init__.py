@@ -57,7 +57,7 @@ def __dir__() -> list[str]:
 
 def load(artifact, placement: Any = None, mode: "Mode | str" = Mode.EXACT,
          owners: Optional[Mapping[str, object]] = None, recorder=None, overlap: bool = False,
-         cluster: "Optional[ClusterOptions]" = None) -> "Executor":
+         cluster: "Optional[ClusterOptions]" = None, verify_payloads: bool = True) -> "Executor":
     """Load ``artifact`` (folder, .gguf, first split, or an open view) onto ``placement``.
 
     placement: None (one CPU owner, ``cpu:0``), a placement file path, a
@@ -66,8 +66,12 @@ def load(artifact, placement: Any = None, mode: "Mode | str" = Mode.EXACT,
     (prebuilt owners by name; the rest are made from their names), recorder
     (a ``runtime.capture.RoutingRecorder``), overlap (overlapped owner
     submission, ``runtime.overlap``). A placement that records ranks starts
-    them (``cluster``: a ``cluster.ClusterOptions``). Returns an ``Executor``
-    (a context manager).
+    them (``cluster``: a ``cluster.ClusterOptions``). verify_payloads: hash
+    every file the runtime may read (expert, router, shared-expert and other
+    dense payloads, codebook tables) against ``manifest.json`` first and refuse
+    a mismatch naming the tensor (``runtime.integrity``); False only for a
+    folder the caller has checked itself (``ds4quant verify``). Returns an
+    ``Executor`` (a context manager).
     """
     mode = Mode.parse(mode)
     own_view = not hasattr(artifact, "expert_data")
@@ -78,9 +82,13 @@ def load(artifact, placement: Any = None, mode: "Mode | str" = Mode.EXACT,
     else:
         view = artifact  # an open view: the caller closes it
     try:
+        from ds4quant.runtime.integrity import check_payloads, check_structure
         from ds4quant.runtime.placement import as_placement
 
+        check_structure(view)  # before anything sizes a table from the keys
         plc = as_placement(placement, view)
+        if verify_payloads:
+            check_payloads(view)
         if plc.ranks is None:
             if cluster is not None:
                 raise BadInputError("cluster options need a placement that records ranks (ds4quant place --ranks N)",

@@ -38,7 +38,7 @@ g and u are float32 values widened exactly to float64. h is a float32; a
 NaN/Inf h (only from g = -Inf, an overflowed product) fails Q of the down
 projection, which is an error.
 
-Readings of PLAN.md made precise here (R4's torch owner follows them):
+Readings of docs/exact-mode.md made precise here (the torch owner follows them too):
 
 1. Q's row is the projection's whole input: x for gate/up, h for down.
 2. An exact zero sum is +0.0; g = +-Inf is allowed (the sum overflowed

@@ -6,7 +6,7 @@
     res.held           # bool [T, k] numpy: False where the expert is on ``none``
     res.missing        # ((token, slot, expert), ...) held outside this process
 
-Canonical combine (session plan, "Exact mode", last paragraph): per token
+Canonical combine (docs/exact-mode.md#combine): per token
 acc = fl32(w0 * y0); acc = fl32(acc + fl32(wk * yk)) for k = 1..K-1 in the
 token's top-k slot order; out = fl32(acc + shared). Slots on ``none`` are
 skipped here; a cluster combines the per-slot outputs of every rank with

@@ -2,8 +2,8 @@
 
     model.model.layers[L].mlp.experts = rt.experts(L)
 
-The call is the one the sparse-MoE block makes (spec ds4-reference-model.md
-Q2): ``experts(hidden[T,H], top_k_index[T,k] int64, top_k_weights[T,k])``
+The call is the one the sparse-MoE block makes (docs/reference-model.md#experts):
+``experts(hidden[T,H], top_k_index[T,k] int64, top_k_weights[T,k])``
 with flattened tokens and weights that already include the top-k
 renormalisation x routed scale; it returns the weighted routed sum [T,H]
 (the block adds the shared expert itself).

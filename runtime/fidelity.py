@@ -1,6 +1,6 @@
 """Fidelity figures for a causal LM: the exact-copy protocol and logit metrics.
 
-The exact-copy protocol (shared/spec/ds4-and-lucebox.md §1.7, DS4.md): 20
+The exact-copy protocol (docs/usage.md#exact-copy): 20
 identifiers x 3 repeats at temperature 0; the model is shown an
 identifier-bearing line of Python and asked to repeat it, and a trial passes
 only on a verbatim copy. Each repeat puts the same identifier in a different

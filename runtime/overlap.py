@@ -1,4 +1,4 @@
-"""Overlapped owner submission (issue 11's third seed change), off by default.
+"""Overlapped owner submission (cold branches' copies overlap compute), off by default.
 
 With ``overlap=True`` ``execute.run_layer`` submits a layer's owner branches
 like this:

@@ -4,10 +4,10 @@ A placement is data (STYLE.md 11): frozen, versioned, stored as canonical JSON
 with a content hash, validated completely on read. Per layer it lists the
 global expert ids each owner holds (ascending, the owner's local order) and
 ``none``: experts held outside this process (a cluster shard's complement,
-Lucebox's cold owner ``None``, spec ds4-and-lucebox.md §1.4). Every expert of
+Lucebox's cold owner ``None``, docs/usage.md#placement). Every expert of
 every layer is in exactly one of those lists.
 
-A rank placement (issue 10, Lucebox ``cluster_expert_placement.h``) adds
+A rank placement (docs/usage.md#placement, Lucebox ``cluster_expert_placement.h``) adds
 ``ranks``: per layer the owner rank of every expert, or -1 (REPLICATED) for
 the ``replicate_hot`` hottest experts, which every rank holds; token row t of
 a replicated expert is computed by rank (expert + t) % n_ranks. Its per-layer
@@ -515,8 +515,17 @@ def as_placement(placement: Any, view) -> Placement:
         plc, where = placement, "placement"
     else:
         raise BadInputError(f"placement must be None, a path, a mapping or a Placement, got {type(placement).__name__}")
-    plc.check_matches(h.n_layer, h.n_expert, view.fingerprint(), where=where)
+    check_fits(plc, view, where)
     return plc
+
+
+def check_fits(plc: Placement, view, where: Optional[str] = None) -> None:
+    """The one check that a placement fits the artifact ``view``, shared by
+    ``runtime.load`` and ``ds4quant place --check``: the artifact's layers x
+    experts (its deepseek4 keys, else its stacks) and, when the placement
+    records one, its fingerprint. One line naming ``where``."""
+    nb = view.expert_nbytes()
+    plc.check_matches(int(nb.shape[0]), int(nb.shape[1]), view.fingerprint(), where=where)
 
 
 def placement_for_one_owner(n_layer: int, n_expert: int, owner: str = "cpu", n_expert_used: int = 1,

@@ -1,8 +1,8 @@
 """Planning placements from a routing profile (pure functions; no I/O).
 
 ``plan_placement``: Lucebox's byte-budget placement
-(``moe_hybrid_placement.cpp`` ``build_from_stats_with_layer_bytes``; spec
-ds4-and-lucebox.md §1.5), generalized to an ordered list of owners:
+(``moe_hybrid_placement.cpp`` ``build_from_stats_with_layer_bytes``;
+docs/usage.md#placement), generalized to an ordered list of owners:
 
 1. Floor: on the first owner, the ``min_hot`` most selected experts of every
    layer (``RoutingProfile.ranked_experts``: count descending, lower id first).

@@ -2,18 +2,18 @@
 
 The runtime's floor: calibrate records importance and routing through it, and
 fidelity replaces each layer's routed experts with the runtime's executor.
-Facts this module relies on are in spec ds4-reference-model.md:
+Facts this module relies on are in docs/reference-model.md:
 
 - ``DeepseekV4ForCausalLM`` built from config.json holds the checkpoint's
   weights once they are dequantized exactly (the numbers ``from_pretrained``
-  gives on a CPU host, §"Official FP4 experts"); we decode them ourselves
+  gives on a CPU host, docs/reference-model.md#loading); we decode them ourselves
   because transformers keeps FP8/FP4 quantized on recent GPUs.
 - ``model.model.layers[L].mlp`` is a ``DeepseekV4SparseMoeBlock``; its
   ``experts`` module is called as ``experts(hidden[T,H], top_k_index[T,k] int64,
-  top_k_weights[T,k]) -> [T,H]`` with positional arguments (§Q2).
+  top_k_weights[T,k]) -> [T,H]`` with positional arguments (docs/reference-model.md#experts).
 - A replacement module doing the eager math in the same order matches
   ``experts_implementation="eager"`` bit for bit; bits also depend on the torch
-  intra-op thread count (§Q4), so golden runs pin both.
+  intra-op thread count (docs/reference-model.md#determinism), so golden runs pin both.
 
 torch and transformers are imported inside the functions that need them, so
 importing this module (or ``ds4quant --help``) stays light.
@@ -76,7 +76,7 @@ def quiet_transformers() -> Iterator[None]:
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """torch's intra-op thread count set to ``n`` inside the block (the
-    reference model's bits depend on it, spec §Q4), restored after."""
+    reference model's bits depend on it, docs/reference-model.md#determinism), restored after."""
     import torch
 
     old = torch.get_num_threads()

@@ -3,8 +3,8 @@
     python samples/make_ds4_tiny.py            # writes samples/ds4-tiny and samples/tokens.txt
     python samples/make_ds4_tiny.py --check    # rebuild in a temp folder, compare bytes with the shipped copy
 
-What it writes (facts: shared/spec/ds4-reference-model.md "[A2]", "[C]";
-ds4-and-lucebox.md §2):
+What it writes (facts: docs/reference-model.md#tiny-models,
+docs/formats.md#ds4-checkpoint):
 
 - config.json with native DeepSeek keys (num_hash_layers, qk_rope_head_dim,
   compress_rate_{csa,hca}; layer_types for the attention types), the FP8 quantization_config and
@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "ds4-tiny"
 TOKENS = HERE / "tokens.txt"
 
-# The working tiny config of ds4-reference-model.md, 4 layers, first 2 hash-routed.
+# The tiny config of docs/reference-model.md#tiny-models, 4 layers, first 2 hash-routed.
 HF_KWARGS = {
     "vocab_size": 512, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 4,
     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "q_lora_rank": 128,
@@ -136,7 +136,7 @@ SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 
 
 # --------------------------------------------------------------------------
-# official name <-> transformers parameter name (ds4-reference-model.md tables)
+# official name <-> transformers parameter name (docs/reference-model.md#names)
 
 
 def _official_name(hf: str) -> str:

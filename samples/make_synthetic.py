@@ -8,7 +8,7 @@
     from make_synthetic import make_synthetic, preset        # with samples/ on sys.path
     info = make_synthetic("/tmp/syn", preset("tiny"))
 
-It holds what samples/ds4-tiny holds (facts: shared/spec/ds4-and-lucebox.md §2,
+It holds what samples/ds4-tiny holds (facts: docs/formats.md#ds4-checkpoint,
 the same tensor names, dtypes and encodings; the tiny sample's writing helpers
 are imported from make_ds4_tiny.py), at a size set by the options, for
 benchmarks and allocation tests. It is generated, never committed:

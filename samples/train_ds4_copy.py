@@ -62,7 +62,7 @@ SPECIALS = ("<bos>", "<eos>", "<pad>")
 BOS, EOS, PAD = 0, 1, 2
 
 # hidden 128 and widths 64/128/256 keep every FP8 tensor dim <= 128 or a multiple
-# of 128 (ds4-reference-model.md, pitfall 2); 32 experts x 3 x 256 x 128 per layer
+# of 128 (docs/reference-model.md#loading); 32 experts x 3 x 256 x 128 per layer
 # hold ~97% of the parameters.
 FULL = {
     "vocab_size": 264, "hidden_size": 128, "moe_intermediate_size": 128, "num_hidden_layers": 4,

@@ -13,6 +13,13 @@
    prints one table: bpw, bytes, weighted SQNR, KL mean, top-1, exact copy
    x/60 and seconds (convert + verify).
 
+While it runs it says on stderr what each step does and how long it took
+(``[demo 2/8] convert ... done in 3.1 s``), with the library's progress lines
+(a few per step, with ETA) under it on a terminal, and a "still running"
+line when a step has been quiet for 15 s; on a first run it says that numba
+compiles its kernels as the steps first use them. ``--json`` keeps stderr
+quiet.
+
     python scripts/demo.py [--out DIR] [--json]
 
 A script, not part of the library: it prints and sets the exit status (0 when
@@ -27,8 +34,11 @@ import argparse
 import json
 import random
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "samples" / "ds4-copy"
@@ -44,6 +54,87 @@ FIT = dict(fit_iterations=2, fit_max_rows=128)
 PROTOCOL = "exact-copy"
 # rows whose verify failure fails the demo (the others are what 2-3 bpw costs)
 MUST_PASS = ("mxfp4 (lossless)", "adaptive (same size)")
+STEPS = 8  # calibrate, 3 converts, 3 verifies, publish
+# numba's on-disk cache of the kernels the demo runs (cache=True: beside the sources)
+KERNEL_DIRS = ("formats", "formats/search", "codebooks", "runtime", "ds4quant")
+# docs/performance.md#first-run: the compile costs about 90 CPU seconds once
+FIRST_COMPILE_CPU_S = 90
+
+
+class Steps:
+    """The demo's step lines on ``stream`` (None: silent): one when a step
+    starts, one when it ends with its seconds, numbered out of ``total``; and
+    while a step has said nothing for ``quiet_after`` seconds (numba compiling,
+    a model loading), a "still running" line, so a first run never looks hung.
+
+        steps = Steps(8, sys.stderr)
+        with steps("convert mxfp4"):
+            ...                       # [demo 1/8] convert mxfp4 ...
+                                      # [demo 1/8] convert mxfp4: still running (15 s) ...
+                                      # [demo 1/8] convert mxfp4: done in 31.0 s
+    """
+
+    def __init__(self, total: int, stream=None, clock=time.perf_counter, quiet_after: float = 15.0,
+                 quiet_note: str = "", beat_every: Optional[float] = 1.0):
+        self.total, self.stream, self.clock, self.n = total, stream, clock, 0
+        self.quiet_after, self.quiet_note, self.beat_every = quiet_after, quiet_note, beat_every
+        self._lock = threading.Lock()
+        self._what: Optional[str] = None
+        self._t0 = self._last = 0.0
+
+    def say(self, text: str) -> None:
+        if self.stream is not None:
+            with self._lock:
+                print(text, file=self.stream, flush=True)
+                self._last = self.clock()
+
+    def heard(self) -> None:
+        """Something else just spoke for the running step (a library progress line)."""
+        self._last = self.clock()
+
+    def beat(self) -> None:
+        """The heartbeat's check: a "still running" line once the step has been quiet too long."""
+        what = self._what
+        if what is not None and self.clock() - self._last >= self.quiet_after:
+            self.say(f"{self._tag()} {what}: still running ({self.clock() - self._t0:.0f} s){self.quiet_note}")
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.beat_every):
+            self.beat()
+
+    def _tag(self) -> str:
+        return f"[demo {self.n}/{self.total}]"
+
+    @contextmanager
+    def __call__(self, what: str):
+        self.n += 1
+        self.say(f"{self._tag()} {what} ...")
+        self._what, self._t0 = what, self.clock()
+        self._last = self._t0
+        stop = threading.Event()
+        beater = None
+        if self.stream is not None and self.beat_every is not None:
+            beater = threading.Thread(target=self._heartbeat, args=(stop,), daemon=True)
+            beater.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if beater is not None:
+                beater.join()
+            self._what = None
+        self.say(f"{self._tag()} {what}: done in {self.clock() - self._t0:.1f} s")
+
+    def skip(self, what: str, why: str) -> None:
+        self.n += 1
+        self.say(f"{self._tag()} {what}: skipped ({why})")
+
+
+def kernels_cached(root: Path = ROOT) -> bool:
+    """Whether numba has cached compiled kernels beside the sources (an index
+    file per compiled function); none means this run compiles them all."""
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return any(next((root / d / "__pycache__").glob(f"*.{tag}.nbi"), None) is not None for d in KERNEL_DIRS)
 
 
 def calibration_tokens(n: int = CALIB_SEQS) -> list[list[int]]:
@@ -72,8 +163,10 @@ def _calibration_current(calib: Path) -> bool:
         return stored == src.fingerprint()
 
 
-def run(out: Path) -> dict:
-    """Run the pipeline into ``out``; return the rows of the summary table."""
+def run(out: Path, steps: Steps = None, progress=None) -> dict:
+    """Run the pipeline into ``out``; return the rows of the summary table.
+    steps: where the step lines go (default: nowhere); progress: the library's
+    ProgressEvents (None: none)."""
     from ds4quant.plan import AdaptiveOptions
     from ds4quant.calibrate import calibrate
     from ds4quant.convert import convert
@@ -81,11 +174,16 @@ def run(out: Path) -> dict:
     from ds4quant.publish.report import write_report
     from ds4quant.verify import verify
 
+    steps = steps if steps is not None else Steps(STEPS)
     out.mkdir(parents=True, exist_ok=True)
     calib = out / "calib"
     t0 = time.perf_counter()
+    rel = lambda p: p.relative_to(ROOT) if p.is_relative_to(ROOT) else p  # noqa: E731
     if not _calibration_current(calib):
-        calibrate(SAMPLE, calibration_tokens(), calib)
+        with steps(f"calibrate {rel(SAMPLE)} on {CALIB_SEQS} copy-task documents -> {rel(calib)}"):
+            calibrate(SAMPLE, calibration_tokens(), calib, progress=progress)
+    else:
+        steps.skip("calibrate", f"{rel(calib)} is current: reused")
     t_calib = time.perf_counter() - t0
     imatrix, routing, sensitivity = calib / "imatrix.gguf", calib / "routing.csv", calib / "sensitivity.json"
 
@@ -94,21 +192,28 @@ def run(out: Path) -> dict:
 
     arts = []
     t0 = time.perf_counter()
-    mx = convert(SAMPLE, out / "mxfp4", "mxfp4", force=True, command=cmd(out / "mxfp4", "--recipe", "mxfp4"))
+    with steps(f"convert --recipe mxfp4 -> {rel(out / 'mxfp4')} (lossless repack)"):
+        mx = convert(SAMPLE, out / "mxfp4", "mxfp4", force=True, command=cmd(out / "mxfp4", "--recipe", "mxfp4"),
+                     progress=progress)
     arts.append(("mxfp4 (lossless)", mx, time.perf_counter() - t0))
     t0 = time.perf_counter()
-    strix = convert(SAMPLE, out / "rocmfp2-strix", "rocmfp2-strix", imatrix=imatrix, force=True,
-                    command=cmd(out / "rocmfp2-strix", "--recipe", "rocmfp2-strix", "--imatrix", str(imatrix)))
+    with steps(f"convert --recipe rocmfp2-strix -> {rel(out / 'rocmfp2-strix')}"):
+        strix = convert(SAMPLE, out / "rocmfp2-strix", "rocmfp2-strix", imatrix=imatrix, force=True,
+                        command=cmd(out / "rocmfp2-strix", "--recipe", "rocmfp2-strix", "--imatrix", str(imatrix)),
+                        progress=progress)
     arts.append(("rocmfp2-strix", strix, time.perf_counter() - t0))
     target = strix.bpw_experts
     t0 = time.perf_counter()
-    adaptive = convert(
-        SAMPLE, out / "adaptive", "adaptive", imatrix=imatrix, force=True,
-        adaptive=AdaptiveOptions(target_bpw=target, routing=str(routing), sensitivity=str(sensitivity),
-                                 cache_dir=str(out / ".measure-cache"), **FIT),
-        command=cmd(out / "adaptive", "--recipe", "adaptive", "--target-bpw", f"{target!r}", "--imatrix",
-                    str(imatrix), "--routing", str(routing), "--sensitivity", str(sensitivity),
-                    "--fit-effort", f"{FIT['fit_iterations']},1,{FIT['fit_max_rows']}"))
+    with steps(f"convert --recipe adaptive --target-bpw {target:.4f} -> {rel(out / 'adaptive')} "
+               "(measures every candidate qtype on every expert)"):
+        adaptive = convert(
+            SAMPLE, out / "adaptive", "adaptive", imatrix=imatrix, force=True,
+            adaptive=AdaptiveOptions(target_bpw=target, routing=str(routing), sensitivity=str(sensitivity),
+                                     cache_dir=str(out / ".measure-cache"), **FIT),
+            command=cmd(out / "adaptive", "--recipe", "adaptive", "--target-bpw", f"{target!r}", "--imatrix",
+                        str(imatrix), "--routing", str(routing), "--sensitivity", str(sensitivity),
+                        "--fit-effort", f"{FIT['fit_iterations']},1,{FIT['fit_max_rows']}"),
+            progress=progress)
     arts.append(("adaptive (same size)", adaptive, time.perf_counter() - t0))
 
     rows = []
@@ -116,7 +221,9 @@ def run(out: Path) -> dict:
         report_dir = out / "reports" / rep.artifact.name
         report_dir.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        v = verify(rep.artifact, source=SAMPLE, imatrix=imatrix, fidelity=True, mode=MODE, protocol=PROTOCOL)
+        with steps(f"verify {rel(rep.artifact)} --fidelity --protocol {PROTOCOL} --mode {MODE}"):
+            v = verify(rep.artifact, source=SAMPLE, imatrix=imatrix, fidelity=True, mode=MODE, protocol=PROTOCOL,
+                       progress=progress)
         ver_s = time.perf_counter() - t0
         write_report(v, report_dir)
         f, j = v.fidelity, rep.to_json()
@@ -131,8 +238,10 @@ def run(out: Path) -> dict:
             "runtimes": list(rep.runtimes),
         })
     t0 = time.perf_counter()
-    release = publish(adaptive.artifact, out / "release-adaptive", source=SAMPLE, imatrix=imatrix, overwrite=True,
-                      fidelity=True, protocol=PROTOCOL, mode=MODE)
+    with steps(f"publish {rel(adaptive.artifact)} -> {rel(out / 'release-adaptive')} (verifies it again, "
+               "with fidelity)"):
+        release = publish(adaptive.artifact, out / "release-adaptive", source=SAMPLE, imatrix=imatrix,
+                          overwrite=True, fidelity=True, protocol=PROTOCOL, mode=MODE, progress=progress)
     return {"rows": rows, "release": str(release.release), "calibrate_seconds": t_calib,
             "publish_seconds": time.perf_counter() - t0, "mode": MODE,
             "adaptive_qtype_share": dict(adaptive.adaptive.qtype_share) if adaptive.adaptive else None}
@@ -150,8 +259,24 @@ def main(argv=None) -> int:
     from ds4quant.errors import Ds4quantError
 
     t0 = time.perf_counter()
+    talk = not args.json
+    first = talk and not kernels_cached()
+    steps = Steps(STEPS, sys.stderr if talk else None,
+                  quiet_note=" - first run: numba compiles kernels on first use" if first else "")
+    if first:
+        steps.say(f"[demo] first run: numba compiles its kernels as the steps first use them (once, about "
+                  f"{FIRST_COMPILE_CPU_S} CPU s; cached beside the sources afterwards)")
+    from ds4quant.cli.output import progress_printer
+
+    # a few library lines per step (with ETA) under the step lines, on a terminal only
+    printer = progress_printer(talk and sys.stderr.isatty(), tick_every=5.0, step_every=5.0, indent="    ")
+    progress = None
+    if printer is not None:
+        def progress(ev) -> None:
+            steps.heard()
+            printer(ev)
     try:
-        res = run(Path(args.out))
+        res = run(Path(args.out), steps, progress)
     except Ds4quantError as exc:
         print(f"demo: error: {exc.one_line()}", file=sys.stderr)
         return 2

@@ -73,7 +73,7 @@ def _encode_mix(src, layer: int, which: str, qtype: str, ids, mode0=()) -> tuple
                                                                                float, float]:
     """Encode experts ``ids`` of one stack with per-expert fitted books.
 
-    mode0: local experts stored in mode 0 (fixed levels, spec §9.3): for
+    mode0: local experts stored in mode 0 (fixed levels, docs/formats.md#mix): for
     rocmfp2_mix their blocks are rocmfp2 blocks (without fp2s, bit 7 clear)."""
     levels = formats.QTYPES[qtype].codebook_levels
     w = {"gate": "w1", "up": "w3", "down": "w2"}[which]

@@ -1,5 +1,5 @@
 """Same inputs, same bytes: manifest.json and SHA256SUMS do not depend on timings,
-cache state, thread counts or options that cannot change bytes (issue 13).
+cache state, thread counts or options that cannot change bytes.
 
 An adaptive run recorded ``measure_seconds`` and ``measures_reused`` in
 manifest.json, and the command line with ``--threads``; both made SHA256SUMS

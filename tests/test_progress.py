@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ds4quant.progress import EtaWindow, Meter, ProgressEvent
+from ds4quant.progress import EtaWindow, EventKind, Meter, ProgressEvent
 
 
 def test_no_eta_while_warming_up_then_the_rate_of_the_window():
@@ -54,3 +54,39 @@ def test_meter_counts_items_weighs_work_and_times_them():
     with pytest.raises(TypeError):
         e3.detail["x"] = 1  # read-only detail
     assert isinstance(e3, ProgressEvent)
+
+
+def _clock(*ts):
+    it = iter(ts)
+    return lambda: next(it)
+
+
+def test_eta_is_never_zero_while_items_or_phases_remain():
+    m = Meter("calibrate", total=2, unit="layer", total_work=10, warmup=1,
+              clock=_clock(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0),
+              then=("sensitivity pass", "writing sensitivity.json"))
+    tick = m.tick("layer 0: sequence 1/2", work=5)
+    assert tick.kind is EventKind.TICK and tick.done == 0 and tick.eta is not None and tick.eta > 0
+    # the work estimate ran out before the items did: no rate, not "0 s left"
+    a = m.step("layer 0", work=5)
+    assert a.kind is EventKind.STEP and a.done == 1 and a.eta is None
+    b = m.step("layer 1", work=0)
+    assert b.done == b.total and b.eta is None  # two phases still to come
+    assert b.pending == ("sensitivity pass", "writing sensitivity.json")
+    p = m.phase("sensitivity pass", tensors=12)
+    assert (p.kind, p.item, p.eta, p.pending, p.detail["tensors"]) == (
+        EventKind.PHASE, "sensitivity pass", None, ("writing sensitivity.json",), 12)
+    w = m.phase("writing sensitivity.json")
+    assert w.pending == () and w.eta is None and w.elapsed == 5.0
+    d = m.finish()
+    assert (d.kind, d.eta, d.elapsed, d.done, d.total) == (EventKind.DONE, 0.0, 6.0, 2, 2)
+
+
+def test_the_last_step_says_zero_only_when_nothing_is_pending():
+    m = Meter("encode", total=2, unit="tensor", warmup=1, clock=_clock(0.0, 1.0, 2.0))
+    assert m.step("a").eta == pytest.approx(1.0)
+    last = m.step("b")
+    assert last.eta == 0.0 and last.pending == () and last.kind is EventKind.STEP
+    # an event made the old positional way still is a STEP with nothing pending
+    ev = ProgressEvent("encode", 1, 2, "tensor", "a", 1.0, None, True)
+    assert ev.kind is EventKind.STEP and ev.pending == ()

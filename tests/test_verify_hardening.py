@@ -1,4 +1,4 @@
-"""verify blesses only what is finished and consistent (issue 13).
+"""verify blesses only what is finished and consistent.
 
 Before the fix: a folder without SHA256SUMS, with a leftover work folder or
 with files the manifest does not list verified "sound"; only expert stacks

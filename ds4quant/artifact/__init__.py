@@ -11,11 +11,14 @@ qtype tags, manifest.json, and atomic file/folder writes.
 """
 
 from ds4quant.artifact.atomic import (
+    PARTIAL_MARK,
     AtomicFile,
+    StalePartial,
     atomic_write,
     atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
+    clear_stale_partials,
     json_bytes,
     publish_dir,
 )
@@ -47,7 +50,7 @@ from ds4quant.artifact.tags import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_VARIA
 
 __all__ = [
     "AtomicFile", "atomic_write", "atomic_write_bytes", "atomic_write_json", "fsync_dir", "json_bytes",
-    "publish_dir",
+    "publish_dir", "clear_stale_partials", "StalePartial", "PARTIAL_MARK",
     "REQUIRED_U32_KEYS", "check_ds4_header", "expert_shape",
     "GGUFFile", "GGUFSet", "TensorInfo", "read_gguf", "read_gguf_set",
     "KV", "make_kv",

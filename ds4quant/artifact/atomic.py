@@ -11,6 +11,7 @@ never a torn file; on an exception the temp file is removed.
 
     with publish_dir("release/v1") as tmp:        # a whole folder
         atomic_write_bytes(tmp / "a.bin", b"...")
+    clear_stale_partials("release/v1")            # a killed build's release/v1.partial-<pid>
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator, Union
+from dataclasses import dataclass
+from typing import IO, Any, Callable, Iterator, Optional, Union
 
 from ds4quant.errors import BadInputError
 
@@ -172,39 +174,153 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(dirpath)
 
 
-def _check_target(out: Path, overwrite: bool) -> None:
+def _check_target(out: Path, overwrite: bool, may_replace: Optional[Callable[[Path], Optional[str]]] = None) -> None:
     if out.exists() or out.is_symlink():
         if not out.is_dir() or out.is_symlink():
             raise BadInputError("exists and is not a folder", where=str(out), hint="choose another output path")
-        if any(out.iterdir()) and not overwrite:
-            raise BadInputError("folder exists and is not empty", where=str(out),
-                                hint="choose a new folder, or ask to overwrite it")
+        if any(out.iterdir()):
+            if not overwrite:
+                raise BadInputError("folder exists and is not empty", where=str(out),
+                                    hint="choose a new folder, or ask to overwrite it")
+            why = may_replace(out) if may_replace is not None else None
+            if why is not None:
+                raise BadInputError(f"will not replace this folder: {why}", where=str(out),
+                                    hint="move it away or choose another output folder")
+
+
+# A folder being built carries this file (its builder's pid) until it is renamed into place: a
+# later run removes a stale one only if it finds this mark, so it never deletes a folder of
+# the same name that it did not make.
+PARTIAL_MARK = ".ds4quant-partial"
+
+
+@dataclass(frozen=True)
+class StalePartial:
+    """A leftover ``OUT.partial-<pid>`` of an earlier (killed) build: removed, or kept and why."""
+
+    path: Path
+    removed: bool
+    why: str
+
+    def one_line(self) -> str:
+        return f"{'removed' if self.removed else 'left'} {self.path}: {self.why}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _try_lock_dir(folder: Path) -> Optional[int]:
+    """An fd holding an exclusive flock on ``folder``, or None when another process holds it."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def clear_stale_partials(out: PathLike) -> tuple[StalePartial, ...]:
+    """Find ``OUT.partial-<pid>`` folders beside ``out``: remove each one a build marked as its
+    own whose pid is dead and whose lock is free; report every other one (in use, or not ours),
+    and any ``OUT.old-<pid>`` a replace killed between its renames left (a whole earlier folder)."""
+    out = Path(out)
+    found = []
+    if not out.parent.is_dir():
+        return ()
+    prefix = f"{out.name}.partial-"
+    for p in sorted(out.parent.iterdir()):
+        if p.name.startswith(f"{out.name}.old-") and p.name[len(out.name) + 5:].isdigit():
+            # the earlier folder a run killed between its two renames had moved aside: whole, so kept
+            found.append(StalePartial(p, False, "the folder an interrupted replace moved aside; not removed"))
+            continue
+        if not p.name.startswith(prefix):
+            continue
+        tail = p.name[len(prefix):]
+        if p.is_symlink() or not p.is_dir():
+            found.append(StalePartial(p, False, "not a folder a build made"))
+            continue
+        if not tail.isdigit():
+            found.append(StalePartial(p, False, "not a build's name"))
+            continue
+        mark = p / PARTIAL_MARK
+        try:
+            marked = mark.is_file() and not mark.is_symlink() and mark.read_text(encoding="ascii").strip() == tail
+        except (OSError, UnicodeDecodeError):
+            marked = False
+        if not marked:
+            found.append(StalePartial(p, False, f"it has no {PARTIAL_MARK} mark of pid {tail}: not removed"))
+            continue
+        if int(tail) != os.getpid() and _pid_alive(int(tail)):
+            found.append(StalePartial(p, False, f"pid {tail} is still running"))
+            continue
+        try:
+            fd = _try_lock_dir(p)
+        except OSError as e:
+            found.append(StalePartial(p, False, f"cannot open it ({e.strerror})"))
+            continue
+        if fd is None:
+            found.append(StalePartial(p, False, "another process is building it (locked)"))
+            continue
+        try:
+            shutil.rmtree(p)
+        except OSError as e:
+            found.append(StalePartial(p, False, f"cannot remove it ({e.strerror})"))
+        else:
+            found.append(StalePartial(p, True, f"a killed build's leftover (pid {tail} is gone)"))
+        finally:
+            os.close(fd)
+    return tuple(found)
 
 
 @contextlib.contextmanager
-def publish_dir(out: PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def publish_dir(out: PathLike, *, overwrite: bool = False,
+                may_replace: Optional[Callable[[Path], Optional[str]]] = None) -> Iterator[Path]:
     """Build a folder as ``OUT.partial-<pid>`` and rename it to ``OUT`` at the end.
 
     Yields the partial folder to write into. On an exception it is removed and
     ``OUT`` is untouched. An existing empty ``OUT`` is replaced; a non-empty
     one is refused (before any work and again at the end) unless
-    ``overwrite=True``, in which case it is moved aside, the new folder
-    renamed in, and the old one deleted (the one non-atomic moment is the
-    gap between those two renames).
+    ``overwrite=True`` and ``may_replace(OUT)`` (when given) returns no reason
+    against it, in which case it is moved aside, the new folder renamed in,
+    and the old one deleted (the one non-atomic moment is the gap between
+    those two renames).
+
+    While it is built, the partial folder holds ``PARTIAL_MARK`` (this pid) and
+    an flock on it, so ``clear_stale_partials`` can tell a killed build's
+    leftover from a live one; the mark is removed before the rename.
     """
     out = Path(out)
     if not out.parent.is_dir():
         raise BadInputError(f"folder {out.parent} does not exist", where=str(out),
                             hint="create the parent folder first")
-    _check_target(out, overwrite)
+    _check_target(out, overwrite, may_replace)
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    if partial.is_symlink():
+        raise BadInputError("is a symbolic link where the build folder goes; not followed", where=str(partial))
     if partial.exists():  # left by an earlier crashed run of this same pid
         shutil.rmtree(partial)
     partial.mkdir()
+    lock_fd = None
     try:
+        lock_fd = _try_lock_dir(partial)
+        fd = os.open(partial / PARTIAL_MARK, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(f"{os.getpid()}\n")
         yield partial
+        os.unlink(partial / PARTIAL_MARK)
         _fsync_tree(partial)
-        _check_target(out, overwrite)
+        _check_target(out, overwrite, may_replace)
         if out.exists():
             if any(out.iterdir()):
                 old = out.with_name(f"{out.name}.old-{os.getpid()}")
@@ -223,3 +339,6 @@ def publish_dir(out: PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)

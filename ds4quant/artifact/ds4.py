@@ -1,6 +1,6 @@
 """DeepSeek-V4 GGUF conventions a Lucebox-style loader relies on.
 
-Spec ds4-and-lucebox.md §2: ``general.architecture`` is ``deepseek4``; the
+docs/formats.md#ds4-gguf: ``general.architecture`` is ``deepseek4``; the
 loader reads a fixed set of UINT32 keys (LOADER ``kRequiredU32Keys``, the
 required rows of ``names.DS4_U32_KEYS``); routed expert stacks are
 ``blk.L.ffn_{gate,up,down}_exps.weight`` with GGUF shape ``[in, out, n_expert]``
@@ -52,7 +52,7 @@ def check_ds4_header(kv: Mapping[str, KV]) -> list[str]:
 #
 # Every tensor of a DS4 model has a shape the header fixes (sources/naming.py
 # has the tensor set, sources/config.py the sizes; the official layout is in
-# spec ds4-reference-model.md). Each rule below gives a tensor's GGUF shape
+# docs/formats.md#ds4-checkpoint). Each rule below gives a tensor's GGUF shape
 # (ne order: the official [out, in] reversed) as one (value, why) per dim, so a
 # problem names the dim that disagrees and the key that says so. A dim whose
 # key is absent or mistyped is not checked (the ds4_keys check reports the key).

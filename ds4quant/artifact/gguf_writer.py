@@ -212,7 +212,7 @@ class GGUFWriter:
 
     def add_blob(self, key: str, data: "bytes | bytearray | memoryview | np.ndarray") -> None:
         """An embedded byte blob (e.g. a MIX sidecar), stored as ARRAY of UINT8
-        (spec rocmfpx-codecs.md §11)."""
+        (docs/formats.md#gumix, #p4mix)."""
         if isinstance(data, np.ndarray) and data.dtype != np.uint8:
             raise BadInputError(f"blob {key!r} must be uint8 bytes, got dtype {data.dtype}")
         self.add_kv(key, data, VT.ARRAY, VT.UINT8)

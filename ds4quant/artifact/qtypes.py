@@ -4,9 +4,9 @@ Two sources, consulted in this order:
 
 1. ``ds4quant.formats`` (the codec registry): a registered qtype is
    authoritative for its ggml id, variant and block geometry, and is
-   decodable. It is the only size table for ROCmFPX ids 100-107 (spec
-   rocmfpx-codecs.md §0 ids, §3-§9 block bytes; tests/artifact/test_qtypes.py
-   pins each entry to the spec's field sums and the golden lengths). 107 has
+   decodable. It is the only size table for ROCmFPX ids 100-107 (docs/formats.md,
+   one section per qtype; tests/artifact/test_qtypes.py
+   pins each entry to those field sums and the golden lengths). 107 has
    three meanings (default, affine, S40) and 105/106 collide with TurboQuant
    in other forks, which is why artifacts carry explicit tags (``tags.py``).
 2. standard ggml types from ``gguf.GGML_QUANT_SIZES``; a standard type is
@@ -26,9 +26,9 @@ import gguf
 
 from ds4quant.errors import UnknownQTypeError
 
-# Lucebox ggml type ids (spec rocmfpx-codecs.md §0).
+# Lucebox ggml type ids (docs/formats.md, the qtype section headings).
 ROCMFPX_IDS = range(100, 108)
-ID_AMBIGUOUS = 107  # default / affine / S40 (spec §0 "Two cautions", §13.7)
+ID_AMBIGUOUS = 107  # default / affine / S40 (docs/formats.md#type-107)
 
 # The names a user may give for an untagged type-107 tensor.
 VARIANTS_107 = ("rocmfp2", "rocmfp2_affine", "rocmfp2_s40")
@@ -149,3 +149,21 @@ def id_geometry(ggml_type: int) -> Optional[tuple[int, int]]:
     if name is None:
         return None
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+
+
+def row_rule_problem(qtype: str, ne0: int) -> Optional[str]:
+    """Why a tensor of ``qtype`` cannot have ``ne0`` weights per row, or None.
+
+    A row must hold whole blocks, and some codecs group rows further (rocmfp2_mix
+    needs 128: its codebook index words span four blocks); otherwise the tensor's
+    byte size cannot match what the codec decodes. verify's shapes check and
+    inspect both ask this."""
+    from ds4quant.formats import QTYPES
+
+    qt = QTYPES.get(qtype)
+    if qt is None:
+        return None  # a standard ggml type: the reader already held ne[0] to its block
+    need = max(qt.block_size, qt.row_multiple)
+    if ne0 % need:
+        return f"ne[0] = {ne0} is not a multiple of {need}, which {qt.name} rows need"
+    return None

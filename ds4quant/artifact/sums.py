@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Iterable
 
-from ds4quant.artifact.atomic import atomic_write_bytes
+from ds4quant.artifact.atomic import PARTIAL_MARK, atomic_write_bytes
 from ds4quant.artifact.manifest import sha256_file
 from ds4quant.errors import BadInputError, CorruptDataError
 from ds4quant.names import SUMS_NAME
@@ -38,7 +38,7 @@ def _check_name(name: str, where: str, cls=BadInputError) -> str:
 
 def list_files(folder: "str | os.PathLike") -> list[str]:
     """Every regular file under ``folder`` (relative, "/" separated, sorted),
-    except ``SHA256SUMS`` itself. Symlinks and other non-files are refused."""
+    except ``SHA256SUMS`` itself (and the mark of a folder being built, ``PARTIAL_MARK``). Symlinks and other non-files are refused."""
     root = Path(folder)
     out = []
     for dirpath, dirs, files in os.walk(root):
@@ -48,7 +48,7 @@ def list_files(folder: "str | os.PathLike") -> list[str]:
             rel = p.relative_to(root).as_posix()
             if p.is_symlink() or not p.is_file():
                 raise BadInputError("is not a regular file (links are not allowed in a release)", where=str(p))
-            if rel != SUMS_NAME:
+            if rel not in (SUMS_NAME, PARTIAL_MARK):  # the mark of a folder being built goes before its rename
                 out.append(_check_name(rel, str(p)))
     return sorted(out)
 

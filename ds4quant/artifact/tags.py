@@ -1,7 +1,7 @@
 """Per-tensor format tags: the qtype of every tensor, written explicitly.
 
 ggml type ids do not say which codec made a tensor (107 has three meanings,
-105/106 collide between forks; spec rocmfpx-codecs.md §0, §13.7), so a
+105/106 collide between forks; docs/formats.md#type-107), so a
 ds4quant GGUF carries, in every file of a set:
 
 - ``ds4quant.format_version``  UINT32, currently 1;

@@ -421,6 +421,26 @@ class ArtifactView:
         out.flags.writeable = False
         return out
 
+    def expert_weights(self, stack_name: str, expert: int) -> np.ndarray:
+        """float32 [rows, cols] of global ``expert`` of ``stack_name``, decoded; a MIX stack's
+        expert with its own codebooks (``book_entry``), which a bare ``formats.decode`` lacks."""
+        from ds4quant.formats import QTYPES, decode
+
+        st = self.stack(stack_name)
+        (i,) = self._locals(st, [expert])
+        info = self.tensor(st.name)
+        qt = QTYPES.get(st.qtype)
+        if qt is None or not info.decodable:
+            raise BadInputError(f"ds4quant cannot decode {st.qtype}", where=f"{self.first_file}: {st.name}")
+        eb: tuple = (None, None)
+        if qt.is_mix:
+            entry = self.book_entry(st.name)
+            if entry is None:
+                raise CodebookError("MIX tensor without valid codebooks", where=f"{self.first_file}: {st.name}")
+            eb = (entry.books[i], int(entry.modes[i]))
+        raw = np.asarray(self.expert_data(st.name, [expert])).reshape(-1)
+        return decode(st.qtype, raw, info.shape[0], *eb).reshape(st.rows, info.shape[0])
+
     def expert_span(self, stack_name: str, expert: int) -> tuple[Path, int, int]:
         """(file, absolute offset, nbytes) of global ``expert``'s bytes in ``stack_name``."""
         st = self.stack(stack_name)

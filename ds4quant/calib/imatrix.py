@@ -2,7 +2,7 @@
 
 An imatrix holds, per weight tensor, the sum of the squared input activations
 per input column (and the number of tokens summed), so ``sum / count`` is
-E[x^2] per column: the importance weights the codecs take (spec §2.2).
+E[x^2] per column: the importance weights the codecs take (docs/formats.md#scale-search).
 Expert stacks (``ffn_*_exps``) hold one vector per expert.
 
 Two file forms exist, both little-endian.
@@ -29,8 +29,8 @@ where ``values = mean(x^2) * ncall`` (so ``values / ncall`` is the mean) and
 an expert stack is one flat vector of ``n_expert * cols`` values sharing one
 ``ncall``; llama.cpp stores 1.0 as the mean of an expert that saw no token.
 
-Lucebox layout (what Lucebox's ``ds4_mix_converter`` reads, spec
-ds4-and-lucebox.md / rocmfpx-codecs.md §9.5): the legacy entries **without
+Lucebox layout (what Lucebox's ``ds4_mix_converter`` reads,
+docs/formats.md#imatrix): the legacy entries **without
 any tail** (its loader refuses trailing bytes), every ``ncall > 0``, at most
 2^24 values and 4096 name bytes per entry, and **one** input-length vector per
 tensor: an expert stack ``blk.L.ffn_*_exps.weight`` holds ``cols`` values that

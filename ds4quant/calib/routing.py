@@ -5,8 +5,8 @@ slot) that chose that expert. Placement reads it to pick hot experts
 (DESIGN.md "Placement"); the budget optimizer reads it as expert frequency.
 Two file forms:
 
-Lucebox hotness CSV (``MoeHybridRoutingStats::save_csv``; spec
-ds4-and-lucebox.md §1.5), what ``DFLASH_DS4_HOTNESS_CSV`` loads::
+Lucebox hotness CSV (``MoeHybridRoutingStats::save_csv``;
+docs/formats.md#routing-profile), what ``DFLASH_DS4_HOTNESS_CSV`` loads::
 
     # hotness table: n_layer=43 n_expert=256 n_expert_used=6
     # format: one row per layer, columns are expert activation counts (expert 0..N-1)

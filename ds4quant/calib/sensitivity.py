@@ -15,6 +15,17 @@ minimises. The calibrate stage measures the gains
      "sequences": 8, "tokens": 320, "rel_std": 0.3,
      "tensors": {"blk.0.ffn_gate_exps.weight": {"gain": ..., "kl": ..., "weighted_error": ...}, ...}}
 
+A file of the streamed method (``ds4quant calibrate``'s default) also says
+how its KL figures were predicted: ``"method": "streamed"``, per tensor the
+``local_error`` (mean squared change of the routed experts' output per token
+under the noise) and per layer and probe group (surfaces perturbed together,
+e.g. ``"gate+up+down"``) the ``coefficient`` (KL per unit of local error; a
+tensor's ``kl = coefficient * local_error``) with the whole-layer probes it
+was fitted on (``"probes": [{"scale", "kl", "local_error"}]``, empty for a
+layer whose coefficient is interpolated between probed ones). Without ``method``
+the KL of every tensor was measured by its own perturbed run (the per-tensor
+method).
+
 ``ds4quant calibrate`` writes it beside the imatrix; ``convert --sensitivity``
 reads it (``read_sensitivity``), refusing one measured on another source.
 """
@@ -52,6 +63,9 @@ class Sensitivity:
     tokens: int
     rel_std: float
     path: Optional[str] = None
+    method: Optional[str] = None
+    local_error: Optional[Mapping[str, float]] = None
+    layers: Optional[Mapping[int, Mapping]] = None
 
     def gain(self, tensor: str) -> float:
         """The tensor's gain; a tensor the file does not cover is an error naming both."""
@@ -62,13 +76,21 @@ class Sensitivity:
                                 where=self.path or SENSITIVITY_FILE) from None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "schema": SCHEMA, "version": VERSION,
             "source_fingerprint": self.fingerprint, "tokens_sha256": self.tokens_sha256,
             "sequences": self.sequences, "tokens": self.tokens, "rel_std": self.rel_std,
             "tensors": {t: {"gain": self.gains[t], "kl": self.kl[t], "weighted_error": self.weighted_error[t]}
                         for t in sorted(self.gains)},
         }
+        if self.method is not None:  # a per-tensor file keeps the fields (and bytes) it always had
+            out["method"] = self.method
+            for t, rec in out["tensors"].items():
+                rec["local_error"] = self.local_error[t]
+            out["layers"] = {str(L): {"probed": v["probed"], "groups": {
+                g: {"coefficient": c["coefficient"], "probes": [dict(p) for p in c["probes"]]}
+                for g, c in v["groups"].items()}} for L, v in sorted(self.layers.items())}
+        return out
 
 
 def write_sensitivity(path: "str | os.PathLike[str]", s: Sensitivity) -> Path:
@@ -128,5 +150,33 @@ def read_sensitivity(path: "str | os.PathLike[str]", *, fingerprint: Optional[st
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise CorruptDataError(f"{what} must be an int >= 1, got {v!r}", where=where)
     rel = _number(obj.get("rel_std"), "rel_std", where, positive=True)
+    method, locs, layers = obj.get("method"), None, None
+    if method is not None:
+        if method != "streamed":
+            raise CorruptDataError(f"unknown sensitivity method {method!r}", where=where)
+        locs = {name: _number(rec.get("local_error"), f"{name}: local_error", where) for name, rec in tensors.items()}
+        raw = obj.get("layers")
+        if not isinstance(raw, dict):
+            raise CorruptDataError("a streamed sensitivity file needs a layers object", where=where)
+        layers = {}
+        for key, rec in raw.items():
+            if not (isinstance(key, str) and key.isdigit() and isinstance(rec, dict)):
+                raise CorruptDataError(f"layers: entry {key!r} is not a layer index with an object", where=where)
+            groups = rec.get("groups")
+            if not isinstance(groups, dict) or not groups:
+                raise CorruptDataError(f"layer {key}: groups must be a non-empty object", where=where)
+            parsed = {}
+            for g, c in groups.items():
+                probes = c.get("probes") if isinstance(c, dict) else None
+                if not isinstance(probes, list) or not all(isinstance(p, dict) for p in probes):
+                    raise CorruptDataError(f"layer {key}, group {g}: probes must be a list of objects", where=where)
+                parsed[g] = MappingProxyType({
+                    "coefficient": _number(c.get("coefficient"), f"layer {key}, group {g}: coefficient", where,
+                                           positive=True),
+                    "probes": tuple(MappingProxyType(dict(p)) for p in probes)})
+            layers[int(key)] = MappingProxyType({"probed": bool(rec.get("probed")),
+                                                 "groups": MappingProxyType(parsed)})
+        locs, layers = MappingProxyType(locs), MappingProxyType(layers)
     return Sensitivity(MappingProxyType(gains), MappingProxyType(kls), MappingProxyType(errs), stored,
-                       obj.get("tokens_sha256"), seqs_n, toks, rel, path=where)
+                       obj.get("tokens_sha256"), seqs_n, toks, rel, path=where, method=method, local_error=locs,
+                       layers=layers)

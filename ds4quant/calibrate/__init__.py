@@ -1,14 +1,19 @@
-"""``ds4quant calibrate``: run token sequences through the reference model and
-write the calibration files (``ds4quant.calib``): imatrix, routing profile,
-sensitivity.
+"""``ds4quant calibrate``: run token sequences through the layer-streamed
+reference model and write the calibration files (``ds4quant.calib``):
+imatrix, routing profile, sensitivity.
 
-- ``stage``: the run (reference model, hooks, worker processes, the files);
-- ``sensitivity``: the sensitivity pass (perturb each routed-expert tensor,
-  measure the KL it costs).
+- ``stage``: the run (options, the files, the report);
+- ``walk``: the layer walk (hidden streams in the work folder, branches);
+- ``collect``: the per-layer sums the hooks record;
+- ``sensitivity``: the sensitivity methods (streamed probes, per-tensor);
+- ``experts``: routed-expert math (weights, seeded noise, perturbed experts);
+- ``journal``: the work folder and the resume policy;
+- ``model``: the streamed model on a device.
 
     rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "out/calib")
 """
 
+from ds4quant.calibrate.sensitivity import Method
 from ds4quant.calibrate.stage import (
     IMATRIX_FILE,
     IMATRIX_LUCEBOX_FILE,
@@ -24,6 +29,6 @@ from ds4quant.calibrate.stage import (
 )
 
 __all__ = [
-    "CalibrationReport", "calibrate", "read_tokens", "REPORT_SCHEMA", "REPORT_VERSION", "IMATRIX_FILE",
+    "CalibrationReport", "Method", "calibrate", "read_tokens", "REPORT_SCHEMA", "REPORT_VERSION", "IMATRIX_FILE",
     "IMATRIX_LUCEBOX_FILE", "ROUTING_CSV", "ROUTING_JSON", "REPORT_FILE", "SENSITIVITY_SEQS",
 ]

@@ -1,125 +1,347 @@
-"""Sensitivity of the model's output to routed-expert weight error, per tensor.
+"""Sensitivity of the model's output to routed-expert weight error, per tensor,
+measured inside the streamed calibration pass.
 
 The adaptive recipe ranks candidates by the imatrix-weighted weight error
-``sum_e f_e sum_rc imp_ec dw_rc^2``. Those sums estimate each matrix's own
-output error, but they are not comparable across tensors: an error in layer 0
-passes through every later layer before it reaches the logits, and an error
-in a gate or up projection passes through SwiGLU and the down projection
-first. Summing them as if a unit meant the same everywhere spends bytes where
-the model does not notice them (measured on samples/ds4-copy: the weighted
-SQNR of the adaptive artifact was 3.5 dB above rocmfp2-strix's and its KL
-divergence 45% worse).
+``sum_e f_e sum_rc imp_ec dw_rc^2``. Those sums are not comparable across
+tensors: an error in layer 0 passes through every later layer before it
+reaches the logits, one in a gate or up projection through SwiGLU and the down
+projection first. A gain per tensor, ``KL / weighted error``, puts them in one
+unit (nats of next-token KL per token); ``sum_t gain_t * error_t`` predicts a
+plan's KL, which the allocator minimises (``ds4quant.calib.sensitivity`` is
+the file).
 
-This module measures, for every (layer, surface) routed-expert tensor, how
-many nats of next-token KL divergence one unit of that weighted error costs:
-perturb the tensor's experts with seeded Gaussian noise (standard deviation
-``REL_STD`` x each expert matrix's RMS, about the error of a 2-bit type),
-compute the weighted error that noise has under the same imatrix and routing
-weights the allocator uses, run the calibration sequences and take the mean
-KL(reference || perturbed) per token. ``gain = KL / weighted error``. The
-errors of independent perturbations add to second order, so
-``sum_t gain_t * error_t`` predicts the KL of a whole plan, which is what the
-allocator then minimises.
+Both methods perturb expert weights with seeded Gaussian noise of standard
+deviation ``REL_STD`` x each expert matrix's RMS (about a 2-bit type's error)
+and run the first ``sensitivity_seqs`` calibration sequences. A perturbed run
+is a *branch*: its hidden streams start from the reference's at the perturbed
+layer and go through every later layer beside the reference's, in the same
+single streamed pass; its KL(reference || branch) is read at the head.
 
-The file is ``ds4quant.calib.sensitivity``'s (``sensitivity.json`` beside the
-imatrix; ``convert --sensitivity`` reads it). Deterministic: the noise comes from
-``numpy.random.default_rng`` seeded by the tensor name, the model runs on one
-torch thread, sequences one at a time, sums in float64 in a fixed order.
+- ``per-tensor`` (``Method.PER_TENSOR``): one branch per routed-expert tensor
+  (3 per layer), its KL measured directly. Exact, but its compute grows like
+  tensors x layers, so it is for small models; it gives the bytes the
+  whole-model measurement always gave.
+- ``streamed`` (``Method.STREAMED``, the default): the output KL of a few
+  whole-layer perturbations calibrates, per layer, a coefficient that turns
+  each tensor's *local* output error into predicted KL. For every tensor the
+  local error ``sum_rows |dy|^2 / tokens`` is what its noise changes in the
+  routed experts' output on the rows the router sends them (cheap: one expert
+  at a time, the layer's captured inputs). For up to ``MAX_PROBES`` probed
+  layers (all when the model has that few; else spread evenly, first and last
+  included) all three surfaces of every expert carry the noise at
+  ``PROBE_SCALES`` x its strength together; that branch's output KL against
+  the same perturbation's local error fits ``c_L = sum KL*loc / sum loc^2``.
+  Layers between probes take ``c`` interpolated in log space by depth.
+  predicted ``KL_t = c_L * local_t``; gain = KL_t / weighted error.
+  Compute: the reference pass, plus at most ``MAX_PROBES x len(PROBE_SCALES)``
+  branches of ``sensitivity_seqs`` sequences: a constant number of passes,
+  whatever the number of experts or tensors.
+
+A probe branch adds its experts' output change to the reference experts'
+output (the router's choices at the probed layer are the reference's, as the
+per-tensor branch's are too), so one noise draw per expert serves every
+sequence, the local errors and every probe scale.
+
+Deterministic: noise from ``numpy.random.default_rng`` seeded by tensor (and
+expert) names, one torch thread, sums in float64 in a fixed order.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
+from dataclasses import dataclass
+from enum import Enum
 from types import MappingProxyType
-from typing import Optional, Sequence
+from typing import Callable
 
 import numpy as np
 
 from ds4quant.calib.sensitivity import Sensitivity
+from ds4quant.calibrate.experts import (
+    SURFACES, ExpertNoise, PerturbedExperts, TensorNoise, expert_output, expert_weights, pert_weights, rms, surface_rows,
+)
 from ds4quant.errors import BadInputError
 from ds4quant.names import stack_name
 
-__all__ = ["measure_sensitivity", "REL_STD"]
+__all__ = ["Method", "MAX_PROBES", "PROBE_SCALES", "REL_STD", "SensitivityPass", "probe_layers", "make_pass", "kl_sum", "ref_logp"]
 
 # The noise level relative to each expert matrix's RMS: rocmfp2's relative
 # error on the shipped samples (SQNR about 10 dB). Sensitivity is measured
 # where the plans that need it live, not in the small-noise limit.
 REL_STD = 0.3
-SURFACES = ("gate", "up", "down")
+# Whole-layer probe strengths (multiples of REL_STD's noise). One point where
+# plans live: with c fitted by least squares through the origin, a second
+# point at half strength weighs 1/16 as much and moved no plan on
+# samples/ds4-copy; a second probe group is worth more (below).
+PROBE_SCALES = (1.0,)
+# Surfaces perturbed together in one probe; each group gets its own
+# coefficient. gate/up errors reach the output through the expert's own down
+# projection, in the directions the model reads, so per unit of local error
+# they cost several times the KL that down's (isotropic) errors cost: on
+# samples/ds4-copy one all-surface coefficient predicted gate/up KL at
+# 0.1-0.5x of their measured KL, two groups at 0.4-1.1x.
+PROBE_GROUPS = (("gate", "up"), ("down",))
+MAX_PROBES = 8
 
 
-def _seed(tensor: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"ds4quant/sensitivity/{tensor}".encode()).digest()[:8], "little")
+class Method(str, Enum):
+    STREAMED = "streamed"
+    PER_TENSOR = "per-tensor"
 
 
-def _kl_sum(ref_logp, logits) -> tuple[float, int]:
-    """sum over positions of KL(ref || cand) in float64, and the position count."""
+def probe_layers(n_layer: int, max_probes: int = MAX_PROBES) -> tuple[int, ...]:
+    """Every layer when there are at most ``max_probes``; else that many spread
+    evenly by depth, first and last included."""
+    if n_layer <= max_probes:
+        return tuple(range(n_layer))
+    return tuple(sorted({int(round(x)) for x in np.linspace(0, n_layer - 1, max_probes)}))
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A perturbed run starting at ``layer``: ``experts(base, i)`` is the
+    layer's experts module for sensitivity sequence ``i``."""
+
+    key: str
+    layer: int
+    experts: Callable
+
+
+def _layer_imatrix(sums, layer: int):
+    """Layer ``layer``'s routed-expert imatrix entries, as the final file holds them."""
+    from ds4quant.calib.imatrix import make_imatrix
+
+    counts = sums.rows.astype(np.float64)
+    hid = sums.hidden.astype(np.float32)
+    return make_imatrix({stack_name(layer, "gate"): (hid, counts), stack_name(layer, "up"): (hid, counts),
+                         stack_name(layer, "down"): (sums.act.astype(np.float32), counts)})
+
+
+class _Weighting:
+    """The allocator's weighted error of a noise draw: sum_e f_e sum_rc imp_ec d_rc^2."""
+
+    def __init__(self, sums, layer: int, n_exp: int):
+        from ds4quant.calib.imatrix import importance_for
+        from ds4quant.plan import expert_weights as routing_weights
+
+        im = _layer_imatrix(sums, layer)
+        self.f = routing_weights(sums.slots, n_exp)
+        self.imp: dict[str, list] = {}
+        for s in SURFACES:
+            name = stack_name(layer, s)
+            cols = im.entries[name].values.shape[-1]
+            imps = [importance_for(im, name, e, cols=cols) for e in range(n_exp)]
+            seen = [q for q in imps if q is not None]
+            fallback = np.mean(np.stack(seen), axis=0) if seen else np.ones(cols)
+            self.imp[s] = [(q if q is not None else fallback).astype(np.float64) for q in imps]
+
+    def term(self, surface: str, e: int, delta: np.ndarray) -> float:
+        return float(self.f[e]) * float(np.sum((delta * delta) @ self.imp[surface][e]))
+
+
+def kl_sum(ref_logp, logits) -> float:
+    """sum over positions of KL(ref || cand) in float64."""
     import torch
 
     cand = torch.log_softmax(logits.double(), dim=-1)
-    kl = (ref_logp.exp() * (ref_logp - cand)).sum(-1)
-    return float(kl.sum()), int(kl.numel())
+    return float((ref_logp.exp() * (ref_logp - cand)).sum(-1).sum())
 
 
-def measure_sensitivity(model, seqs: Sequence[Sequence[int]], imatrix, counts: np.ndarray, *,
-                        rel_std: float = REL_STD, fingerprint: Optional[str] = None,
-                        tokens_sha256: Optional[str] = None) -> Sensitivity:
-    """Gains for every routed-expert tensor of ``model`` (a loaded reference
-    ``DeepseekV4ForCausalLM``) over ``seqs``; ``imatrix``/``counts`` (n_layer,
-    n_expert) are the calibration's own, so the weighted errors are in the
-    allocator's units. The model's weights are restored before returning."""
+class SensitivityPass:
+    """What the streamed walk asks of a sensitivity method.
+
+    ``layer(L, experts, calls, sums)`` runs after layer L's reference pass,
+    with the layer's experts module, the captured experts calls of the
+    sensitivity sequences ([(hidden, top_k_index, top_k_weights)]) and the
+    layer's finished sums; it returns the layer's piece (name -> float64
+    array, journaled) and the branches that start at L. ``keys_entering(L)``
+    are the branches alive when layer L begins (carried through it).
+    ``finish(pieces, kl_sums, tokens)`` makes the file's contents."""
+
+    method: Method
+
+    def __init__(self, n_layer: int, seqs: int, rel_std: float = REL_STD):
+        self.n_layer, self.seqs, self.rel_std = n_layer, seqs, rel_std
+
+    def keys_entering(self, layer: int) -> list[str]:
+        return [k for L in range(layer) for k in self.keys_of(L)]
+
+    def keys_of(self, layer: int) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _check(self, name: str, kl: float, err: float) -> None:
+        if not (math.isfinite(kl) and math.isfinite(err) and err > 0 and kl > 0):
+            raise BadInputError(f"sensitivity of {name} is not finite and positive (KL {kl}, weighted error {err})",
+                                where="sensitivity")
+
+
+class PerTensorPass(SensitivityPass):
+    method = Method.PER_TENSOR
+
+    def keys_of(self, layer: int) -> list[str]:
+        return [stack_name(layer, s) for s in SURFACES]
+
+    def layer(self, L: int, experts, calls, sums):
+        n_exp = experts.num_experts
+        weighting = _Weighting(sums, L, n_exp)
+        noise = TensorNoise()
+        piece, branches = {}, []
+        for s in SURFACES:
+            name = stack_name(L, s)
+            deltas, err = [], 0.0
+            for e in range(n_exp):
+                gu, down = expert_weights(experts, e)
+                w = down if s == "down" else gu[surface_rows(s, gu.shape[0] // 2)]
+                d = noise.standard(name, e, tuple(w.shape)) * (self.rel_std * rms(w))
+                err += weighting.term(s, e, d)
+                deltas.append(d)
+            piece[f"err.{s}"] = np.array(err)
+            mod = PerturbedExperts(experts, lambda e, s=s, deltas=deltas: {s: deltas[e]}).module()
+            branches.append(Branch(name, L, lambda base, i, mod=mod: mod))
+        return piece, branches
+
+    def finish(self, pieces, kl_sums, tokens, fingerprint, tokens_sha256) -> Sensitivity:
+        gains, kls, errs = {}, {}, {}
+        for L in range(self.n_layer):
+            for s in SURFACES:
+                name = stack_name(L, s)
+                kl, err = kl_sums[name] / tokens, float(pieces[L][f"err.{s}"])
+                self._check(name, kl, err)
+                gains[name], kls[name], errs[name] = kl / err, kl, err
+        return Sensitivity(MappingProxyType(gains), MappingProxyType(kls), MappingProxyType(errs), fingerprint,
+                           tokens_sha256, self.seqs, tokens, float(self.rel_std))
+
+
+def _delta_experts(base, add):
+    """``base``'s output plus a fixed per-token change ``add`` [T, H]."""
     import torch
 
-    from ds4quant.calib.imatrix import importance_for
-    from ds4quant.plan import expert_weights
-    from ds4quant.runtime.reference import moe_blocks
+    class DeltaExperts(torch.nn.Module):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return base(hidden_states, top_k_index, top_k_weights) + add
 
-    if not seqs:
-        raise BadInputError("no sequences to measure sensitivity on", where="sensitivity")
-    if not (0 < rel_std < 10):
-        raise BadInputError(f"rel_std must be in (0, 10), got {rel_std}", where="sensitivity")
-    inputs = [torch.tensor([list(s)], dtype=torch.long) for s in seqs]
-    with torch.no_grad():
-        refs = [torch.log_softmax(model(input_ids=x, use_cache=False).logits[0].double(), dim=-1) for x in inputs]
-    n_tok = sum(int(r.shape[0]) for r in refs)
-    gains, kls, errs = {}, {}, {}
-    for layer, block in moe_blocks(model):
-        ex = block.experts
-        inter = ex.gate_up_proj.shape[1] // 2
-        for surface in SURFACES:
-            name = stack_name(layer, surface)
-            param = ex.down_proj if surface == "down" else ex.gate_up_proj
-            rows = slice(None) if surface == "down" else (slice(0, inter) if surface == "gate" else slice(inter, None))
-            w = param.data[:, rows, :]
-            n_exp, cols = w.shape[0], w.shape[2]
-            w0 = w.detach().clone()
-            base = w0.double().numpy()
-            rms = np.sqrt(np.mean(base * base, axis=(1, 2)))
-            noise = np.random.default_rng(_seed(name)).standard_normal(base.shape)
-            delta = noise * (rel_std * rms)[:, None, None]
-            f = expert_weights(counts[layer] if counts is not None and layer < counts.shape[0] else None, n_exp)
-            imps = [importance_for(imatrix, name, e, cols=cols) if imatrix is not None else None for e in range(n_exp)]
-            seen = [q for q in imps if q is not None]
-            fallback = np.mean(np.stack(seen), axis=0) if seen else np.ones(cols)
-            err = 0.0
-            for e in range(n_exp):
-                imp = (imps[e] if imps[e] is not None else fallback).astype(np.float64)
-                err += float(f[e]) * float(np.sum((delta[e] * delta[e]) @ imp))
-            try:
-                param.data[:, rows, :] = (w0.double() + torch.from_numpy(delta)).to(w0.dtype)
-                total = 0.0
-                with torch.no_grad():
-                    for x, ref in zip(inputs, refs):
-                        total += _kl_sum(ref, model(input_ids=x, use_cache=False).logits[0])[0]
-            finally:
-                param.data[:, rows, :] = w0
-            kl = total / n_tok
-            if not (math.isfinite(kl) and math.isfinite(err) and err > 0):
-                raise BadInputError(f"sensitivity of {name} is not finite (KL {kl}, weighted error {err})",
-                                    where="sensitivity")
-            gains[name], kls[name], errs[name] = kl / err, kl, err
-    if not gains:
-        raise BadInputError("the model has no routed-expert layers", where="sensitivity")
-    return Sensitivity(MappingProxyType(gains), MappingProxyType(kls), MappingProxyType(errs), fingerprint,
-                       tokens_sha256, len(seqs), n_tok, float(rel_std))
+    return DeltaExperts()
+
+
+class StreamedPass(SensitivityPass):
+    method = Method.STREAMED
+
+    def __init__(self, n_layer: int, seqs: int, rel_std: float = REL_STD, max_probes: int = MAX_PROBES,
+                 groups: tuple = PROBE_GROUPS, scales: tuple = PROBE_SCALES):
+        super().__init__(n_layer, seqs, rel_std)
+        self.probes = probe_layers(n_layer, max_probes)
+        self.groups = {"+".join(g): tuple(g) for g in groups}
+        self.scales = tuple(scales)
+        if sorted(s for g in self.groups.values() for s in g) != sorted(SURFACES):
+            raise ValueError(f"probe groups {groups} must cover each surface once")  # a bug
+
+    def keys_of(self, layer: int) -> list[str]:
+        if layer not in self.probes:
+            return []
+        return [f"probe.{layer}.{g}.{m}" for g in self.groups for m in self.scales]
+
+    def group_of(self, surface: str) -> str:
+        return next(g for g, members in self.groups.items() if surface in members)
+
+    def layer(self, L: int, experts, calls, sums):
+        import torch
+
+        n_exp = experts.num_experts
+        weighting = _Weighting(sums, L, n_exp)
+        noise = ExpertNoise()
+        probes = [(g, m) for g in self.groups for m in self.scales] if L in self.probes else []
+        err = dict.fromkeys(SURFACES, 0.0)
+        local = dict.fromkeys(SURFACES, 0.0)
+        local_probe = dict.fromkeys(probes, 0.0)
+        add = {p: [torch.zeros_like(h) for h, _i, _w in calls] for p in probes}
+        idx_t = [idx.transpose(0, 1) for _h, idx, _w in calls]
+        for e in range(n_exp):
+            gu, down = expert_weights(experts, e)
+            inter = gu.shape[0] // 2
+            d = {}
+            for s in SURFACES:
+                w = down if s == "down" else gu[surface_rows(s, inter)]
+                d[s] = noise.standard(stack_name(L, s), e, tuple(w.shape)) * (self.rel_std * rms(w))
+                err[s] += weighting.term(s, e, d[s])
+            one = {s: pert_weights(gu, down, {s: d[s]}) for s in SURFACES}
+            every = {(g, m): pert_weights(gu, down, {s: d[s] * m for s in self.groups[g]}) for g, m in probes}
+            for i, (h, _idx, w) in enumerate(calls):
+                pos, tok = torch.where(idx_t[i] == e)
+                if tok.numel() == 0:
+                    continue
+                x, wr = h[tok], w[tok, pos]
+                y = expert_output(experts, gu, down, x, wr)
+                for s in SURFACES:
+                    local[s] += _sq(expert_output(experts, *one[s], x, wr) - y)
+                for p, (gu_p, down_p) in every.items():
+                    dy = expert_output(experts, gu_p, down_p, x, wr) - y
+                    local_probe[p] += _sq(dy)
+                    add[p][i].index_add_(0, tok, dy)
+        piece = {f"err.{s}": np.array(err[s]) for s in SURFACES}
+        piece.update({f"local.{s}": np.array(local[s]) for s in SURFACES})
+        piece.update({f"local.probe.{g}.{m}": np.array(v) for (g, m), v in local_probe.items()})
+        branches = [Branch(f"probe.{L}.{g}.{m}", L, lambda base, i, p=(g, m): _delta_experts(base, add[p][i]))
+                    for g, m in probes]
+        return piece, branches
+
+    def coefficients(self, pieces, kl_sums, tokens) -> dict[int, dict]:
+        """Per layer and probe group: c (KL per unit of local error), and the probe points behind it."""
+        out: dict[int, dict] = {L: {"probed": L in self.probes, "groups": {}} for L in range(self.n_layer)}
+        for g in self.groups:
+            for L in self.probes:
+                pts = [(kl_sums[f"probe.{L}.{g}.{m}"] / tokens, float(pieces[L][f"local.probe.{g}.{m}"]) / tokens)
+                       for m in self.scales]
+                num = sum(k * loc for k, loc in pts)
+                den = sum(loc * loc for _k, loc in pts)
+                c = num / den if den > 0 else float("nan")
+                if not (math.isfinite(c) and c > 0):
+                    raise BadInputError(f"layer {L}: the {g} probe's KL per local error is {c} (probes {pts})",
+                                        where="sensitivity")
+                out[L]["groups"][g] = {"coefficient": c, "probes": [
+                    {"scale": m, "kl": k, "local_error": loc} for m, (k, loc) in zip(self.scales, pts)]}
+            xs = list(self.probes)
+            logs = [math.log(out[L]["groups"][g]["coefficient"]) for L in xs]
+            for L in range(self.n_layer):
+                if L not in self.probes:
+                    out[L]["groups"][g] = {"coefficient": math.exp(float(np.interp(L, xs, logs))), "probes": []}
+        return out
+
+    def finish(self, pieces, kl_sums, tokens, fingerprint, tokens_sha256) -> Sensitivity:
+        coef = self.coefficients(pieces, kl_sums, tokens)
+        gains, kls, errs, locs = {}, {}, {}, {}
+        for L in range(self.n_layer):
+            for s in SURFACES:
+                name = stack_name(L, s)
+                loc = float(pieces[L][f"local.{s}"]) / tokens
+                c = coef[L]["groups"][self.group_of(s)]["coefficient"]
+                kl, err = c * loc, float(pieces[L][f"err.{s}"])
+                self._check(name, kl, err)
+                gains[name], kls[name], errs[name], locs[name] = kl / err, kl, err, loc
+        return Sensitivity(MappingProxyType(gains), MappingProxyType(kls), MappingProxyType(errs), fingerprint,
+                           tokens_sha256, self.seqs, tokens, float(self.rel_std), method=self.method.value,
+                           local_error=MappingProxyType(locs),
+                           layers=MappingProxyType({L: MappingProxyType(v) for L, v in sorted(coef.items())}))
+
+
+def _sq(dy) -> float:
+    return float(dy.detach().double().square().sum())
+
+
+_PASSES = {Method.STREAMED: StreamedPass, Method.PER_TENSOR: PerTensorPass}
+
+
+def make_pass(method: "Method | str", n_layer: int, seqs: int) -> SensitivityPass:
+    """The pass of ``method`` (a Method or its name)."""
+    try:
+        m = Method(method)
+    except ValueError:
+        raise BadInputError(f"unknown sensitivity method {method!r}; known: "
+                            f"{', '.join(x.value for x in Method)}", where="--sensitivity-method") from None
+    return _PASSES[m](n_layer, seqs)
+
+
+def ref_logp(logits):
+    """The reference's log-probabilities in float64 (the KL's left side)."""
+    import torch
+
+    return torch.log_softmax(logits.double(), dim=-1)

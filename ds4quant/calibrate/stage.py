@@ -1,37 +1,44 @@
-"""Calibrate: importance matrix and routing profile from the reference model.
+"""Calibrate: importance matrix, routing profile and sensitivity from the
+reference model, streamed one decoder layer at a time.
 
-Runs token sequences through the transformers DeepSeek-V4 reference model
-(``DeepseekV4ForCausalLM`` on the exactly dequantized source weights, fp32,
-``experts_implementation="eager"``; spec ds4-reference-model.md; loaded and
-hooked through ``ds4quant.runtime.reference``) and records, with forward
-pre-hooks:
+Runs token sequences through the DeepSeek-V4 reference model (transformers'
+own decoder layers on the source's weights dequantized by our code, fp32,
+eager experts; docs/reference-model.md) through the layer-streamed
+forward (``ds4quant.runtime.stream``): one layer's weights in memory at a
+time, every sequence's hidden streams in the work folder. It records, per
+layer (``collect``):
 
-- routed experts (``model.model.layers[L].mlp.experts``, called as
-  ``experts(hidden[T,H], top_k_index[T,k], top_k_weights[T,k])``): per layer,
-  expert and surface the sum over routed rows of x^2 per input column and the
-  row count. gate and up read the hidden rows routed to the expert; down reads
-  ``silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)`` of that expert,
-  recomputed from its weights with the same ops, rows and order as the eager
-  experts forward (so the values are the model's own, bit for bit);
+- routed experts: per layer, expert and surface the sum over routed rows of
+  x^2 per input column and the row count (gate and up read the hidden rows
+  routed to the expert; down reads the expert's own SwiGLU output, recomputed
+  with the eager forward's ops, rows and order);
 - routing: the slots per layer and expert, from ``top_k_index`` itself, so
   hash-routed layers (experts from ``tid2eid``) count like scored ones;
 - dense projections (attention, compressor, indexer, shared experts, output
-  head): the same sums of their inputs, under their GGUF names.
+  head): the same sums of their inputs, under their GGUF names;
+- sensitivity (``sensitivity``): KL per unit of weighted error per
+  routed-expert tensor, from perturbed branches carried in the same pass.
 
 Outputs in ``out_dir``: ``imatrix.gguf`` (GGUF imatrix: per-expert sums with
 shape (n_expert, cols) and counts per expert; an expert no token reached has
-count 0, so ``importance_for`` returns None and the converter falls back to the
-weight-only error), ``routing.csv`` (Lucebox hotness CSV), ``routing.json`` and
-``report.json`` (tokens, sequences, seconds, unreached experts per tensor),
-and ``imatrix.lucebox.dat``, the same sums in the layout Lucebox's converter
-reads (one mean vector per expert stack, no dataset tail).
+count 0, so ``importance_for`` returns None and the converter falls back to
+the weight-only error), ``imatrix.lucebox.dat`` (the same sums in the layout
+Lucebox's converter reads), ``routing.csv`` (Lucebox hotness CSV),
+``routing.json``, ``sensitivity.json`` and ``report.json`` (tokens,
+sequences, seconds, unreached experts per tensor).
+
+Resume: the work folder ``OUT/.ds4quant-work`` journals every finished layer
+(``journal``); ``resume=True`` continues a killed run from its first
+unfinished layer with the same bytes, and refuses when the source, tokens or
+options changed.
 
 Determinism: every sequence runs alone (batch 1) on one torch thread, its
-sums are taken in float64 and the per-sequence sums are added in sequence
-order. ``threads`` is the number of worker processes that run sequences, so
-it changes speed, never bytes (torch's CPU kernels give different bits for
-different intra-op thread counts: spec §Q4). Only ``report.json``'s ``run``
-block (seconds, threads) differs between runs.
+sums are taken in float64 and added in sequence order (torch's CPU kernels
+give different bits for different intra-op thread counts:
+docs/reference-model.md#determinism); the streamed layer gives the whole
+model's bits (``ds4quant.runtime.stream``), so the files are
+the bytes a whole-model run writes. Only ``report.json``'s ``run`` block
+(seconds, device) differs between runs.
 
 Example::
 
@@ -41,23 +48,23 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
+import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from ds4quant.calibrate.sensitivity import Method
 from ds4quant.errors import BadInputError
 from ds4quant.names import stack_name
-from ds4quant.progress import Meter, ProgressFn
-from ds4quant.runtime.reference import capture_experts, check_dependencies, expert_rows, load_reference, torch_threads
+from ds4quant.progress import ProgressFn
 
 __all__ = ["CalibrationReport", "calibrate", "read_tokens", "REPORT_SCHEMA", "REPORT_VERSION"]
 
@@ -68,36 +75,12 @@ IMATRIX_LUCEBOX_FILE = "imatrix.lucebox.dat"  # ds4_mix_converter layout (imatri
 ROUTING_CSV = "routing.csv"
 ROUTING_JSON = "routing.json"
 REPORT_FILE = "report.json"
-# Sequences the sensitivity pass runs (each once per routed-expert tensor).
+# Sequences the sensitivity pass runs (the first N of the calibration set).
 SENSITIVITY_SEQS = 8
 SURFACES = ("gate", "up", "down")
 
-# transformers module (inside model.model.layers.L) -> GGUF tensor stem (blk.L.<stem>.weight);
-# names from ds4-reference-model.md (official <-> transformers) and ds4-and-lucebox.md §2.
-_DENSE_MODULES = (
-    ("self_attn.q_a_proj", "attn_q_a"),
-    ("self_attn.q_b_proj", "attn_q_b"),
-    ("self_attn.kv_proj", "attn_kv"),
-    ("self_attn.o_a_proj", "attn_output_a"),  # grouped: each (token, group) row is one input row
-    ("self_attn.o_b_proj", "attn_output_b"),
-    ("self_attn.compressor.kv_proj", "attn_compressor_kv"),
-    ("self_attn.compressor.gate_proj", "attn_compressor_gate"),
-    ("self_attn.compressor.indexer.q_b_proj", "indexer.attn_q_b"),
-    ("self_attn.compressor.indexer.kv_proj", "indexer_compressor_kv"),
-    ("self_attn.compressor.indexer.gate_proj", "indexer_compressor_gate"),
-    ("self_attn.compressor.indexer.scorer.weights_proj", "indexer.proj"),
-    ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
-    ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
-    ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
-)
-_HEAD_MODULE = ("lm_head", "output.weight")
 
 _TOKEN_RE = re.compile(r"[0-9]+")
-
-
-def expert_tensor(layer: int, surface: str) -> str:
-    """GGUF name of a routed-expert stack, e.g. ``blk.3.ffn_down_exps.weight`` (names.stack_name)."""
-    return stack_name(layer, surface)
 
 
 # --------------------------------------------------------------------------
@@ -179,153 +162,14 @@ def _tokens_sha256(seqs: Sequence[Sequence[int]]) -> str:
     return h.hexdigest()
 
 
-# --------------------------------------------------------------------------
-# per-sequence sums (the model itself: ds4quant.runtime.reference)
-
-
-@dataclass
-class _Partial:
-    """One sequence's sums (float64) and counts; picklable for worker processes."""
-
-    tokens: int
-    slots: np.ndarray  # int64 (n_layer, n_expert): routed slots per expert
-    experts: dict = field(default_factory=dict)  # (layer, expert) -> [rows, sum x^2 hidden (H,), sum x^2 act (I,)]
-    dense: dict = field(default_factory=dict)  # GGUF name -> [rows, sum x^2 (cols,)]
-
-
-def _sum_sq(x) -> np.ndarray:
-    """float64 (cols,): sum over rows of x^2 (x: float32 torch [rows, cols]).
-    Squares of float32 are exact in float64; numpy adds rows in order."""
-    a = x.detach().numpy().astype(np.float64)
-    return np.square(a).sum(axis=0)
-
-
-class _Collector:
-    """Hooks on one loaded model; ``run(ids)`` returns that sequence's _Partial."""
-
-    def __init__(self, model):
-        cfg = model.config
-        self.model = model
-        self.n_layer = len(model.model.layers)
-        self.n_expert = int(cfg.n_routed_experts)
-        self._part: Optional[_Partial] = None
-        self._handles = []
-        self._hooks = contextlib.ExitStack()
-        self._hooks.enter_context(capture_experts(model, self._on_experts))
-        self.dense_names: list[str] = []
-        for layer_idx, layer in enumerate(model.model.layers):
-            for path, stem in _DENSE_MODULES:
-                try:
-                    mod = layer.get_submodule(path)
-                except AttributeError:
-                    continue  # e.g. no compressor in sliding-only layers
-                self._add_dense(mod, f"blk.{layer_idx}.{stem}.weight")
-        self._add_dense(model.get_submodule(_HEAD_MODULE[0]), _HEAD_MODULE[1])
-
-    def _add_dense(self, mod, name: str) -> None:
-        def hook(_mod, args):
-            if self._part is None:
-                return
-            x = args[0]
-            rows = x.detach().reshape(-1, x.shape[-1])
-            slot = self._part.dense.setdefault(name, [0, np.zeros(rows.shape[1], dtype=np.float64)])
-            slot[0] += int(rows.shape[0])
-            slot[1] += _sum_sq(rows)
-
-        self._handles.append(mod.register_forward_pre_hook(hook))
-        self.dense_names.append(name)
-
-    def _on_experts(self, layer_idx: int, module, hidden, idx, _weights) -> None:
-        import torch
-
-        if self._part is None:
-            return
-        n_exp = module.num_experts
-        with torch.no_grad():
-            flat = idx.reshape(-1)
-            # The eager forward skips index n_expert (an expert-parallel
-            # placeholder); anything else out of range would have failed there.
-            self._part.slots[layer_idx] += torch.bincount(flat[flat < n_exp], minlength=n_exp).numpy()
-            idx_t = idx.transpose(0, 1)  # [k, T]: the eager forward's mask[e] layout
-            for e in torch.unique(flat).tolist():
-                if e >= n_exp:
-                    continue
-                _pos, tok, x, act = expert_rows(module, hidden, idx_t, e)
-                slot = self._part.experts.get((layer_idx, e))
-                if slot is None:
-                    slot = self._part.experts[(layer_idx, e)] = [0, 0.0, 0.0]
-                slot[0] += int(tok.shape[0])
-                slot[1] = slot[1] + _sum_sq(x)
-                slot[2] = slot[2] + _sum_sq(act)
-
-    def run(self, ids: Sequence[int]) -> _Partial:
-        import torch
-
-        self._part = _Partial(tokens=len(ids), slots=np.zeros((self.n_layer, self.n_expert), dtype=np.int64))
-        try:
-            with torch.no_grad():
-                self.model(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
-            return self._part
-        finally:
-            self._part = None
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._hooks.close()
-
-
-# worker processes (spawned): one model each, one torch thread each
-_WORKER: Optional[_Collector] = None
-
-
-def _worker_init(source_dir: str) -> None:
-    global _WORKER
-    _WORKER = _Collector(load_reference(source_dir, threads=1))
-
-
-def _worker_run(ids: tuple[int, ...]) -> _Partial:
-    if _WORKER is None:
-        raise RuntimeError("calibration worker used before _worker_init")  # a bug, not user input
-    return _WORKER.run(ids)
-
-
-# --------------------------------------------------------------------------
-# totals and outputs
-
-
-class _Totals:
-    """Sums over all sequences, added in sequence order."""
-
-    def __init__(self, n_layer: int, n_expert: int, hidden: int, inter: int):
-        self.tokens = 0
-        self.slots = np.zeros((n_layer, n_expert), dtype=np.int64)
-        self.rows = np.zeros((n_layer, n_expert), dtype=np.int64)
-        self.hidden = np.zeros((n_layer, n_expert, hidden), dtype=np.float64)
-        self.act = np.zeros((n_layer, n_expert, inter), dtype=np.float64)
-        self.dense: dict[str, list] = {}
-
-    def add(self, p: _Partial) -> None:
-        self.tokens += p.tokens
-        self.slots += p.slots
-        for (layer, e), (rows, sh, sa) in sorted(p.experts.items()):
-            self.rows[layer, e] += rows
-            self.hidden[layer, e] += sh
-            self.act[layer, e] += sa
-        for name, (rows, s) in sorted(p.dense.items()):
-            slot = self.dense.setdefault(name, [0, np.zeros_like(s)])
-            slot[0] += rows
-            slot[1] += s
-
-
 @dataclass(frozen=True)
 class CalibrationReport:
     """What a calibration run did and wrote (``to_json`` is report.json).
 
     unreached: GGUF expert tensor -> experts with count 0 (ascending).
     files: role -> file name inside out_dir; sha256: file name -> hex digest
-    (imatrix and routing files). seconds / threads: this run only.
+    (imatrix, routing and sensitivity files). seconds / device / resumed_at
+    (the first layer this session ran, 0 when it began afresh): this run only.
     """
 
     out_dir: str
@@ -345,7 +189,8 @@ class CalibrationReport:
     sha256: Mapping[str, str]
     versions: Mapping[str, str]
     seconds: float
-    threads: int
+    device: str
+    resumed_at: int = 0
 
     @property
     def unreached_count(self) -> int:
@@ -368,25 +213,8 @@ class CalibrationReport:
             "unreached_experts": {k: list(v) for k, v in self.unreached.items()},
             "unreached_count": self.unreached_count,
             "dense_tensors": list(self.dense_tensors),
-            "run": {"seconds": round(self.seconds, 3), "threads": self.threads},
+            "run": {"seconds": round(self.seconds, 3), "device": self.device, "resumed_at": self.resumed_at},
         }
-
-
-def _build_imatrix(tot: _Totals, n_layer: int, seq_lens: Sequence[int], dataset: str):
-    from ds4quant.calib.imatrix import make_imatrix
-
-    sums: dict[str, tuple[Any, Any]] = {}
-    for layer in range(n_layer):
-        hid = tot.hidden[layer].astype(np.float32)
-        counts = tot.rows[layer].astype(np.float64)
-        sums[expert_tensor(layer, "gate")] = (hid, counts)
-        sums[expert_tensor(layer, "up")] = (hid, counts)
-        sums[expert_tensor(layer, "down")] = (tot.act[layer].astype(np.float32), counts)
-    for name, (rows, s) in tot.dense.items():
-        sums[name] = (s.astype(np.float32), [rows])
-    lens = set(seq_lens)
-    return make_imatrix(sums, datasets=(dataset,), chunk_count=len(seq_lens),
-                        chunk_size=next(iter(lens)) if len(lens) == 1 else None)
 
 
 def _versions() -> dict[str, str]:
@@ -398,108 +226,106 @@ def _versions() -> dict[str, str]:
     return {"ds4quant": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+
+
+def _seqs_of(tokens, cfg) -> tuple[tuple[tuple[int, ...], ...], str]:
+    if isinstance(tokens, (str, os.PathLike)):
+        return read_tokens(tokens, cfg.vocab_size, cfg.max_position_embeddings), Path(tokens).name
+    if not isinstance(tokens, Sequence) or not all(isinstance(s, Sequence) for s in tokens):
+        raise BadInputError("tokens must be a token file path or a list of token-id lists", where="tokens")
+    seqs = tuple(_check_seq(s, cfg.vocab_size, cfg.max_position_embeddings, "tokens", f"sequence {i}")
+                 for i, s in enumerate(tokens))
+    if not seqs:
+        raise BadInputError("no token sequences given", where="tokens")
+    return seqs, "<in-memory>"
+
+
+def _check_int(v, what: str, lo: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise BadInputError(f"{what} must be an int >= {lo}, got {v!r}", where=what)
+
+
 def calibrate(
     source_dir: "str | os.PathLike[str]",
     tokens: "str | os.PathLike[str] | Sequence[Sequence[int]]",
     out_dir: "str | os.PathLike[str]",
     *,
-    threads: Optional[int] = None,
+    device: str = "cpu",
+    max_memory: "int | str | None" = None,
+    resume: bool = False,
+    force: bool = False,
     progress: Optional[ProgressFn] = None,
     sensitivity_seqs: int = SENSITIVITY_SEQS,
+    sensitivity_method: "Method | str" = Method.STREAMED,
 ) -> CalibrationReport:
-    """Run ``tokens`` through the reference model of ``source_dir`` and write the
-    imatrix, routing profile (CSV + JSON) and report into ``out_dir``.
+    """Run ``tokens`` through the streamed reference model of ``source_dir``
+    and write the imatrix (GGUF and Lucebox layouts), routing profile (CSV +
+    JSON), sensitivity file and report into ``out_dir``.
 
     source_dir: an official-layout DeepSeek-V4 checkpoint folder (FP8/FP4 or
     BF16/F32). tokens: a token file (see ``read_tokens``) or a list of id
-    sequences. threads: worker processes (default 1: in this process); output
-    bytes do not depend on it. progress gets a ProgressEvent (stage
-    "calibrate", unit "sequence", detail ``tokens``: tokens done) after each
-    sequence. sensitivity_seqs: the first this many sequences also measure
-    each routed-expert tensor's KL gain (``ds4quant.calibrate.sensitivity``;
-    ``sensitivity.json``, which ``convert --sensitivity`` reads); 0 skips it.
-    ``out_dir`` is created if its parent exists; every file in it is
-    replaced atomically.
+    sequences. device: "cpu", "cuda" or "cuda:N" (the layers and hidden
+    streams in work; bytes are the CPU's on "cpu"). max_memory: a byte budget
+    (int or SIZE text such as "6G") a single layer must fit in; None: no
+    check. resume: continue the interrupted run in ``out_dir`` (refused when
+    its source, tokens or options differ); force: discard one. progress gets
+    ProgressEvents of stage "calibrate" (unit "layer"): a TICK per sequence,
+    a STEP per layer and for the head (detail ``tokens``: tokens through the
+    layers so far), the PHASE "writing files", then DONE.
+    sensitivity_seqs: the first this many sequences measure each
+    routed-expert tensor's KL gain (``sensitivity.json``, which ``convert
+    --sensitivity`` reads); 0 skips it. sensitivity_method: "streamed" (a
+    constant number of branches) or "per-tensor" (one branch per tensor;
+    small models), see ``ds4quant.calibrate.sensitivity``. ``out_dir`` is
+    created if its parent exists; every file in it is replaced atomically.
 
         rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "calib")
     """
     from ds4quant.artifact.atomic import atomic_write_json
     from ds4quant.calib.imatrix import write_imatrix_gguf, write_imatrix_lucebox
     from ds4quant.calib.routing import RoutingProfile, write_routing_csv, write_routing_json
+    from ds4quant.calibrate.collect import Totals
+    from ds4quant.calibrate.journal import WORK_DIR_NAME, Journal, check_out_dir
+    from ds4quant.calibrate.model import open_stream
+    from ds4quant.calibrate.sensitivity import make_pass
+    from ds4quant.calibrate.walk import meter_for, walk
     from ds4quant.sources import open_official_source
     from ds4quant.sources.config import HASH_MOE
 
-    if threads is None:
-        threads = 1
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise BadInputError(f"threads must be an int >= 1, got {threads!r}", where="threads")
-    if not isinstance(sensitivity_seqs, int) or isinstance(sensitivity_seqs, bool) or sensitivity_seqs < 0:
-        raise BadInputError(f"sensitivity_seqs must be an int >= 0, got {sensitivity_seqs!r}",
-                            where="sensitivity_seqs")
+    _check_int(sensitivity_seqs, "sensitivity_seqs", 0)
+    method = make_pass(sensitivity_method, 1, 1).method  # refuses an unknown name before any work
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise BadInputError("exists and is not a folder", where=str(out))
-    if not out.exists() and not out.parent.is_dir():
-        raise BadInputError(f"parent folder {out.parent} does not exist", where=str(out))
+    resume = check_out_dir(out, bool(resume), bool(force))
 
     # Validate the source (layout, config, shapes) before the heavy imports.
     src_path = Path(source_dir)
     with open_official_source(src_path, "calibrate (the transformers reference model)") as src:
         cfg = src.config
         fingerprint = src.fingerprint()
-    if isinstance(tokens, (str, os.PathLike)):
-        seqs = read_tokens(tokens, cfg.vocab_size, cfg.max_position_embeddings)
-        tokens_file = Path(tokens).name
-    else:
-        if not isinstance(tokens, Sequence) or not all(isinstance(s, Sequence) for s in tokens):
-            raise BadInputError("tokens must be a token file path or a list of token-id lists", where="tokens")
-        seqs = tuple(_check_seq(s, cfg.vocab_size, cfg.max_position_embeddings, "tokens", f"sequence {i}")
-                     for i, s in enumerate(tokens))
-        if not seqs:
-            raise BadInputError("no token sequences given", where="tokens")
-        tokens_file = "<in-memory>"
-    check_dependencies(cfg.expert_dtype is not None or cfg.fp8_block is not None, needed_by="calibrate")
+    seqs, tokens_file = _seqs_of(tokens, cfg)
+    stream = open_stream(src_path, cfg, [len(s) for s in seqs], device, max_memory)
+    tokens_sha = _tokens_sha256(seqs)
+    versions = _versions()
+    options = {"source": fingerprint, "tokens": tokens_sha, "tokens_file": tokens_file,
+               "tool_version": versions["ds4quant"],
+               "versions": {k: v for k, v in versions.items() if k != "ds4quant"},
+               "device": stream.device, "sensitivity_method": method.value if sensitivity_seqs else None,
+               "sensitivity_seqs": sensitivity_seqs}
     out.mkdir(exist_ok=True)
+    work = out / WORK_DIR_NAME
+    journal = Journal.resume(work, options) if resume else Journal.start(work, options)
+    resumed_at = journal.finished + 1
 
     n_layer, n_expert, k = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok
     hash_layers = tuple(i for i, t in enumerate(cfg.mlp_layer_types) if t == HASH_MOE)
-    tot = _Totals(n_layer, n_expert, cfg.hidden_size, cfg.moe_intermediate_size)
-    workers = min(threads, len(seqs))
+    sens = make_pass(method, n_layer, sensitivity_seqs) if sensitivity_seqs else None
     t0 = time.monotonic()
-    done_tokens = 0
-    meter = Meter("calibrate", len(seqs), "sequence", total_work=sum(len(s) for s in seqs))
-    if workers == 1:
-        with torch_threads(1):
-            collector = _Collector(load_reference(src_path))
-            try:
-                for i, ids in enumerate(seqs):
-                    tot.add(collector.run(ids))
-                    done_tokens += len(ids)
-                    ev = meter.step(f"sequence {i}", work=len(ids), tokens=done_tokens)
-                    if progress is not None:
-                        progress(ev)
-            finally:
-                collector.close()
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-        from concurrent.futures.process import BrokenProcessPool
-
-        # spawn: forking a process whose torch threads have started is unsafe. A
-        # worker that fails to start breaks the pool (no endless respawn).
-        ctx = multiprocessing.get_context("spawn")
-        try:
-            with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                     initargs=(str(src_path),)) as pool:
-                for i, part in enumerate(pool.map(_worker_run, seqs)):
-                    tot.add(part)  # map yields in sequence order: the fold order is fixed
-                    done_tokens += part.tokens
-                    ev = meter.step(f"sequence {i}", work=part.tokens, tokens=done_tokens)
-                    if progress is not None:
-                        progress(ev)
-        except BrokenProcessPool:
-            raise RuntimeError("a calibration worker process died; rerun with threads=1 to see why") from None
-    seconds = time.monotonic() - t0
+    meter = meter_for(n_layer, journal, seqs)
+    with stream.open() as sm:
+        res = walk(sm, seqs, journal, sens, stream, meter=meter, progress=progress)
+    if progress is not None:
+        progress(meter.phase("writing files"))
+    tot = Totals(res.layers, res.head, sum(len(s) for s in seqs))
 
     # Every token fills k slots in every layer; anything else means the hooks missed a call.
     totals = tot.slots.sum(axis=1)
@@ -507,8 +333,7 @@ def calibrate(
         raise RuntimeError(f"calibration bookkeeping failed: slots per layer {totals.tolist()}, "
                            f"expected {tot.tokens * k}")  # a bug, not user input
 
-    im = _build_imatrix(tot, n_layer, [len(s) for s in seqs], tokens_file)
-    tokens_sha = _tokens_sha256(seqs)
+    im = tot.imatrix([len(s) for s in seqs], tokens_file)
     profile = RoutingProfile(
         n_layer, n_expert, k, tot.slots.astype(np.uint64), tokens=tot.tokens,
         source={"model": src_path.name, "fingerprint": fingerprint, "tokens_file": tokens_file,
@@ -521,34 +346,31 @@ def calibrate(
     write_routing_csv(out / ROUTING_CSV, profile)
     files = {"imatrix": IMATRIX_FILE, "imatrix_lucebox": IMATRIX_LUCEBOX_FILE, "routing_csv": ROUTING_CSV,
              "routing_json": ROUTING_JSON}
-    if sensitivity_seqs:
+    if sens is not None:
         from ds4quant.calib.sensitivity import SENSITIVITY_FILE, write_sensitivity
-        from ds4quant.calibrate.sensitivity import measure_sensitivity
 
-        t1 = time.monotonic()
-        with torch_threads(1):
-            sens = measure_sensitivity(load_reference(src_path), seqs[:sensitivity_seqs], im, tot.slots,
-                                       fingerprint=fingerprint, tokens_sha256=tokens_sha)
-        write_sensitivity(out / SENSITIVITY_FILE, sens)
+        write_sensitivity(out / SENSITIVITY_FILE,
+                          sens.finish(res.pieces, res.kl_sums, res.sens_tokens, fingerprint, tokens_sha))
         files["sensitivity"] = SENSITIVITY_FILE
-        seconds += time.monotonic() - t1
+    seconds = time.monotonic() - t0
 
     unreached = {}
     for layer in range(n_layer):
         never = tuple(int(e) for e in np.nonzero(tot.rows[layer] == 0)[0])
         for s in SURFACES:
-            unreached[expert_tensor(layer, s)] = never
-    sha = {}
-    for name in files.values():
-        sha[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()
+            unreached[stack_name(layer, s)] = never
+    sha = {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in files.values()}
     report = CalibrationReport(
         out_dir=str(out), source=src_path.name, fingerprint=fingerprint, tokens_file=tokens_file,
         tokens_sha256=tokens_sha, sequences=len(seqs), tokens=tot.tokens, n_layer=n_layer, n_expert=n_expert,
         n_expert_used=k, hash_layers=hash_layers, unreached=MappingProxyType(unreached),
         dense_tensors=tuple(sorted(tot.dense)),
         files=MappingProxyType({**files, "report": REPORT_FILE}),
-        sha256=MappingProxyType(sha), versions=MappingProxyType(_versions()), seconds=seconds, threads=workers,
+        sha256=MappingProxyType(sha), versions=MappingProxyType(versions), seconds=seconds,
+        device=stream.device, resumed_at=resumed_at,
     )
     atomic_write_json(out / REPORT_FILE, report.to_json())
+    shutil.rmtree(work, ignore_errors=True)
+    if progress is not None:
+        progress(meter.finish())
     return report
-

@@ -9,7 +9,7 @@ import click
 
 from ds4quant.cli.group import cli
 from ds4quant.cli.options import PATH, imatrix_option, json_option, size_option
-from ds4quant.cli.output import echo_excluded, emit_json, progress_printer
+from ds4quant.cli.output import command_progress, echo_excluded, emit_json
 
 
 @cli.command("convert")
@@ -84,7 +84,7 @@ def convert_cmd(source, outdir, recipe, threads, imatrix, tensor_types, dense_qt
             sensitivity=sensitivity, jobs=jobs, device=measure_device,
             **parse_fit_effort(fit_effort),
         )
-    progress = progress_printer(not as_json and sys.stderr.isatty())
+    progress = command_progress(as_json)
     rep = convert(source, outdir, recipe, threads=threads, imatrix=imatrix, tensor_types=tensor_types,
                   dense_qtype=dense_qtype, name=name, split_max_size=split_max_size, adaptive=adaptive,
                   gate_up_books=gate_up_books, loose_sidecars=loose_sidecars, resume=resume, force=force,

@@ -2,7 +2,9 @@
 
 A ``Ds4quantError`` raised anywhere below the group (a command, or an option's
 type while the command line is parsed) becomes one line on stderr and its
-exit code; set ``DS4QUANT_DEBUG=1`` to see the traceback instead.
+exit code; set ``DS4QUANT_DEBUG=1`` to see the traceback instead. A command
+line click cannot parse (``UsageError``, ``BadParameter``: an unknown option,
+a value outside its choices or range) is one line and exit 2 as well.
 """
 
 from __future__ import annotations
@@ -33,12 +35,33 @@ def exit_code_of(exc: BaseException) -> Optional[int]:
     return None
 
 
+def _usage_exit(exc: click.UsageError) -> None:
+    """A command line click cannot parse: one line naming the command and what is wrong, exit 2
+    (click's own four-line usage block buries the error). A bare command that asks for its help
+    (``NoArgsIsHelpError``) keeps click's help text."""
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):
+        raise exc
+    # the program's own name, however it was started (python -m, a test runner)
+    cmd = " ".join(["ds4quant", *(exc.ctx.command_path.split()[1:] if exc.ctx is not None else [])])
+    msg = " ".join(exc.format_message().split())
+    click.echo(f"ds4quant: error: {msg} (see `{cmd} --help`)", err=True)
+    raise SystemExit(exc.exit_code)
+
+
 class _Group(click.Group):
     """Turns user errors into one line + their exit code, everywhere below it."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:  # the group's own options
+            _usage_exit(exc)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:  # a subcommand's options and arguments, or an unknown command
+            _usage_exit(exc)
         except tuple(kind for kind, _ in EXIT_CODES) as exc:
             if os.environ.get("DS4QUANT_DEBUG"):
                 raise

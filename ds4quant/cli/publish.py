@@ -6,7 +6,7 @@ import click
 
 from ds4quant.cli.group import cli
 from ds4quant.cli.options import PATH, fidelity_option, imatrix_option, json_option, mode_option, protocol_option, source_option
-from ds4quant.cli.output import emit_json
+from ds4quant.cli.output import command_progress, emit_json
 
 
 @cli.command("publish")
@@ -22,7 +22,8 @@ from ds4quant.cli.output import emit_json
 @mode_option(help="With --fidelity: the runtime's mode.")
 @click.option("--reference", "reference", default=None, type=PATH,
               help="With --fidelity: a reference base from `ds4quant reference` (read, not run).")
-@click.option("--force", is_flag=True, help="Replace a non-empty OUTDIR.")
+@click.option("--force", is_flag=True, help="Replace an earlier release in OUTDIR (only a folder publish wrote: "
+                                            "every file listed in its SHA256SUMS).")
 @json_option()
 def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, mode, reference, force, as_json):
     """Verify an artifact, then write a release folder: the artifact files,
@@ -43,7 +44,9 @@ def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, 
         raise BadInputError("--fidelity and --protocol need --source", where=str(artifact))
     rep = publish(artifact, outdir, source=source, imatrix=imatrix, hf_repo=hf_repo, overwrite=force,
                   fidelity=fidelity or protocol is not None or reference is not None, protocol=protocol, mode=mode,
-                  reference=reference)
+                  progress=command_progress(as_json, wanted=source is not None), reference=reference)
+    for line in rep.stale:
+        click.echo(f"ds4quant: note: {line}", err=True)
     if as_json:
         emit_json(rep.to_json())
         return

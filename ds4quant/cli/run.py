@@ -24,10 +24,12 @@ from ds4quant.cli.output import emit_json
 @click.option("--launcher", type=click.Choice(["torchrun", "spawn"]), default="torchrun", show_default=True)
 @click.option("--timeout", type=float, default=120.0, show_default=True,
               help="Seconds a collective may wait for a peer before every rank fails.")
+@click.option("--no-verify-payloads", "no_verify", is_flag=True,
+              help="Skip hashing the artifact against its manifest before loading (for a folder you verified).")
 @click.option("--out", default=None, type=PATH, help="Write the result JSON here.")
 @json_option(help="Print the result JSON instead of lines.")
-def run_cmd(artifact, ranks, placement, tokens, seed, layers, mode, owners, backend, launcher, timeout, out,
-            as_json):
+def run_cmd(artifact, ranks, placement, tokens, seed, layers, mode, owners, backend, launcher, timeout, no_verify,
+            out, as_json):
     """Run the MoE layers of ARTIFACT on --ranks processes (an expert-parallel cluster)."""
     from ds4quant.runtime.cluster import result_lines, run_cluster_layers
 
@@ -38,7 +40,8 @@ def run_cmd(artifact, ranks, placement, tokens, seed, layers, mode, owners, back
         except ValueError:
             raise click.BadParameter("must be comma-separated layer numbers", param_hint="--layers") from None
     run = run_cluster_layers(artifact, placement, tokens=tokens, n_ranks=ranks, mode=mode, timeout_s=timeout,
-                             layers=lay, owners=list(owners) or None, backend=backend, launcher=launcher, seed=seed)
+                             layers=lay, owners=list(owners) or None, backend=backend, launcher=launcher, seed=seed,
+                             verify_payloads=not no_verify)
     j = run.to_json()
     if out:
         from ds4quant.artifact.atomic import atomic_write_bytes, json_bytes

@@ -17,7 +17,7 @@ from ds4quant.cli.options import (
     source_option,
     variant_107_option,
 )
-from ds4quant.cli.output import emit_json, verify_progress
+from ds4quant.cli.output import command_progress, emit_json
 
 
 @cli.command("verify")
@@ -90,7 +90,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
         from ds4quant.publish.report import check_report_dir
 
         check_report_dir(report_dir, artifact)
-    progress = verify_progress(source is not None and not as_json and sys.stderr.isatty())
+    progress = command_progress(as_json, wanted=source is not None)
     rep = verify(artifact, source=source, imatrix=imatrix, threshold_db=threshold_db, variant_107=variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
                  text=text_file, protocol=protocol, engines=tuple(engines), ctx_size=ctx_size,
@@ -118,6 +118,11 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
             if s["numbers_from"]:
                 line += f" ({'decoded vs source' if s['numbers_from'] == 'source' else 'convert-time, from manifest.json'})"
             click.echo(line)
+        un = s.get("experts_unreached")
+        if un:
+            click.echo(f"imatrix: the calibration never reached {un['experts']} expert(s) ({un['tensor_experts']} "
+                       f"expert matrices, e.g. {un['first'][0]}): the weighted error leaves them out; their "
+                       f"unweighted SQNR is {_db(un['sqnr_db'])} dB, rel MSE {_num(un['rel_mse'])}")
         f = rep.fidelity
         if f.measured:
             m = f.logits
@@ -166,3 +171,11 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
         click.echo("sound" if rep.ok else f"NOT SOUND: {n_bad} check(s) failed")
     if not rep.ok:
         click.get_current_context().exit(1)
+
+
+def _db(v) -> str:
+    return "inf" if v is None else f"{v:.2f}"
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.4g}"

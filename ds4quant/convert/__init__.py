@@ -57,7 +57,7 @@ from ds4quant.convert.resume import (
 )
 from ds4quant.errors import BadInputError, Ds4quantError, OutputError
 from ds4quant.formats import get_qtype, numba_threads
-from ds4quant.progress import ProgressEvent, ProgressFn
+from ds4quant.progress import Meter, ProgressEvent, ProgressFn
 from ds4quant.sizes import parse_size
 from ds4quant.plan.recipes import GATE_UP_BOOKS
 from ds4quant.sources.naming import deepseek4_kvs
@@ -95,8 +95,10 @@ def convert(
     ``gate_up_books="joint"`` fits one codebook pair per expert over its gate
     and up and shares it (as Lucebox's converter does) for MIX qtypes chosen
     with ``tensor_types``; the default fits each matrix on its own.
-    ``progress`` gets a ProgressEvent per measured expert (stage "measure") and
-    per encoded tensor (stage "encode"). Returns a ConvertReport; raises a
+    ``progress`` gets a ProgressEvent per measured expert (stage "measure"),
+    per fitted codebook of a MIX qtype chosen outright (stage "codebooks"),
+    per encoded tensor (stage "encode"), and stage "convert" phases (writing
+    the GGUF, the manifest and sums) with its end. Returns a ConvertReport; raises a
     Ds4quantError for bad input, leaving no artifact in ``outdir``. The bytes
     never depend on ``threads``.
     """
@@ -105,7 +107,7 @@ def convert(
     t_start = time.perf_counter()
     out = Path(outdir)
     # first of all: an OUTDIR overlapping the source could be emptied by --force
-    check_no_overlap(source, out)
+    check_no_overlap(source, out, imatrix)
     rec = get_recipe(recipe)
     if dense_qtype is not None:
         get_qtype(dense_qtype)
@@ -170,17 +172,21 @@ def convert(
                 shutil.rmtree(out, ignore_errors=True)
             raise
         work = out / WORK_DIR
+        refused = finished = False
         try:
             job = _Job(src, out, work, art_name, rec, plan, members, overrides, imx, imx_sha, imatrix, source_fp,
                        options, split_bytes, loose_sidecars, adaptive, threads, command, progress)
-            return job.run(resume, force, created_out, t_start)
+            rep = job.run(resume, force, created_out, t_start)
+            finished = True
+            return rep
         except Ds4quantError:
-            # refused before any work was recorded: leave no folder behind that we made
-            if created_out and not (work / JOURNAL).exists():
+            # refused before any work was recorded: leave no folder (or lock file) behind that we made
+            refused = not (work / JOURNAL).exists()
+            if created_out and refused:
                 shutil.rmtree(out, ignore_errors=True)
             raise
         finally:
-            lock.release()
+            lock.release(remove=finished, remove_created=refused)
     finally:
         src.close()
 
@@ -212,6 +218,10 @@ class _Job:
     def run(self, resume: bool, force: bool, created_out: bool, t_start: float) -> ConvertReport:
         out, work, rec = self.out, self.work, self.rec
         journal_path = work / JOURNAL
+        for p in (work, work / "pieces", journal_path):
+            if p.is_symlink():  # a planted link would have pieces and journal written outside OUTDIR
+                raise OutputError("is a symbolic link; convert never follows one in its work folder", where=str(p),
+                                  hint="remove the link, or start over in another output folder")
         # refuse a mismatched resume before the (long) adaptive measurement
         old = Journal.load(journal_path) if resume and journal_path.exists() else None
         if old is not None:
@@ -223,6 +233,12 @@ class _Job:
         books = Books()
         adaptive_info = figures = None
         plan, adaptive = self.plan, self.adaptive
+        # the phases between the counted stages (measure, codebooks, encode): long at full scale
+        phases = Meter("convert", 0, "phase")
+
+        def say(ev) -> None:
+            if self.progress is not None:
+                self.progress(ev)
         with numba_threads(self.threads):
             if rec.adaptive:
                 from ds4quant.plan import plan_adaptive
@@ -231,7 +247,7 @@ class _Job:
                                                              self.imx_sha, books, self.progress)
             else:
                 fit_fixed_mix_books(plan, self.members, self.src, self.imx, books,
-                                    joint_gate_up=rec.gate_up_books == "joint")
+                                    joint_gate_up=rec.gate_up_books == "joint", progress=self.progress)
         plan_fp = plan_fingerprint(rec, plan, self.imx_sha, adaptive.key() if rec.adaptive else None)
         if finished:
             return finished_report(out, self.art_name, self.src, rec, plan, self.options, self.overrides,
@@ -251,6 +267,7 @@ class _Job:
                 results = run_encode(self.src, plan, self.members, self.imx, books, pieces, journal, self.threads,
                                      self.progress, figures)
                 table = codebook_table(plan, books, self.src.config.n_routed_experts)
+                say(phases.phase(f"writing {self.art_name} GGUF from {len(results)} encoded tensors"))
                 files, cb_bytes, decision, oversize, file_sha = assemble(
                     out, self.art_name, rec, plan,
                     deepseek4_kvs(self.src.config) + tokenizer_kvs(self.src.path, self.src.config.vocab_size),
@@ -263,6 +280,7 @@ class _Job:
                     shutil.rmtree(out, ignore_errors=True)
                 raise
             runtimes = tuple(sorted(decision.runtimes))
+            say(phases.phase(f"writing {MANIFEST} and SHA256SUMS"))
             man = manifest(out, files, self.src, rec, plan, results, self.overrides, self.imatrix, self.imx_sha,
                            self.command, self.source_fp, runtimes, adaptive_info, table, file_sha)
             write_manifest(out / MANIFEST, man)
@@ -275,6 +293,7 @@ class _Job:
             shutil.rmtree(work, ignore_errors=True)
         except OSError as e:
             raise fs_error(e, out, work, created_out) from None
+        say(phases.finish())
 
         return build_report(out, files, plan, results, cb_bytes, rec, self.source_fp, runtimes, adaptive_info,
                             t_start, oversize, decision.excluded)

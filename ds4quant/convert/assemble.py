@@ -170,6 +170,7 @@ def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, override
              source_fp: str, runtimes, adaptive_info, table, file_sha: Optional[Mapping[Path, str]] = None) -> Manifest:
     """The manifest from the plan and the pieces: per-tensor payload hashes were taken while
     encoding, so the finished GGUF is not read back for them."""
+    from ds4quant.artifact.portable import portable_command, portable_path
     from ds4quant.artifact.qtypes import type_ref
 
     mix_names = set(table.names) if table is not None else set()
@@ -181,15 +182,16 @@ def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, override
                                    KEY_CODEBOOKS if choice.name in mix_names else None, res.errors_json()))
     recipe = dict(rec.to_json())
     recipe["tensor_types"] = [o.pattern + "=" + o.qtype for o in overrides]
-    recipe["imatrix"] = ({"path": str(imatrix), "sha256": imx_sha} if imatrix is not None else None)
+    # paths as names (or relative ones): no absolute path of this machine in the artifact (artifact.portable)
+    recipe["imatrix"] = ({"path": portable_path(imatrix), "sha256": imx_sha} if imatrix is not None else None)
     recipe["runtimes"] = list(runtimes)
     if adaptive_info is not None:
         recipe["allocation"] = adaptive_info.artifact_json()
     recipe["plan"] = [c.to_json() for c in plan]
     return Manifest(
         tool_version=__version__,
-        command=normalized_command(command if command is not None else sys.argv),
-        source={"path": str(Path(src.path)), "fingerprint": source_fp, "format": src.format},
+        command=portable_command(normalized_command(command if command is not None else sys.argv)),
+        source={"path": portable_path(src.path), "fingerprint": source_fp, "format": src.format},
         recipe=recipe,
         files=tuple(FileEntry(p.relative_to(out).as_posix(), p.stat().st_size, file_sha[p])
                     if file_sha and p in file_sha else FileEntry.of(p, p.relative_to(out).as_posix())

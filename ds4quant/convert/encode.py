@@ -154,7 +154,8 @@ def run_encode(src: Source, plan, members, imx, books, pieces: Path, journal: Jo
     mem = {c.name: members_of(c, members) for c in plan}
     src_bytes = {c.name: sum(src.info(m.name).nbytes for m in mem[c.name]) for c in plan}
     # the ETA is over source bytes: one huge embedding and many small norms average out
-    meter = Meter("encode", len(plan), "tensor", total_work=sum(src_bytes.values()))
+    meter = Meter("encode", len(plan), "tensor", total_work=sum(src_bytes.values()),
+                  then=("writing the GGUF", "writing the manifest and sums"))
     with numba_threads(threads), ThreadPoolExecutor(max_workers=1) as pool, flush_on_exit(journal):
         for i, choice in enumerate(plan):
             piece = pieces / f"{i:05d}.bin"

@@ -10,9 +10,11 @@ Rules, each checked before anything in OUTDIR is touched:
    files, ``manifest.json``, ``SHA256SUMS``, the work folder, the lock file,
    and the files an existing ``manifest.json`` lists as its artifact. Any other
    entry makes ``--force`` refuse, naming it.
-3. One convert at a time per OUTDIR (``OutLock``): an exclusive ``fcntl`` lock
-   on ``OUTDIR/.ds4quant.lock``, released by the kernel when the process dies;
-   the file holds the holder's pid so a refusal can name it.
+3. One convert at a time per OUTDIR (``OutLock``): exclusive ``flock`` locks on
+   OUTDIR and on ``OUTDIR/.ds4quant.lock`` (never followed if it is a link),
+   released by the kernel when the process dies; the file holds the holder's
+   pid so a refusal can name it. Its existence is not the lock: deleting it by
+   hand frees nothing, and a killed run's stale file blocks nothing.
 
     check_no_overlap(src, out)                        # BadInputError on overlap
     with OutLock(out):                                # OutputLockedError naming the pid
@@ -30,29 +32,17 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from ds4quant.artifact.overlap import check_no_overlap as check_no_overlap_of
 from ds4quant.errors import BadInputError, OutputError, OutputLockedError
 from ds4quant.names import LOCK_NAME, LUCEBOX_KINDS, MANIFEST_NAME, SUMS_NAME, sidecar_suffix
 from ds4quant.names import WORK_DIR_NAME as WORK_DIR
 
 
-def _real(p: Path) -> Path:
-    # resolve() follows every link of the existing prefix; a missing tail stays as given
-    return Path(os.path.realpath(p))
-
-
-def check_no_overlap(source: "str | os.PathLike", out: "str | os.PathLike") -> None:
-    """Refuse an OUTDIR that is the source, inside it, or holds it (links resolved)."""
-    s, o = _real(Path(source)), _real(Path(out))
-    if s == o:
-        why = "is the source itself"
-    elif s in o.parents:
-        why = f"is inside the source {s}"
-    elif o in s.parents:
-        why = f"holds the source {s}"
-    else:
-        return
-    raise BadInputError(f"output folder {why} (real path {o}); writing there could destroy the checkpoint",
-                        where=str(out), hint="choose an output folder outside the source")
+def check_no_overlap(source: "str | os.PathLike", out: "str | os.PathLike",
+                     imatrix: "str | os.PathLike | None" = None) -> None:
+    """Refuse an OUTDIR that is the source (or the imatrix), lies inside it, or holds it:
+    real paths and folder identities compared (``artifact.overlap``: symlinks, bind mounts)."""
+    check_no_overlap_of(out, {"source": source, "imatrix": imatrix})
 
 
 def own_file_re(art_name: str) -> re.Pattern:
@@ -116,57 +106,111 @@ def clear_for_force(out: Path, art_name: str) -> None:
 
 
 class OutLock:
-    """An exclusive lock on OUTDIR for the lifetime of one convert (see module doc)."""
+    """An exclusive lock on OUTDIR for the lifetime of one convert (see module doc).
+
+    Two advisory ``flock`` locks, both released by the kernel when the holder dies:
+    one on OUTDIR itself, one on ``OUTDIR/.ds4quant.lock``, a regular file that stays
+    while the run holds it (it names the holder's pid). Deleting the file by hand
+    therefore frees nothing: the folder's lock still keeps a second run out. The file is opened without
+    following links (``O_NOFOLLOW``), and a lock path that is a link, or anything but
+    a regular file, is refused: a planted link would otherwise make convert write
+    its pid into a file outside OUTDIR.
+    """
 
     def __init__(self, out: Path):
         self.out = Path(out)
         self.path = self.out / LOCK_NAME
         self._fd: Optional[int] = None
+        self._dir_fd: Optional[int] = None
+        self.created = False  # this run made the lock file (a refused run removes it again)
 
     def _holder(self) -> str:
         try:
-            pid = self.path.read_text(encoding="ascii").strip()
-        except (OSError, UnicodeDecodeError):
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return "another process"
+        try:
+            pid = os.read(fd, 32).decode("ascii", "replace").strip()
+        except OSError:
             pid = ""
+        finally:
+            os.close(fd)
         return f"pid {pid}" if pid.isdigit() else "another process"
+
+    def _busy(self) -> OutputLockedError:
+        return OutputLockedError(f"another convert ({self._holder()}) is writing this folder", where=str(self.out),
+                                 hint="wait for it to finish, or stop it and rerun with --resume")
+
+    def _open_file(self) -> int:
+        import stat
+
+        if self.path.is_symlink():
+            raise OutputError("the lock file is a symbolic link; convert never follows one (it would write "
+                              "outside the output folder)", where=str(self.path),
+                              hint="remove the link, or choose another output folder")
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                self.created = True
+            except FileExistsError:
+                fd = os.open(self.path, flags)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # became a link between the check and the open
+                raise OutputError("the lock file is a symbolic link; convert never follows one",
+                                  where=str(self.path)) from None
+            raise OutputError(f"cannot create the lock file ({e.strerror})", where=str(self.path)) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OutputError("the lock path is not a regular file", where=str(self.path),
+                              hint="remove it, or choose another output folder")
+        return fd
 
     def acquire(self) -> "OutLock":
         import fcntl
 
-        for _ in range(8):
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise OutputError(f"cannot create the lock file ({e.strerror})", where=str(self.path)) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise OutputLockedError(f"another convert ({self._holder()}) is writing this folder",
-                                            where=str(self.out),
-                                            hint="wait for it to finish, or stop it and rerun with --resume") from None
-                raise OutputError(f"cannot lock ({e.strerror})", where=str(self.path)) from None
-            # the holder unlinks the file when it finishes: make sure we locked the file that is there now
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()}\n".encode("ascii"))
-                self._fd = fd
-                return self
+        try:
+            dfd = os.open(self.out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+        except OSError as e:
+            raise OutputError(f"cannot open the output folder ({e.strerror})", where=str(self.out)) from None
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(dfd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._busy() from None
+            raise OutputError(f"cannot lock the output folder ({e.strerror})", where=str(self.out)) from None
+        try:
+            fd = self._open_file()
+        except BaseException:
+            os.close(dfd)
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
             os.close(fd)
-        raise OutputLockedError("the lock file keeps changing under this run", where=str(self.path))
+            os.close(dfd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._busy() from None
+            raise OutputError(f"cannot lock ({e.strerror})", where=str(self.path)) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+        self._fd, self._dir_fd = fd, dfd
+        return self
 
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)  # while still held, so no other run locks a file about to vanish
-        os.close(self._fd)
-        self._fd = None
+    def release(self, *, remove: bool = False, remove_created: bool = False) -> None:
+        """Unlock. The file's existence is not the lock, so it may stay (a killed run's
+        does); ``remove`` removes it (a finished run leaves a clean folder), and
+        ``remove_created`` removes it only if this run made it (a run refused before it
+        wrote anything leaves the folder as it found it). Removing happens while the
+        folder's lock is still held, so no other run can have the file open."""
+        if (remove or (remove_created and self.created)) and self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        for fd in (self._fd, self._dir_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._dir_fd = None
 
     def __enter__(self) -> "OutLock":
         return self.acquire()

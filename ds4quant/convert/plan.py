@@ -16,6 +16,7 @@ from ds4quant.plan import Books, Recipe, TensorChoice, TensorSpec
 from ds4quant.errors import BadInputError
 from ds4quant.formats import QTYPES, get_qtype
 from ds4quant.names import Proj, layer_of, parse_stack, stack_name
+from ds4quant.progress import Meter, ProgressFn
 from ds4quant.sources.base import Source
 from ds4quant.sources.naming import Mapped
 
@@ -86,7 +87,8 @@ def load(src: Source, m: Mapped, cols: int) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(-1, cols), dtype=np.float32)
 
 
-def fit_fixed_mix_books(plan, members, src: Source, imx, books: Books, joint_gate_up: bool = False) -> None:
+def fit_fixed_mix_books(plan, members, src: Source, imx, books: Books, joint_gate_up: bool = False,
+                        progress: Optional[ProgressFn] = None) -> None:
     """MIX qtypes chosen outright (--tensor-type ...=rocmfp2_mix): the reference
     fitter per expert, as the Lucebox converter does.
 
@@ -96,6 +98,9 @@ def fit_fixed_mix_books(plan, members, src: Source, imx, books: Books, joint_gat
     gives it to both, which is the rule of Lucebox's converter for its 106
     gate/up tensors: its GUMIXs1 sidecar repeats the one pair for both
     surfaces. Matrices without such a partner are fitted alone.
+
+    progress gets a "codebooks" ProgressEvent per expert matrix (one fitted
+    with its partner counts as done with it).
     """
     from ds4quant.codebooks import fit_reference
 
@@ -113,23 +118,29 @@ def fit_fixed_mix_books(plan, members, src: Source, imx, books: Books, joint_gat
                 for m in members_of(c, members):
                     partner[(stack_name(sn.layer, Proj.GATE), m.expert, qt.name)] = (c, m)
     done = set()
-    for c, qt in mix:
-        for m in members_of(c, members):
-            if (c.base, m.expert, qt.name) in done:
-                continue
-            x = load(src, m, c.shape[0])
-            imp = importance(imx, c.base, m.expert, c.shape[0])
-            up = partner.get((c.base, m.expert, qt.name))
-            if up is None:
-                b, _ = fit_reference([x], qt.codebook_levels, imp)
-                books.put(c.base, m.expert, qt.name, b, 1)
-            else:
-                uc, um = up
-                xu = load(src, um, uc.shape[0])
-                b, _ = fit_reference([x, xu], qt.codebook_levels,
-                                     [imp, importance(imx, uc.base, um.expert, uc.shape[0])])
-                for base in (c.base, uc.base):
-                    books.put(base, m.expert, qt.name, b, 1)
-                done.add((uc.base, um.expert, qt.name))
-                src.release(um.name)
-            src.release(m.name)
+    todo = [(c, qt, m) for c, qt in mix for m in members_of(c, members)]
+    meter = Meter("codebooks", len(todo), "matrix", then=("encoding",))
+    for c, qt, m in todo:
+        item = f"{c.base} expert {m.expert}"
+        if (c.base, m.expert, qt.name) in done:  # fitted with its gate partner: its work was counted there
+            if progress is not None:
+                progress(meter.step(item, work=0, qtype=qt.name))
+            continue
+        x = load(src, m, c.shape[0])
+        imp = importance(imx, c.base, m.expert, c.shape[0])
+        up = partner.get((c.base, m.expert, qt.name))
+        if up is None:
+            b, _ = fit_reference([x], qt.codebook_levels, imp)
+            books.put(c.base, m.expert, qt.name, b, 1)
+        else:
+            uc, um = up
+            xu = load(src, um, uc.shape[0])
+            b, _ = fit_reference([x, xu], qt.codebook_levels,
+                                 [imp, importance(imx, uc.base, um.expert, uc.shape[0])])
+            for base in (c.base, uc.base):
+                books.put(base, m.expert, qt.name, b, 1)
+            done.add((uc.base, um.expert, qt.name))
+            src.release(um.name)
+        src.release(m.name)
+        if progress is not None:
+            progress(meter.step(item, work=1 if up is None else 2, qtype=qt.name))

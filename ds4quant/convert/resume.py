@@ -14,6 +14,7 @@ fires on a bug or a hand-edited journal.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import time
@@ -122,15 +123,62 @@ class Journal:
     @classmethod
     def load(cls, path: Path) -> "Journal":
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(_read_no_follow(path))
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
             if d.get("version") != JOURNAL_VERSION:
                 raise ValueError(f"version {d.get('version')}, this ds4quant writes {JOURNAL_VERSION}")
             if not isinstance(d["options"], dict):
                 raise ValueError("options is not an object")
+            if not isinstance(d["done"], dict):
+                raise ValueError("done is not an object")
+            for name, entry in d["done"].items():
+                why = _bad_done_entry(entry)
+                if why is not None:
+                    raise ValueError(f"done entry {name!r} {why}")
             return cls(path, dict(d["options"]), str(d["plan_fingerprint"]), dict(d["done"]))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ResumeMismatchError(f"journal is unreadable ({exc})", where=str(path),
                                       hint="start over with --force") from None
+
+
+# what a finished tensor's journal entry must hold (TensorResult.to_journal), and each value's type
+_DONE_FIELDS = {"name": str, "qtype": str, "bytes": int, "sha256": str, "n_weights": int, "sse": (int, float),
+                "ssx": (int, float)}
+_HEX = frozenset("0123456789abcdef")
+
+
+def _bad_done_entry(entry) -> Optional[str]:
+    """Why a journal ``done`` entry cannot be trusted to reuse a piece, or None."""
+    if not isinstance(entry, dict):
+        return f"is a {type(entry).__name__}, not an object"
+    for key, kind in _DONE_FIELDS.items():
+        v = entry.get(key)
+        if v is None:
+            return f"lacks {key}"
+        if not isinstance(v, kind) or isinstance(v, bool):
+            return f"has a {type(v).__name__} {key}"
+    sha = entry["sha256"]
+    if len(sha) != 64 or not set(sha) <= _HEX:
+        return "has a sha256 that is not 64 hex digits"
+    if entry["bytes"] < 0:
+        return "has a negative byte count"
+    return None
+
+
+def _read_no_follow(path: Path) -> str:
+    """The journal's text, refusing a link in its place (a planted link would make a resume read,
+    and trust, a file outside the output folder)."""
+    import os
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError("it is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8")
 
 
 def check_resume(journal: Journal, options: Mapping, plan_fp: str) -> None:

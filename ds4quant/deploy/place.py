@@ -136,7 +136,7 @@ def place(artifact: "str | os.PathLike[str]", routing: Any, owners: Sequence[Own
 
     owners: ['NAME=BYTES' | 'NAME' | (name, bytes)], first = hot/primary.
     cold: None (refuse experts that fit nowhere), 'none', or an owner name.
-    ranks/strategy/replicate_hot: a cluster placement instead (issue 10).
+    ranks/strategy/replicate_hot: a cluster placement instead (docs/usage.md#placement).
     out: write the placement file there (atomic). Returns (Placement, report).
     """
     # User input first (profile, budgets, options), so its errors never wait on an artifact read.
@@ -163,12 +163,18 @@ def check_placement(artifact: "str | os.PathLike[str]", routing: Any, placement:
     """Read an existing placement file, check it fits ``artifact`` (shape and
     fingerprint) and report it on ``routing``."""
     p = read_placement(placement)
+    if not Path(artifact).exists():
+        raise BadInputError("no such artifact", where=str(artifact))
+    from ds4quant.artifact.view import open_artifact
+    from ds4quant.runtime.placement import check_fits
+
+    with open_artifact(artifact, variant_107=variant_107) as v:
+        check_fits(p, v, where=str(placement))  # the one check runtime.load makes too
+        nb = np.asarray(v.expert_nbytes(), dtype=np.int64)
     prof, where = _profile(routing)
     if (prof.n_layer, prof.n_expert) != (p.n_layer, p.n_expert):
         raise ShapeError(f"routing profile is {prof.n_layer} x {prof.n_expert}, the placement "
                          f"{p.n_layer} x {p.n_expert} (layers x experts)", where=where)
-    nb, _used, fp = _artifact_facts(artifact, variant_107)
-    p.check_matches(nb.shape[0], nb.shape[1], fp, where=str(placement))
     if p.ranks is not None:
         return p, rank_report(p, prof, nb)
     return p, placement_report(p, prof, nb, token_topk=token_topk)

@@ -112,13 +112,22 @@ class Inspection:
 def inspect_artifact(path: "str | os.PathLike", *, variant_107: Optional[str] = None) -> Inspection:
     """Read an artifact folder or a .gguf (through ``ArtifactView``) and describe every tensor."""
     from ds4quant.artifact import read_manifest
+    from ds4quant.artifact.qtypes import row_rule_problem
     from ds4quant.artifact.view import open_artifact
+    from ds4quant.errors import CorruptDataError
 
     p = Path(path)
     v = open_artifact(p, variant_107=variant_107)
     plan = _plan(v.kv)
     compact = {s.name: s.expert_ids for s in v.stacks if s.compact}
     rows = []
+    bad = [(name, Path(info.path).name, why) for name, info in v.tensors.items()
+           if (why := row_rule_problem(info.qtype, info.shape[0])) is not None]
+    if bad:
+        # its byte size cannot match what the codec decodes: verify fails the same rule ("shapes")
+        name, f, why = bad[0]
+        more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+        raise CorruptDataError(f"tensor {name}: {why}{more}", where=f, hint="ds4quant verify lists every problem")
     for name, info in v.tensors.items():
         n = 1
         for d in info.shape:

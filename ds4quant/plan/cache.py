@@ -56,6 +56,22 @@ class Cache:
         atomic_write_json(self.file, {"version": CACHE_VERSION, "key": self.key, "measures": self.data})
 
 
+def check_cache_dir(root: "str | os.PathLike", where: str = "--cache-dir") -> Path:
+    """``root`` as a cache folder: absent (made on first save) or a folder, and no file on
+    the way to it; anything else is one line naming it (before any measuring)."""
+    from ds4quant.errors import BadInputError
+
+    p = Path(root)
+    for q in (p, *p.parents):
+        if q.exists() or q.is_symlink():
+            if not q.is_dir():
+                what = "is" if q == p else f"lies under {q}, which is"
+                raise BadInputError(f"the measurement cache {what} not a folder", where=f"{where} {p}",
+                                    hint="point --cache-dir (or $DS4QUANT_CACHE) at a folder")
+            break
+    return p
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("DS4QUANT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ds4quant")

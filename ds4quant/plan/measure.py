@@ -31,7 +31,7 @@ from ds4quant import __version__
 from ds4quant.errors import BadInputError
 from ds4quant.formats import get_qtype
 from ds4quant.formats.search import Backend
-from ds4quant.plan.cache import CACHE_VERSION, Cache, default_cache_dir, load_books, save_books
+from ds4quant.plan.cache import CACHE_VERSION, Cache, check_cache_dir, default_cache_dir, load_books, save_books
 from ds4quant.plan.job import measure_candidates
 from ds4quant.plan.options import AdaptiveOptions
 from ds4quant.plan.records import Books, Measure, Measurements, expert_weights
@@ -65,13 +65,15 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
     key_obj = {"v": CACHE_VERSION, "tool": __version__, "source": src.fingerprint(), "imatrix": imatrix_sha,
                "opts": opts.key()}
     key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()
-    root = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
+    root = check_cache_dir(opts.cache_dir) if opts.cache_dir else check_cache_dir(default_cache_dir(),
+                                                                                  "$DS4QUANT_CACHE")
     cache = Cache(root, key)
     cache.load()
     out: dict[tuple[str, int, str], Measure] = {}
     weights: dict[str, np.ndarray] = {}
     reused = 0
-    meter = Meter("measure", sum(len(m) for _, m in expert_tensors), "expert")
+    # convert encodes after the plan is made: the last measured expert is not the end
+    meter = Meter("measure", sum(len(m) for _, m in expert_tensors), "expert", then=("planning and encoding",))
     jobs = opts.jobs if opts.jobs is not None else default_jobs()
     backend = opts.backend()
     saved = time.perf_counter()

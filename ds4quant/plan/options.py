@@ -127,6 +127,10 @@ class AdaptiveOptions:
             raise BadInputError("--candidates lists a qtype twice")
         if self.jobs is not None and self.jobs < 1:
             raise BadInputError(f"--jobs must be >= 1, got {self.jobs}")
+        if self.cache_dir is not None:
+            from ds4quant.plan.cache import check_cache_dir
+
+            check_cache_dir(self.cache_dir)
         return self
 
     def key(self) -> dict:

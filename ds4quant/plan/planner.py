@@ -42,6 +42,46 @@ def allowed_candidates(opts: AdaptiveOptions, surface: str) -> tuple[str, ...]:
     return tuple(opts.candidates)
 
 
+def reachable_bytes(expert_tensors: Sequence[tuple], opts: AdaptiveOptions) -> tuple[int, int]:
+    """(fewest, most) payload bytes the candidates can give the routed experts left to decide:
+    every tensor at its cheapest, or its largest, allowed candidate that fits its rows. Sizes
+    depend on the qtypes only, so this is known before anything is measured."""
+    lo = hi = 0
+    for choice, _ in expert_tensors:
+        n = int(np.prod(choice.shape))
+        sizes = [get_qtype(q).nbytes(n) for q in allowed_candidates(opts, choice.surface) if fits(q, choice.shape[0])]
+        if not sizes:
+            raise BadInputError(f"no candidate qtype is allowed on {choice.surface} experts and fits row length "
+                                f"{choice.shape[0]}", where=choice.name, hint="--candidates")
+        lo, hi = lo + min(sizes), hi + max(sizes)
+    return lo, hi
+
+
+def check_reachable(expert_tensors: Sequence[tuple], opts: AdaptiveOptions, budget: int, fixed: int,
+                    weights: int) -> None:
+    """Refuse, before the (long) measurement, a budget the candidates cannot meet: below the
+    cheapest choice everywhere, or (for --target-bpw, a point to land on) above the largest.
+    A --max-bytes above the largest is a cap that simply holds, so it passes. The refusal
+    names the reachable range."""
+    lo, hi = reachable_bytes(expert_tensors, opts)
+    bpw_lo, bpw_hi = 8 * (lo + fixed) / weights, 8 * (hi + fixed) / weights
+    cands = ",".join(opts.candidates)
+    if opts.target_bpw is not None:
+        # the budget rounds down to whole bytes; a target a rounding above the top still lands on it
+        if budget < lo or opts.target_bpw > bpw_hi + 1e-9:
+            where = "below" if budget < lo else "above"
+            raise BudgetError(
+                f"--target-bpw {opts.target_bpw:g} is {where} what the candidates ({cands}) reach: "
+                f"{bpw_lo:.4f} to {bpw_hi:.4f} bpw over the routed experts" +
+                (" (the budget is below the smallest possible size)" if where == "below" else ""),
+                hint=f"pass a --target-bpw from {bpw_lo:.4f} to {bpw_hi:.4f}, or change --candidates")
+    elif budget < lo:
+        raise BudgetError(f"--max-bytes {opts.max_bytes:,} leaves {budget:,} bytes for the routed experts, below "
+                          f"the smallest possible size {lo:,} bytes the candidates ({cands}) reach "
+                          f"({bpw_lo:.4f} bpw; the most they take is {hi:,} bytes, {bpw_hi:.4f} bpw)",
+                          hint="raise --max-bytes, or change --candidates")
+
+
 def resolve(expert_tensors: Sequence[tuple], meas: Measurements, opts: AdaptiveOptions,
             budget: int, gains: Optional[Mapping[str, float]] = None) -> tuple[dict[str, Decision], Allocation]:
     """Allocate qtypes under ``budget`` bytes of routed-expert payload,
@@ -121,6 +161,7 @@ def plan_adaptive(src: "Source", plan: "Sequence[TensorChoice]", members, opts: 
     if budget <= 0:
         raise BudgetError(f"no bytes left for the routed experts ({budget_what})",
                           hint="raise --target-bpw / --max-bytes")
+    check_reachable(todo, opts, budget, fixed, expert_weights_total)
 
     gains = None
     if opts.sensitivity is not None:

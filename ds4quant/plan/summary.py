@@ -162,6 +162,8 @@ def plan_summary(todo, meas: Measurements, opts: AdaptiveOptions, alloc: Allocat
     """The summary of ``decisions`` (tensor -> ``records.Decision``) made by
     ``alloc`` from ``meas`` for the tensors ``todo``; with ``gains`` (tensor
     -> KL per unit of weighted error) the predicted KL."""
+    from ds4quant.artifact.portable import portable_path
+
     chosen_e = sum(d.predicted_error for d in decisions.values())
     energy = 0.0  # the weighted source energy does not depend on the qtype
     for c, ms in todo:
@@ -170,8 +172,8 @@ def plan_summary(todo, meas: Measurements, opts: AdaptiveOptions, alloc: Allocat
             q = next(q for q in opts.candidates if (c.name, m.expert, q) in meas.measures)
             energy += w[i] * meas.measures[(c.name, m.expert, q)].wssx
     options = {"target_bpw": opts.target_bpw, "max_bytes": opts.max_bytes, "candidates": list(opts.candidates),
-               "granularity": opts.granularity.value, "fitter": opts.fitter.value, "routing": opts.routing,
-               "lucebox": opts.lucebox, "sensitivity": opts.sensitivity}
+               "granularity": opts.granularity.value, "fitter": opts.fitter.value, "routing": portable_path(opts.routing),
+               "lucebox": opts.lucebox, "sensitivity": portable_path(opts.sensitivity)}
     summary = PlanSummary(options, Objective.WEIGHTED_ERROR, budget, budget_what, alloc.bytes, alloc.slack,
                           alloc.method, fixed, chosen_e, _db(chosen_e, energy), meas.seconds, meas.reused,
                           _shares(todo, decisions), _uniform(todo, meas, fixed, total_w),

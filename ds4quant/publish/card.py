@@ -27,7 +27,7 @@ from ds4quant.publish.report import (
 )
 from ds4quant.records import EXPERT_SURFACES, VerifyReport
 
-__all__ = ["model_card", "runtimes"]
+__all__ = ["model_card", "model_title", "load_snippet", "runtimes"]
 
 
 def runtimes(rep: VerifyReport) -> tuple[str, ...]:
@@ -51,27 +51,53 @@ def _layer_qtype_table(rep: VerifyReport) -> list[str]:
     return md_table(["layer"] + [f"{s} (bpw)" for s in surfaces], rows)
 
 
+def load_snippet(folder: str) -> list[str]:
+    """The card's Python lines that open the release ``folder`` and decode one routed expert:
+    they run as printed on every artifact kind (uniform, MXFP4, MIX with codebooks, compact
+    per-expert stacks); a test executes them on each."""
+    return ["from ds4quant.artifact.view import open_artifact", "",
+            f"v = open_artifact({folder!r})               # reads and checks the folder",
+            "st = v.stacks[0]                              # the first routed-expert stack",
+            "w = v.expert_weights(st.name, st.expert_ids[0])  # its first expert: float32 [rows, cols]",
+            "print(st.name, st.qtype, w.shape)"]
+
+
+def model_title(rep: VerifyReport, fallback: str) -> str:
+    """The model's name: the GGUF's ``general.name`` (convert writes the source's name and the
+    recipe, or ``--name``), else the source's name from the manifest, else ``fallback``."""
+    from ds4quant.artifact.portable import portable_path
+
+    kv = rep.kv.get("general.name") if rep.kv else None
+    if isinstance(kv, str) and kv.strip():
+        return kv.strip()
+    src = (rep.manifest.to_json().get("source") or {}) if rep.manifest is not None else {}
+    if isinstance(src.get("path"), str) and src["path"]:
+        return portable_path(src["path"])
+    return fallback
+
+
 def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plots: tuple[str, ...] = ()) -> str:
     """README.md of a release: what it is, where it came from, sizes, fidelity,
     plots (file names under report/), how to load it, which runtimes can, checksums."""
+    from ds4quant.artifact.portable import portable_command, portable_path
+
     man = rep.manifest
     s = rep.summary
     recipe = man.to_json()["recipe"] if man is not None else {}
     src = man.to_json()["source"] if man is not None else {}
-    gguf = [p.name for p in rep.files if p.name.endswith(".gguf")]
     rts = runtimes(rep)
     L = ["---", "tags:", "- gguf", "- deepseek-v4", "- rocmfpx", "- moe", "- quantized", "---", "",
-         f"# {name}", ""]
+         f"# {model_title(rep, name)}", ""]
     L += [f"A ROCmFPX expert artifact of a DeepSeek-V4 checkpoint made by ds4quant "
           f"{man.tool_version if man is not None else ''}: recipe `{recipe.get('name', '?')}` "
           f"({recipe.get('description', '')}). Routed experts are stored at "
           f"{fmt_num(s['bpw_experts'], '.4f')} bits per weight; every tensor carries an explicit qtype tag "
           "(ggml type ids are ambiguous between forks).", ""]
     L += ["## Source model", ""]
-    L += md_table(["", ""], [["source", f"`{src.get('path', '?')}` ({src.get('format', '?')})"],
+    L += md_table(["", ""], [["source", f"`{portable_path(src.get('path')) or '?'}` ({src.get('format', '?')})"],
                            ["source fingerprint", f"`{src.get('fingerprint', '?')}`"]]) + [""]
-    L += ["## Recipe and command line", "", "```", " ".join(_shell_quote(a) for a in man.command) if man else "", "```",
-          ""]
+    L += ["## Recipe and command line", "", "```",
+          " ".join(_shell_quote(a) for a in portable_command(man.command)) if man else "", "```", ""]
     rows = [["recipe", f"`{recipe.get('name', '?')}`"],
             ["experts (gate / up / down)", " / ".join(str((recipe.get("experts") or {}).get(k, "?"))
                                                       for k in ("gate", "up", "down"))],
@@ -79,7 +105,7 @@ def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plot
     if recipe.get("tensor_types"):
         rows.append(["overrides", ", ".join(f"`{t}`" for t in recipe["tensor_types"])])
     if recipe.get("imatrix"):
-        rows.append(["importance matrix", f"`{recipe['imatrix'].get('path')}` sha256 "
+        rows.append(["importance matrix", f"`{portable_path(recipe['imatrix'].get('path'))}` sha256 "
                                           f"`{recipe['imatrix'].get('sha256', '')[:16]}...`"])
     L += md_table(["", ""], rows) + [""]
 
@@ -124,19 +150,14 @@ def model_card(rep: VerifyReport, name: str, hf_repo: Optional[str] = None, plot
     L += [f"(cd {name} && sha256sum -c {SUMS_NAME})   # every file intact",
           f"ds4quant verify {name}      # structure, tags, codebooks, hashes, SHA256SUMS",
           f"ds4quant inspect {name}     # every tensor: qtype, shape, bytes, bpw", "```", ""]
-    L += ["```python", "from ds4quant.artifact import read_gguf_set", "from ds4quant import formats", "",
-          f"g = read_gguf_set(\"{name}/{gguf[0] if gguf else 'MODEL.gguf'}\")",
-          "info = g.tensors[\"blk.0.ffn_down_exps.weight\"]      # qtype from the tensor's tag",
-          "raw = g.tensor_data(info.name)                        # uint8 memmap",
-          "w = formats.decode(info.qtype, raw[: raw.size // info.shape[2]], info.shape[0])  # expert 0, float32",
-          "```", ""]
+    L += ["```python", *load_snippet(name), "```", ""]
     from ds4quant.formats import QTYPES
 
     mix = [t for t in rep.tensors if t.qtype in QTYPES and QTYPES[t.qtype].is_mix]
     if mix:
         L += [f"{len(mix)} tensor(s) use MIX qtypes: their per-expert codebooks are in the GGUF KV "
-              "`ds4quant.codebooks` (and, where Lucebox can load them, `deepseek4.*.sidecar`); pass "
-              "`codebooks=` and `modes=` to `formats.decode`.", ""]
+              "`ds4quant.codebooks` (and, where Lucebox can load them, `deepseek4.*.sidecar`); "
+              "`expert_weights` decodes with them (a bare `formats.decode` needs `codebooks=` and `modes=`).", ""]
     L += ["## Runtimes", ""]
     from ds4quant.artifact.runtimes import needs
 

@@ -334,6 +334,11 @@ def render_markdown(rep: VerifyReport, plots: dict, runtime_section: Optional[st
         rows.append(["expert SQNR", f"{s['expert_sqnr_db']:.2f} dB (rel MSE {s['expert_rel_mse']:.4g})"])
     if s["expert_weighted_rel_error"] is not None:
         rows.append(["expert weighted rel error", f"{s['expert_weighted_rel_error']:.4g}"])
+    un = s.get("experts_unreached")
+    if un:
+        rows.append(["experts the calibration never reached",
+                     f"{un['experts']} ({un['tensor_experts']} expert matrices; left out of the weighted error), "
+                     f"unweighted SQNR {fmt_db(un['sqnr_db'])} dB"])
     if s["min_cosine"] is not None:
         rows.append(["min cosine / max abs error", f"{s['min_cosine']:.6f} / {fmt_num(s['max_abs_error'], '.4g')}"])
     if rep.codebook_tables:

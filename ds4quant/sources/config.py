@@ -5,7 +5,7 @@ DeepSeek ships native keys (``compress_ratios`` per layer as 0/4/128 codes,
 ``rope_scaling``); transformers writes ``layer_types``, ``mlp_layer_types``,
 ``compress_rates``, ``partial_rotary_factor`` and ``rope_parameters``. Both fold
 into one frozen ``Ds4Config`` the way transformers' ``DeepseekV4Config`` folds
-them (spec ds4-reference-model.md "Required fields"). Missing dimensions that
+them (docs/reference-model.md#config). Missing dimensions that
 transformers defaults to the V4-Flash sizes take the same defaults, except the
 core sizes every checkpoint states (``REQUIRED``), which are refused if absent.
 """

@@ -8,7 +8,7 @@
 The same interface as the official-layout ``Source`` (``config``, ``names``,
 ``info``, ``read``, ``read_dequantized``, ``release``, ``expert_fp4``,
 ``fingerprint``, ``close``, ``path``), so ``ds4quant convert`` and ``verify``
-take either. Names (spec ds4-and-lucebox.md §2, Lucebox naming):
+take either. Names (docs/formats.md#ds4-gguf, Lucebox naming):
 
 - a non-expert tensor's source name is its GGUF name (``blk.0.attn_q_a.weight``);
 - a routed-expert stack ``blk.L.ffn_{gate,up,down}_exps.weight`` (GGUF shape

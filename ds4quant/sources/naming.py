@@ -1,7 +1,7 @@
 """Official DeepSeek-V4 tensor names -> GGUF names, tensor classes, deepseek4.* keys.
 
-Names follow spec ds4-and-lucebox.md §2 (the Lucebox converter and loader)
-and the transformers table in ds4-reference-model.md:
+Names follow docs/formats.md#ds4-gguf (the Lucebox converter and loader)
+and the transformers table in docs/reference-model.md#names:
 
 - routed experts ``layers.L.ffn.experts.E.w{1,3,2}`` stack over E into
   ``blk.L.ffn_{gate,up,down}_exps.weight`` with GGUF shape [in, out, n_expert];
@@ -264,7 +264,7 @@ def gguf_ne(logical_shape: tuple[int, ...], n_experts: Optional[int] = None) -> 
 # --------------------------------------------------------------------------
 # transformers (reference model) names, for comparing against HF parameters
 
-_HF_LAYER = [  # indexer entries before compressor entries (ds4-reference-model.md)
+_HF_LAYER = [  # indexer entries before compressor entries (docs/reference-model.md#names)
     ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
     ("attn.indexer.compressor.wkv.", "self_attn.compressor.indexer.kv_proj."),
     ("attn.indexer.compressor.wgate.", "self_attn.compressor.indexer.gate_proj."),

@@ -57,6 +57,7 @@ from ds4quant import names
 from ds4quant.errors import BadInputError
 from ds4quant.metrics import ErrorFigures
 from ds4quant.names import base_name, layer_of
+from ds4quant.progress import ProgressFn
 from ds4quant.records import (
     EXPERT_SURFACES,
     MANIFEST,
@@ -95,7 +96,7 @@ def verify(
     imatrix: "str | os.PathLike | None" = None,
     threshold_db: Optional[float] = None,
     variant_107: Optional[str] = None,
-    progress: Optional[Callable[[dict], None]] = None,
+    progress: Optional[ProgressFn] = None,
     fidelity: bool = False,
     placements: tuple = (),
     mode: str = "fast",
@@ -115,7 +116,8 @@ def verify(
     source: the checkpoint folder it was made from (decode-vs-source numbers).
     imatrix: importance matrix for the weighted error (needs ``source``).
     threshold_db: one SQNR floor for every lossy tensor instead of the table.
-    progress: called with one dict per decoded tensor (index, total, name, qtype, sqnr_db, seconds).
+    progress: gets ProgressEvents: stage "decode" per tensor compared with the source (detail qtype,
+    sqnr_db, seconds) and, with ``fidelity``, the stages of ``verify.fidelity.measure`` (see there).
     fidelity: measure the model through the runtime (needs ``source``) on ``placements`` (up to two
     placement files, mappings or Placements; none: one CPU owner; one that records ranks runs that many
     gloo ranks: ``runtime.load`` decides) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id

@@ -61,8 +61,8 @@ def blas_threads(n: int) -> Iterator[None]:
 def one_thread() -> Iterator[None]:
     """torch, numpy's BLAS and numba on one thread inside the block.
 
-    Why: the reference's bits depend on torch's thread count (spec
-    ds4-reference-model.md §Q4), so one fixed count makes the response hash
+    Why: the reference's bits depend on torch's thread count
+    (docs/reference-model.md#determinism), so one fixed count makes the response hash
     the same on every machine; and on a small, shared machine spinning worker
     pools cost more than they give: a 32-token greedy response took 37.6 s
     with 2 torch threads and 2.1 s with 1 (2 cores, load 15).

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ds4quant.artifact.view import ArtifactView, Problem
+from ds4quant.progress import ProgressFn
 from ds4quant.records import Check, FidelityReport
 
 
@@ -33,7 +34,7 @@ class Options:
     source: Optional[Path] = None
     imatrix: Optional[Path] = None
     threshold_db: Optional[float] = None
-    progress: Optional[Callable[[dict], None]] = None
+    progress: Optional[ProgressFn] = None  # ProgressEvents of the decode and fidelity stages
     fidelity: bool = False
     placements: tuple = ()  # (label, runtime Placement) per placement the candidate runs on
     mode: str = "fast"  # a runtime Mode when fidelity is measured

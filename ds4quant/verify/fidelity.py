@@ -267,6 +267,7 @@ def measure(ctx: Context) -> FidelityReport:
     from ds4quant.runtime.indexer_ties import stable_indexer
     from ds4quant.runtime.reference import load_reference, moe_blocks
     from ds4quant.verify import _candidate as C
+    from ds4quant.verify.fidelity_progress import FidelityProgress, plan_passes
     from ds4quant.verify.reference_side import from_base, run_reference
 
     o = ctx.options
@@ -286,11 +287,15 @@ def measure(ctx: Context) -> FidelityReport:
 
         return measure_streamed(ctx)
     tok, tok_kind = tokenizer_for(o.source)
+    fp = FidelityProgress(o.progress, plan_passes([label for label, _ in o.placements], o.protocol == "exact-copy",
+                                                  o.engines))
+    fp.phase("loading the reference model (transformers, fp32)")
     with C.one_thread():
         ref = load_reference(o.source)
     cfg = ref.config
     seqs, eval_what = eval_tokens(o, tok, cfg.vocab_size, cfg.max_position_embeddings)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    fp.phase("building the candidate (dense tensors from the artifact)")
     cand = copy.deepcopy(ref)
     dense_problems = C.dense_into(cand, ctx.view)
     for p in dense_problems:
@@ -304,28 +309,40 @@ def measure(ctx: Context) -> FidelityReport:
     cols = torch.tensor([p[1] for p in pos], dtype=torch.long)
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
     if o.reference is not None:  # the reference's side from its base: the reference does not run
-        side = from_base(o, seqs, cfg)
+        with fp.run("reference logits"):
+            side = from_base(o, seqs, cfg)
+        with fp.run("reference response"):
+            pass
+        if o.protocol == "exact-copy":
+            with fp.run("reference exact-copy trials"):
+                pass
         layers = []
     else:
-        side = run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o)
+        side = run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o, fp)
     ref_logits, rtr, ref_sets = side.logits, side.trace, side.sets
     with C.one_thread(), torch.no_grad():
         runs, clusters = [], []
         first: dict = {}
         for label, plc in o.placements:
-            with runtime.load(ctx.view, plc, o.mode) as rt:
+            fp.phase(f"loading the runtime [{label}]")
+            # stage 3 hashed every file and reports a mismatch itself: no second pass here
+            with runtime.load(ctx.view, plc, o.mode, verify_payloads=False) as rt:
                 old = C.swap_all(cand, rt)
                 try:
-                    with C.trace_moe(cand, routed=True) as ctr, stable_indexer(cand):
+                    with C.trace_moe(cand, routed=True) as ctr, stable_indexer(cand), \
+                            fp.run(f"candidate logits [{label}]", cand):
                         cand_logits = C.logits_of(cand, seqs, pad)[rows, cols]
-                    resp = fd.greedy_response(cand, prompt, RESPONSE_TOKENS, tok.eos_token_id)
+                    with fp.run(f"candidate response [{label}]", cand, calls=RESPONSE_TOKENS):
+                        resp = fd.greedy_response(cand, prompt, RESPONSE_TOKENS, tok.eos_token_id)
                     runs.append(PlacementRun(label, C.routed_sha256(ctr.routed), resp.sha256))
                     if not first:
-                        first = {"logits": cand_logits, "response": resp,
-                                 "propagated": {L: C.rel_error(rtr.outputs[L], ctr.outputs[L]) for L in layers},
-                                 "local": C.local_moe_error(cand, rtr, layers)}
+                        propagated = {L: C.rel_error(rtr.outputs[L], ctr.outputs[L]) for L in layers}
+                        with fp.run(f"local MoE error [{label}]"):
+                            local = C.local_moe_error(cand, rtr, layers)
+                        first = {"logits": cand_logits, "response": resp, "propagated": propagated, "local": local}
                         if o.protocol == "exact-copy":
-                            first["sets"], first["copy"] = copy_sets(cand, tok, task, o.copy_sets)
+                            with fp.run(f"candidate exact-copy trials [{label}]", cand):
+                                first["sets"], first["copy"] = copy_sets(cand, tok, task, o.copy_sets)
                         if approx_requested(o):
                             first["approx"] = _approximated(cand, o, seqs, pad, rows, cols, side, targets,
                                                             tok, task)
@@ -351,11 +368,15 @@ def measure(ctx: Context) -> FidelityReport:
     if o.engines:
         from ds4quant.verify.engines import measure_engine
 
+        figures = []
         with C.one_thread():
-            rep = dataclasses.replace(rep, engines=tuple(
-                measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt, tok, task, o.protocol,
-                               RESPONSE_TOKENS, side.copy_passes, side.response_sha256)
-                for e in o.engines))
+            for e in o.engines:
+                with fp.run(f"{e} figures"):
+                    figures.append(measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt,
+                                                  tok, task, o.protocol, RESPONSE_TOKENS, side.copy_passes,
+                                                  side.response_sha256))
+        rep = dataclasses.replace(rep, engines=tuple(figures))
+    fp.finish()
     report_checks(ctx, rep)
     return dataclasses.replace(rep, seconds=time.perf_counter() - t0)
 

@@ -81,7 +81,7 @@ def _check_complete(ctx: Context) -> None:
     work folder left) holding nothing its manifest (or, for release extras, SHA256SUMS) does not list."""
     import os
 
-    from ds4quant.names import SUMS_NAME
+    from ds4quant.names import LOCK_NAME, SUMS_NAME
     from ds4quant.names import WORK_DIR_NAME as WORK_DIR
 
     v = ctx.view
@@ -98,6 +98,8 @@ def _check_complete(ctx: Context) -> None:
         dirs[:] = sorted(d for d in dirs if not (rel_dir == "." and d == WORK_DIR))
         for fn in sorted(files):
             rel = fn if rel_dir == "." else f"{Path(rel_dir).as_posix()}/{fn}"
+            if rel == LOCK_NAME and rel not in sums:
+                continue  # convert's lock file stays in its output folder (the lock is an flock on it)
             if rel in listed or (rel in sums and _release_extra(rel)):
                 continue
             ctx.fail("complete", "file is not listed in manifest.json" +

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Optional
@@ -21,6 +22,7 @@ from ds4quant import names
 from ds4quant.errors import Ds4quantError
 from ds4quant.metrics import ErrorFigures, Sums, error_sums, sqnr_db
 from ds4quant.plan import plan_from_json
+from ds4quant.progress import Meter
 from ds4quant.records import MANIFEST
 from ds4quant.verify._run import Context, show_digests
 
@@ -128,10 +130,27 @@ def _check_source_config(ctx: Context, src) -> None:
                         where)
 
 
+def _metered(ctx: Context):
+    """The artifact's (name, info) pairs; after each one's loop body (also one
+    that ``continue``d: a tensor not compared is done too) a "decode"
+    ProgressEvent goes to ``ctx.options.progress``, work weighted by payload bytes."""
+    progress, tensors = ctx.options.progress, ctx.view.tensors
+    meter = Meter("decode", len(tensors), "tensor", total_work=sum(i.nbytes for i in tensors.values()),
+                  then=("the fidelity measurement",) if ctx.options.fidelity else ())
+    for name, info in tensors.items():
+        t0 = time.perf_counter()
+        yield name, info
+        fig = ctx.numbers.get(name)
+        ev = meter.step(name, work=info.nbytes, qtype=info.qtype, sqnr_db=None if fig is None else fig.sqnr_db,
+                        seconds=time.perf_counter() - t0)
+        if progress is not None:
+            progress(ev)
+
+
 def _measure_all(ctx: Context, src, imx) -> None:
     from ds4quant.formats import QTYPES
 
-    v, threshold_db, progress = ctx.view, ctx.options.threshold_db, ctx.options.progress
+    v, threshold_db = ctx.view, ctx.options.threshold_db
     by_gguf = src.names.by_gguf()
     manifest = v.manifest
     entries = {t.name: t for t in manifest.tensors} if manifest is not None else {}
@@ -140,9 +159,7 @@ def _measure_all(ctx: Context, src, imx) -> None:
     plan = {c.name: c for c in plan_from_json(plan)[0]} if isinstance(plan, (list, tuple)) else {}
     stacks = {s.name: s for s in v.stacks}
     covered: set[str] = set()
-    t_start = time.perf_counter()
-    total = len(v.tensors)
-    for idx, (name, info) in enumerate(v.tensors.items(), 1):
+    for name, info in _metered(ctx):
         f = Path(info.path).name
         base = names.base_name(name)
         members = by_gguf.get(base)
@@ -162,7 +179,6 @@ def _measure_all(ctx: Context, src, imx) -> None:
         if qt.is_mix and entry is None:
             ctx.fail("numbers.coverage", "MIX tensor without valid codebooks; not compared", f, name)
             continue
-        t0 = time.perf_counter()
         try:
             fig = _measure(v, src, imx, name, info, base, members, stacks.get(name), entry)
         except _Mismatch as e:
@@ -183,10 +199,6 @@ def _measure_all(ctx: Context, src, imx) -> None:
                 ctx.fail("numbers.manifest", f"manifest.json records sse {me.errors['sse']:.6g} / ssx "
                                              f"{me.errors['ssx']:.6g}, decoding gives {fig.sse:.6g} / {fig.ssx:.6g}",
                          f, name)
-        if progress is not None:
-            progress({"index": idx, "total": total, "name": name, "qtype": info.qtype,
-                      "sqnr_db": fig.sqnr_db, "seconds": time.perf_counter() - t0,
-                      "elapsed": time.perf_counter() - t_start})
     for base in sorted(set(by_gguf) - covered):
         ctx.fail("numbers.coverage", "source tensor has no counterpart in the artifact", None, base)
     n = len(ctx.numbers)
@@ -259,6 +271,8 @@ def _measure(v, src, imx, name: str, info, base: str, members, stack, entry) -> 
     k = max(1, _DECODE_CHUNK_WEIGHTS // (out * cols))
     tot = None
     per_expert = []
+    weighted = [0.0, 0.0]  # wsse, wssx over the experts the imatrix reached
+    unreached, u_sums = [], [0.0, 0.0]
     for start in range(0, n, k):
         stop = min(n, start + k)
         eb = (entry.books[start:stop], entry.modes[start:stop]) if entry is not None else (None, None)
@@ -272,11 +286,24 @@ def _measure(v, src, imx, name: str, info, base: str, members, stack, entry) -> 
             x = src.read_dequantized(m.name)
             if x.shape != (out, cols):
                 raise _Mismatch(f"source expert {gid} is {list(x.shape)}, the stack holds [{out}, {cols}]")
-            s = error_sums(x, y[(i - start) * out:(i - start + 1) * out], _importance(imx, base, gid, cols))
+            imp = _importance(imx, base, gid, cols)
+            s = error_sums(x, y[(i - start) * out:(i - start + 1) * out], imp)
             per_expert.append(sqnr_db(s.sse, s.ssx))
-            tot = _add(tot, s)
+            if imx is not None and imp is None:  # the calibration never reached this expert
+                unreached.append(int(gid))
+                u_sums[0] += s.sse
+                u_sums[1] += s.ssx
+            elif s.wsse is not None:
+                weighted[0] += s.wsse
+                weighted[1] += s.wssx
+            tot = _add(tot, replace(s, wsse=None, wssx=None))
         del y
-    return ErrorFigures.of(tot, tuple(per_expert))
+    figs = ErrorFigures.of(tot, tuple(per_expert))
+    if imx is None:
+        return figs
+    some = len(unreached) < n
+    return replace(figs, wsse=weighted[0] if some else None, wssx=weighted[1] if some else None,
+                   unreached=tuple(unreached), unreached_sse=u_sums[0], unreached_ssx=u_sums[1])
 
 
 def _importance(imx, base: str, expert: Optional[int], cols: int) -> Optional[np.ndarray]:

@@ -29,7 +29,8 @@ class ReferenceSide:
     copy_passes: Optional[int]  # the protocol's own set
 
 
-def run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o) -> ReferenceSide:
+def run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o, fp=None) -> ReferenceSide:
+    """The reference run whole; ``fp``: verify's FidelityProgress (its reference passes)."""
     import torch
 
     from ds4quant.runtime import fidelity as fd
@@ -37,13 +38,18 @@ def run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o) -> Reference
     from ds4quant.runtime.indexer_ties import stable_indexer
     from ds4quant.verify import _candidate as C
 
+    from ds4quant.verify.fidelity_progress import FidelityProgress
+
+    fp = fp or FidelityProgress(None, ())
     with C.one_thread(), torch.no_grad():
-        with C.trace_moe(ref, keep_inputs=True) as tr, stable_indexer(ref):
+        with C.trace_moe(ref, keep_inputs=True) as tr, stable_indexer(ref), fp.run("reference logits", ref):
             logits = C.logits_of(ref, seqs, pad)[rows, cols]
-        resp = fd.greedy_response(ref, prompt, 32, tok.eos_token_id)
+        with fp.run("reference response", ref, calls=32):
+            resp = fd.greedy_response(ref, prompt, 32, tok.eos_token_id)
         sets = copy = None
         if o.protocol == "exact-copy":
-            sets, copy = copy_sets(ref, tok, task, o.copy_sets)
+            with fp.run("reference exact-copy trials", ref):
+                sets, copy = copy_sets(ref, tok, task, o.copy_sets)
     return ReferenceSide(logits, logits, tr, resp.sha256, sets, None if copy is None else copy.passes)
 
 

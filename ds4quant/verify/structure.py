@@ -26,18 +26,15 @@ def check_types(ctx: Context) -> None:
 
 def check_shapes(ctx: Context) -> None:
     from ds4quant.artifact.ds4 import expert_shape
-    from ds4quant.formats import QTYPES
+    from ds4quant.artifact.qtypes import row_rule_problem
 
     v = ctx.view
     H, inter, E, L = v.header.hidden, v.header.expert_ffn, v.header.n_expert, v.header.n_layer
     for name, info in v.tensors.items():
         f = Path(info.path).name
-        qt = QTYPES.get(info.qtype)
-        if qt is not None:
-            need = max(qt.block_size, qt.row_multiple)
-            if info.shape[0] % need:
-                ctx.fail("shapes", f"ne[0] = {info.shape[0]} is not a multiple of {need}, which {qt.name} rows need",
-                         f, name)
+        why = row_rule_problem(info.qtype, info.shape[0])
+        if why is not None:
+            ctx.fail("shapes", why, f, name)
         sn = names.parse_stack(name)
         layer = names.layer_of(name)
         if L is not None and layer is not None and layer >= L:

@@ -11,7 +11,7 @@ once, and every call takes it::
     to_device(x, importance, backend)      a MIX search's inputs on the backend's device
     to_host(t)                             a device tensor as numpy
 
-MIX (§9.4 mode 1; mode 0 is ds4quant's own), per half of 16 weights::
+MIX (docs/formats.md#mix-encoder mode 1; mode 0 is ds4quant's own), per half of 16 weights::
 
     choose_mix(x, importance, books, mode, bits, backend)    book, byte, codes, status (numpy)
     encode_mix(qtype, x, importance, books, mode, backend)   ``formats.encode``'s bytes and refusals
@@ -22,7 +22,7 @@ MIX (§9.4 mode 1; mode 0 is ds4quant's own), per half of 16 weights::
     mix_error_on_device(X, W, books, mode, qt, backend)      an error, all on the device (Triton)
     FIXED_105, FIXED_106, fixed_levels(bits)                 mode 0's levels
 
-the scale search (§2) of rocmfp2, rocmfp3, rocmfp4, rocmfp4_fast (``SCALE_SEARCHES``)::
+the scale search (docs/formats.md#scale-search) of rocmfp2, rocmfp3, rocmfp4, rocmfp4_fast (``SCALE_SEARCHES``)::
 
     scale_covers(qtype, options)                             whether the device tiers run it
     scale_inputs(qtype, x, importance, backend)              (X, Q, sigma2): checked, on the device

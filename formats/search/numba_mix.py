@@ -1,4 +1,4 @@
-"""The MIX search on the host (§9.4 mode 1, and ds4quant's mode 0): numba, vectorised.
+"""The MIX search on the host (docs/formats.md#mix-encoder mode 1, and ds4quant's mode 0): numba, vectorised.
 
 The same candidates, comparisons and float32 sums as the reference encoder
 (``rocmfp_mix._encode_ref``, one half at a time), with SIMD lanes over a
@@ -28,7 +28,7 @@ _F32 = np.float32
 
 def splits(books: np.ndarray) -> np.ndarray:
     """NL's split points per book: 0.5 * (level[j] + level[j+1]), sum rounded
-    first (§9.4), float32 (2, L-1)."""
+    first (docs/formats.md#mix-encoder), float32 (2, L-1)."""
     with np.errstate(over="ignore"):
         return (_F32(0.5) * (books[:, :-1] + books[:, 1:])).astype(np.float32)
 
@@ -142,7 +142,7 @@ def _nearest_lanes_nb(tt, cen, slow):
 def _load_tile_nb(h, t0, n, wq, has_w, xt, wt, mx, wok, fin, zacc, wphase):
     """Transpose halves t0..t0+n of h (G, 16) into xt/wt (16, _TILE); per
     lane its max |x|, whether its weights are usable and its values finite
-    (§9.4 steps 1-3). Lanes >= n are zero halves with weight 1.
+    (docs/formats.md#mix-encoder steps 1-3). Lanes >= n are zero halves with weight 1.
 
     The lane statistics run over the transposed tile, so they vectorise; the
     weights depend only on the tile's phase t0 % hpr (tiles start at
@@ -275,7 +275,7 @@ def _scratch_nb(L):
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _books_tile_nb(xt, wt, mx, wok, books, split, ml, sc):
-    """Mode 1 (§9.4) for one loaded tile: per lane the (book, byte) of
+    """Mode 1 (docs/formats.md#mix-encoder) for one loaded tile: per lane the (book, byte) of
     the reference encoder into bk/be (0, 0 for zero lanes), its error into best (inf
     where none is finite), and the codes NL(x / S) in that book into ct
     (16, T). Candidates come in (book, byte) order, so the kernel's tie rule
@@ -338,7 +338,7 @@ def _books_tile_nb(xt, wt, mx, wok, books, split, ml, sc):
 
 @numba.njit(cache=True, parallel=True, nogil=True)
 def _choose_nb(h, wq, has_w, books, split, ml, out_b, out_e, codes, status):
-    """Mode 1 (§9.4): per half of h float32 (G, 16) the (book, byte) of
+    """Mode 1 (docs/formats.md#mix-encoder): per half of h float32 (G, 16) the (book, byte) of
     the reference encoder and the codes NL(x / S) in that book (NL(0) for zero halves);
     status 1 non-finite, 2 no finite candidate."""
     G = h.shape[0]
@@ -398,12 +398,12 @@ def _fixed_errs_nb(xt, wt, bits, e0, e1, err, best, be, wok):
             for k in range(T):
                 x = xt[i, k]
                 q = np.float32(x * inv)
-                if bits == 2:  # §3: {-1, 0, 1, 2}, ties to the lower code
+                if bits == 2:  # docs/formats.md#rocmfp2: {-1, 0, 1, 2}, ties to the lower code
                     y = np.float32(-1.0)
                     y = np.float32(0.0) if q > np.float32(-0.5) else y
                     y = np.float32(1.0) if q > np.float32(0.5) else y
                     y = np.float32(2.0) if q > np.float32(1.5) else y
-                else:  # §5: sign + {0, 1, 2, 4}, ties to the lower magnitude
+                else:  # docs/formats.md#rocmfp3: sign + {0, 1, 2, 4}, ties to the lower magnitude
                     a = abs(q)
                     y = zero_f
                     y = np.float32(1.0) if a > np.float32(0.5) else y

@@ -4,7 +4,7 @@ Every tier's search gives per half a book, a scale byte, 16 codes and a
 status (0 chosen, ``NONFINITE``, ``NO_CANDIDATE``); ``pack`` refuses the
 matrix at its first refused half in row order, with the reference encoder's
 message (``refuse``, which the reference calls too), and packs the rest
-into blocks on the host (``pack_choices_nb``, §3 / §5 bit streams).
+into blocks on the host (``pack_choices_nb``, docs/formats.md#rocmfp2, #rocmfp3 bit streams).
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ def pack_choices_nb(codes, out_b, out_e, mode, bits, out):
         for blk in range(nb):
             o = blk * bb
             g = (r * nb + blk) * 2
-            if bits == 2:  # weight i at bits 2i..2i+1 (§3)
+            if bits == 2:  # weight i at bits 2i..2i+1 (docs/formats.md#rocmfp2)
                 for j in range(8):
                     hh = j // 4
                     c = (j % 4) * 4
                     out[r, o + j] = np.uint8(codes[g + hh, c] | (codes[g + hh, c + 1] << 2)
                                              | (codes[g + hh, c + 2] << 4) | (codes[g + hh, c + 3] << 6))
-            else:  # 96-bit LE stream, weight i at bits 3i..3i+2 (§5): 8 codes per 3 bytes
+            else:  # 96-bit LE stream, weight i at bits 3i..3i+2 (docs/formats.md#rocmfp3): 8 codes per 3 bytes
                 for q in range(4):
                     hh = q // 2
                     c = (q % 2) * 8

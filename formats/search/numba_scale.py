@@ -1,4 +1,4 @@
-"""The rows' energies of the scale search's importance weights (§2.1), in numba.
+"""The rows' energies of the scale search's importance weights (docs/formats.md#scale-search), in numba.
 
 sigma^2 of a row is a sequential float32 sum (float64 where float32 would
 overflow), which a device reduction would round differently: the encoder's
@@ -18,7 +18,7 @@ _ZERO = np.float32(0.0)
 
 @numba.njit(cache=True, nogil=True)
 def row_energy_nb(x):
-    """§2.1 for one float32 row (see row_energy_ref)."""
+    """The row energy (docs/formats.md#scale-search) of one float32 row (see row_energy_ref)."""
     k = x.shape[0]
     s = _ZERO
     for i in range(k):
@@ -51,7 +51,7 @@ def row_energy_s40_nb(x):
 
 @numba.njit(cache=True, parallel=True, nogil=True)
 def row_energies_nb(x, out):
-    """out[r] = row_energy_nb(x[r]) (§2.1, the weights' sigma^2) for every row:
+    """out[r] = row_energy_nb(x[r]) (docs/formats.md#scale-search, the weights' sigma^2) for every row:
     what the device tiers' scale search takes from the host."""
     for r in numba.prange(x.shape[0]):
         out[r] = row_energy_nb(x[r])

@@ -78,7 +78,7 @@ def _status(fin, mx, best):
 
 
 def _choose_books(X, W, books_np, L):
-    """Mode 1 (§9.4) on the device: (book, byte, codes, status)."""
+    """Mode 1 (docs/formats.md#mix-encoder) on the device: (book, byte, codes, status)."""
     import torch
 
     dev = X.device
@@ -153,12 +153,12 @@ def _fixed_scan(Xl, Wl, start, K, bits, S, INV):
         s = S[es].unsqueeze(-1)
         inv = INV[es].unsqueeze(-1)
         q = Xl.unsqueeze(0) * inv
-        if bits == 2:  # §3: {-1, 0, 1, 2}, ties to the lower code
+        if bits == 2:  # docs/formats.md#rocmfp2: {-1, 0, 1, 2}, ties to the lower code
             y = torch.full(q.shape, -1.0, dtype=torch.float32, device=dev)
             y = torch.where(q > -0.5, zf, y)
             y = torch.where(q > 0.5, one, y)
             y = torch.where(q > 1.5, two, y)
-        else:  # §5: sign + {0, 1, 2, 4}, ties to the lower magnitude
+        else:  # docs/formats.md#rocmfp3: sign + {0, 1, 2, 4}, ties to the lower magnitude
             a = q.abs()
             y = torch.where(a > 0.5, one, torch.zeros(q.shape, dtype=torch.float32, device=dev))
             y = torch.where(a > 1.5, two, y)

@@ -24,15 +24,15 @@ The numba walk prunes candidates one by one; a GPU wants the opposite, so:
    sum w*min(|x|, S(hi) - |x|)^2 reaches the best;
 3. groups without both proofs are scanned over all 126 bytes.
 
-Each group's byte is therefore the exact argmin the spec defines, whatever
+Each group's byte is therefore the exact argmin docs/formats.md#scale-search defines, whatever
 the window, and equal to the numba walk's (tests/formats/search/test_torch_scale.py
 runs narrow windows, the default and the full scan on torch's CPU device and on
 CUDA where present). Every float32 operation is its own torch operation, so
 nothing is fused into a multiply-add: x*inv, the level (FP3/FP4 by threshold
 counts on |x*inv|; their terms depend on |x| only, since IEEE rounding is
-symmetric under negation; FP2 by its §3 thresholds while every |x*inv| <
+symmetric under negation; FP2 by its docs/formats.md#rocmfp2 thresholds while every |x*inv| <
 2^23, else by the distance rule), level*S, x - y, w*d, (w*d)*d, and the sum as
-``g`` separate additions in element order. The weights are §2.2's
+``g`` separate additions in element order. The weights are (docs/formats.md#scale-search)
 ``q * sqrt(sigma^2 + x*x)`` with sigma^2 from the host's ``row_energy_nb``
 (a sequential float32 row sum, which a device reduction would round
 differently).
@@ -76,7 +76,7 @@ def _fp2_level(v):
 
 
 def _fp2_level_fast(v, T):
-    """``_fp2_level`` for |v| < 2^23: the §3 thresholds, ties to the lower code
+    """``_fp2_level`` for |v| < 2^23: the docs/formats.md#rocmfp2 thresholds, ties to the lower code
     (equal to the distance rule for every float32 |v| < 2^24; checked
     exhaustively, tests/formats/search/test_torch_scale.py samples it)."""
     import torch
@@ -140,7 +140,7 @@ def _init_key(fmt, n, dev):
 
 
 def _weights(fmt, x, fin, q, sigma2):
-    """§2.2 per element (``_weight_nb``): q*sqrt(sigma^2 + x*x), inf -> FLT_MAX,
+    """The importance weight (docs/formats.md#scale-search) per element (``_weight_nb``): q*sqrt(sigma^2 + x*x), inf -> FLT_MAX,
     0 where q is not a positive finite number or x is not finite; ones without q."""
     import torch
 

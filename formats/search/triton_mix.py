@@ -1,4 +1,4 @@
-"""The MIX search (§9.4 mode 1, and mode 0) as one Triton kernel per search: the Triton tier.
+"""The MIX search (docs/formats.md#mix-encoder mode 1, and mode 0) as one Triton kernel per search: the Triton tier.
 
 ``torch_mix`` runs the search as ~100 torch launches per call; the
 fitter makes ~22 calls per expert matrix, and at full width (16 workers on
@@ -169,8 +169,8 @@ def _books_kernel(x_ptr, w_ptr, tab_ptr, S_ptr, INV_ptr, bk_ptr, be_ptr, codes_p
 
 @triton.jit
 def _fixed_level(q, BITS: tl.constexpr):
-    """Mode 0's element quantiser as a level: §3 {-1, 0, 1, 2} (ties to the
-    lower code) or §5 sign + {0, 1, 2, 4} (ties to the lower magnitude)."""
+    """Mode 0's element quantiser as a level: docs/formats.md#rocmfp2 {-1, 0, 1, 2} (ties to the
+    lower code) or docs/formats.md#rocmfp3 sign + {0, 1, 2, 4} (ties to the lower magnitude)."""
     if BITS == 2:
         y = tl.full(q.shape, -1.0, tl.float32)
         y = tl.where(q > -0.5, 0.0, y)

@@ -36,7 +36,7 @@ Why the bytes are the definition's (``scale_codecs``; numba's
   counts of thresholds exceeded by |x|*inv, which equals |x*inv| since IEEE
   rounding is symmetric under negation), level*S, d = |x| - m*S (FP3/FP4:
   numba's x - (+-m)*S up to its sign, the same square), w*d, (w*d)*d;
-* the weights are §2.2's ``q*sqrt(sigma^2 + x*x)`` (inf -> FLT_MAX, 0 where q
+* the weights are (docs/formats.md#scale-search) ``q*sqrt(sigma^2 + x*x)`` (inf -> FLT_MAX, 0 where q
   is not a positive finite number or x is not finite; 1 for finite x without
   importance), with sigma^2 from the host's ``row_energy_nb`` (a sequential
   row sum that a device reduction would round differently);
@@ -202,8 +202,9 @@ def _search_kernel(x_ptr, q_ptr, s2_ptr, S_ptr, INV_ptr, e_ptr, c_ptr, y_ptr, n,
 
 
 def _block(n: int, dev) -> int:
-    """BLOCK on a GPU; under the interpreter (the CPU tests) one wide program, which numpy runs fastest."""
-    if getattr(dev, "type", None) == "cuda":
+    """BLOCK compiled (a GPU, or the ahead-of-time check's capture); under the interpreter (the
+    CPU tests) one wide program, which numpy runs fastest."""
+    if getattr(dev, "type", None) == "cuda" or not INTERPRETED:
         return BLOCK
     return max(16, min(256, triton.next_power_of_2(max(1, n))))
 

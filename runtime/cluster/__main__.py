@@ -20,6 +20,7 @@ import numpy as np
 from ds4quant.errors import Ds4quantError
 from ds4quant.runtime.cluster.entry import rank_entry
 from ds4quant.runtime.cluster.jobs import ClusterRun, result_lines
+from ds4quant.runtime.cluster.store import IFACE_ENV, STORE_ENV, parse_address
 from ds4quant.runtime.mode import Mode
 
 
@@ -39,6 +40,13 @@ def _parser():
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--out", default=None, help="rank 0 writes the result JSON here")
     ap.add_argument("--outputs", default=None, help="rank 0 writes the outputs (.npz) here")
+    ap.add_argument("--store-address", default=None, metavar="HOST:PORT",
+                    help="where rank 0's rendezvous store listens (several nodes: an address of the interface "
+                         "the ranks share; default one node, loopback). Read docs/cluster-security.md first.")
+    ap.add_argument("--interface", default=None, metavar="IFACE",
+                    help="the network interface gloo/NCCL use between nodes (GLOO_SOCKET_IFNAME)")
+    ap.add_argument("--no-verify-payloads", action="store_true",
+                    help="skip hashing the artifact against its manifest (one rank per node does it)")
     ap.add_argument("--rank-spec", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -52,12 +60,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.artifact or not args.placement:
         _parser().error("ARTIFACT and --placement are required")
     backend = args.backend or ("nccl" if any(o.startswith("cuda") for o in args.owner or ()) else "gloo")
+    try:
+        if args.store_address:
+            parse_address(args.store_address)
+            os.environ[STORE_ENV] = args.store_address
+        if args.interface:
+            os.environ[IFACE_ENV] = args.interface
+    except Ds4quantError as e:
+        sys.stderr.write(f"ds4quant: error: {e.one_line()}\n")
+        return e.exit_code
     tmp = Path(tempfile.mkdtemp(prefix="ds4q-cluster-"))
     try:
         job = {"artifact": args.artifact, "placement": args.placement, "mode": args.mode, "owners": args.owner,
-               "layers": [int(x) for x in args.layers.split(",")] if args.layers else None}
+               "layers": [int(x) for x in args.layers.split(",")] if args.layers else None,
+               "verify_payloads": not args.no_verify_payloads}
+        # own_dir: this rank's folder; its watchdog removes it should torchrun die first
         spec = {"jobs": [job], "backend": backend, "tokens": args.tokens, "seed": args.seed,
-                "timeout_s": args.timeout, "out_dir": str(tmp)}
+                "timeout_s": args.timeout, "out_dir": str(tmp), "own_dir": True}
         (tmp / "spec.json").write_text(json.dumps(spec))
         rc = rank_entry(str(tmp / "spec.json"))
         if rc == 0 and int(os.environ.get("RANK", "0")) == 0:

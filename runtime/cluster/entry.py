@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from ds4quant.errors import Ds4quantError
 from ds4quant.runtime.cluster.launch import ClusterError
 from ds4quant.runtime.cluster.rank import Group, Watchdog, run_job
 from ds4quant.runtime.cluster.serve import serve_calls
+from ds4quant.runtime.cluster.store import HOME_ENV, open_process_group
 
 __all__ = ["serve", "rank_entry"]
 
@@ -64,8 +64,13 @@ def serve(spec: dict) -> int:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    if os.environ.get(HOME_ENV) or spec.get("own_dir"):
+        # the run's folder, should its owner die first: the watchdog removes it on the way out
+        dog.orphan_dir = spec.get("out_dir")
     try:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        open_process_group(backend, timeout_s)
+    except Ds4quantError:
+        raise
     except Exception as e:
         raise ClusterError(f"rank {rank}: rendezvous failed (timeout {timeout_s:g}s): "
                            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
@@ -82,11 +87,11 @@ def serve(spec: dict) -> int:
                 with open_artifact(job["artifact"]) as v:
                     inputs = _inputs_from(spec, v.header)
             res = run_job(g, job, inputs, dog)
-            reports = g.gather_objects("report", res["report"])
+            reports = g.gather_json("report", res["report"])
             if g.rank == 0:
                 np.savez(out_dir / f"job{j}.npz", **{f"out_{L}": a for L, a in res["outputs"].items()})
                 (out_dir / f"job{j}.json").write_text(json.dumps({"ranks": reports}, default=str))
-        g.gather_objects("finish", None)  # nobody leaves while a peer still needs it
+        g.gather_json("finish", None)  # nobody leaves while a peer still needs it
         return 0
     finally:
         dog.stop()
@@ -96,16 +101,32 @@ def serve(spec: dict) -> int:
             pass
 
 
+def _say(spec: dict, line: str) -> None:
+    """The rank's error: one stderr line, and ``rank{R}.error`` in the run's folder, where
+    the launcher reads it whatever the launcher did with the rank's stderr (torchrun)."""
+    sys.stderr.write(f"ds4quant: error: {line}\n")
+    out = spec.get("out_dir")
+    if out and Path(out).is_dir():
+        try:
+            (Path(out) / f"rank{os.environ.get('RANK', '0')}.error").write_text(line + "\n")
+        except OSError:
+            pass
+
+
 def rank_entry(spec_path: str) -> int:
     """Run the spec file on this rank; errors become one stderr line and exit 2."""
+    spec: dict = {}
     try:
-        serve(json.loads(Path(spec_path).read_text()))
+        spec = json.loads(Path(spec_path).read_text())
+        serve(spec)
         return 0
     except Ds4quantError as e:
-        sys.stderr.write(f"ds4quant: error: {e.one_line()}\n")
+        line = e.one_line()
+        rank = os.environ.get("RANK", "?")
+        _say(spec, line if line.startswith(("rank ", "cluster rank ")) else f"rank {rank}: {line}")
         return e.exit_code
     except BaseException as e:  # noqa: BLE001 - one line per rank beats a traceback per rank
         if os.environ.get("DS4QUANT_DEBUG"):
             raise
-        sys.stderr.write(f"ds4quant: error: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}\n")
+        _say(spec, f"rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}")
         return 1

@@ -89,9 +89,11 @@ def _np32(x) -> np.ndarray:
 def run_cluster_jobs(jobs: Sequence[Mapping[str, Any]], n_ranks: int, hidden_by_layer=None, tokens=None, *,
                      token_ids=None, routing=None, seed: int = 0, timeout_s: float = 60, backend: str = "gloo",
                      launcher: str = "spawn", env: Optional[Mapping[str, str]] = None,
-                     threads: Optional[int] = None, rank_jobs=None) -> list[ClusterRun]:
+                     threads: Optional[int] = None, rank_jobs=None, verify_payloads: bool = True) -> list[ClusterRun]:
     """Several jobs ({artifact, placement, mode, layers, owners, holdings}) in
-    one process group (one start-up for many placements); see run_cluster_layers."""
+    one process group (one start-up for many placements); see run_cluster_layers.
+    verify_payloads: hash each artifact's files against its manifest here, once,
+    before any rank starts (``runtime.integrity``); False: the caller checked them."""
     if backend not in ("gloo", "nccl"):
         raise BadInputError(f"must be gloo or nccl, got {backend!r}", where="--backend")
     clean = []
@@ -100,7 +102,15 @@ def run_cluster_jobs(jobs: Sequence[Mapping[str, Any]], n_ranks: int, hidden_by_
         clean.append({"artifact": str(job["artifact"]), "placement": str(job["placement"]), "mode": mode.value,
                       "layers": list(job["layers"]) if job.get("layers") else None,
                       "owners": list(job["owners"]) if job.get("owners") else None,
-                      "holdings": bool(job.get("holdings")), "route": job.get("route", "broadcast")})
+                      "holdings": bool(job.get("holdings")), "route": job.get("route", "broadcast"),
+                      "verify_payloads": False})  # checked below, once for every rank of this host
+    if verify_payloads:
+        from ds4quant.artifact.view import open_artifact
+        from ds4quant.runtime.integrity import check_payloads
+
+        for art in dict.fromkeys(j["artifact"] for j in clean):
+            with open_artifact(art) as v:
+                check_payloads(v)
     fields, arrays = _inputs(hidden_by_layer, tokens, token_ids, routing, seed)
     t0 = time.perf_counter()
     res = launch({"jobs": clean, "backend": backend, **fields}, n_ranks, inputs=arrays, timeout_s=timeout_s,
@@ -125,7 +135,8 @@ def run_cluster_layers(artifact, placement, hidden_by_layer=None, tokens=None, n
     tokens. kw: layers, owners (local owner names per rank, ``{local_rank}``
     substituted, e.g. ["cuda:{local_rank}"] or ["torch-cpu:0", "cpu:1"]),
     backend (gloo | nccl), launcher (spawn | torchrun), seed, env, threads,
-    holdings (report digests of every held expert). This is what verify's
+    holdings (report digests of every held expert), verify_payloads (see
+    ``run_cluster_jobs``). This is what verify's
     fidelity stage calls for ``--placement cluster.json``."""
     job_keys = ("layers", "owners", "holdings", "route")
     job = {"artifact": artifact, "placement": placement, "mode": mode, **{k: kw.pop(k) for k in job_keys if k in kw}}

@@ -26,6 +26,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant.errors import BadInputError, Ds4quantError
+from ds4quant.runtime.cluster.store import HOME_ENV, STORE_ENV, home_token
 
 __all__ = ["ClusterError", "LAUNCHERS", "NCCL_ENV", "start_ranks", "kill_ranks", "grace_s", "failure_lines", "launch"]
 
@@ -56,14 +57,23 @@ def _last_error(path: Path) -> Optional[str]:
     return lines[-1][:300] if lines else None
 
 
-def _rank_env(rank: int, n: int, port: int, threads: int, extra: Optional[Mapping[str, str]]) -> dict:
+def _common_env(store_port: int, threads: int, extra: Optional[Mapping[str, str]]) -> dict:
+    """What every rank (and torchrun) gets: the loopback store rank 0 binds, the home
+    the ranks answer to (``store``), thread count, NCCL settings, the caller's extras."""
     env = dict(os.environ)
-    env.update({"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    env.update({STORE_ENV: f"127.0.0.1:{store_port}", HOME_ENV: home_token()})
     env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo's own connections stay on loopback too
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")  # and NCCL's bootstrap (its data goes over NVLink / PCIe)
     for k, v in NCCL_ENV.items():
         env.setdefault(k, v)
     env.update(extra or {})
+    return env
+
+
+def _rank_env(rank: int, n: int, base: Mapping[str, str]) -> dict:
+    env = dict(base)
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n)})
     return env
 
 
@@ -97,9 +107,9 @@ def start_ranks(tmp: Path, spec: dict, n_ranks: int, *, launcher: str = "spawn",
     (tmp / "spec.json").write_text(json.dumps(spec, default=str))
     threads = threads or max(1, (os.cpu_count() or 1) // n_ranks)
     cmd = [sys.executable, "-m", "ds4quant.runtime.cluster", "--rank-spec", str(tmp / "spec.json")]
+    base = _common_env(_free_port(), threads, env)
     try:
         if launcher == "spawn":
-            port = _free_port()
             for r in range(n_ranks):
                 if rank_jobs and rank_jobs[r]:
                     jobs = [{**jb, **dict(rank_jobs[r].get(j, {}))} for j, jb in enumerate(spec["jobs"])]
@@ -110,20 +120,19 @@ def start_ranks(tmp: Path, spec: dict, n_ranks: int, *, launcher: str = "spawn",
                     cmd[-1] = str(tmp / "spec.json")
                 errs.append(tmp / f"rank{r}.err")
                 with open(errs[-1], "wb") as fe:
-                    procs.append(subprocess.Popen(cmd, env=_rank_env(r, n_ranks, port, threads, env),
+                    procs.append(subprocess.Popen(cmd, env=_rank_env(r, n_ranks, base),
                                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                   stderr=fe, start_new_session=True))
         else:
             errs.append(tmp / "torchrun.err")
-            tenv = dict(os.environ)
-            tenv.setdefault("OMP_NUM_THREADS", str(threads))
-            for k, v in NCCL_ENV.items():
-                tenv.setdefault(k, v)
-            tenv.update(env or {})
-            trun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n_ranks}",
-                    "--max-restarts=0", "--redirects=3", f"--log-dir={tmp / 'logs'}", *cmd[1:]]
+            # static rendezvous on loopback: the dynamic (c10d) one --standalone uses keeps its
+            # state in the store as a pickle, which torchrun unpickles (docs/cluster-security.md)
+            trun = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=static", "--nnodes=1",
+                    "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+                    f"--nproc-per-node={n_ranks}", "--max-restarts=0", "--monitor-interval=0.5", "--redirects=3",
+                    f"--log-dir={tmp / 'logs'}", *cmd[1:]]
             with open(errs[-1], "wb") as fe:
-                procs.append(subprocess.Popen(trun, env=tenv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                procs.append(subprocess.Popen(trun, env=base, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                               stderr=fe, start_new_session=True))
     except BaseException:
         kill_ranks(procs)
@@ -139,7 +148,13 @@ def grace_s(timeout_s: float) -> float:
 def failure_lines(tmp: Path, procs, errs, hung, launcher: str) -> list[str]:
     """One phrase per failed rank (its own error line, its signal, or 'still running')."""
     lines = []
-    if launcher == "torchrun":
+    # each rank writes its error line to the run's folder (entry._say), whatever the launcher
+    # did with its stderr: torchrun's own report is a banner, not the rank's error
+    for f in sorted(tmp.glob("rank*.error"), key=lambda q: int(q.stem[4:]) if q.stem[4:].isdigit() else 0):
+        m = _last_error(f) or f.read_text(errors="replace").strip()[:300]
+        if m:
+            lines.append(m)
+    if launcher == "torchrun" and not lines:
         for f in sorted((tmp / "logs").rglob("stderr.log")) if (tmp / "logs").exists() else []:
             m = _last_error(f)
             if m:
@@ -148,7 +163,11 @@ def failure_lines(tmp: Path, procs, errs, hung, launcher: str) -> list[str]:
         rc = p.returncode
         if rc == 0:
             continue
-        m = None if launcher == "torchrun" and lines else _last_error(errs[i])
+        if launcher == "torchrun" and lines:
+            continue  # the ranks named themselves; torchrun's exit adds nothing
+        m = _last_error(errs[i])
+        if launcher == "spawn" and any(ln.startswith(f"rank {i}:") for ln in lines):
+            continue
         who = f"rank {i}" if launcher == "spawn" else "torchrun"
         if i in hung:
             lines.append(f"{who}: still running at the deadline; killed")

@@ -115,10 +115,22 @@ class Group:
             raise ClusterError(f"rank {self.rank}: {what} failed: a peer rank died, hung or left "
                                f"(timeout {self.timeout_s:g}s): {type(e).__name__}: {msg}") from None
 
-    def gather_objects(self, what: str, obj) -> list:
-        out = [None] * self.size
-        self._call(what, self.dist.all_gather_object, out, obj)
-        return out
+    def gather_json(self, what: str, obj) -> list:
+        """Every rank's ``obj`` (JSON values: tuples come back as lists, keys as
+        strings), exchanged as uint8 tensors of its JSON text: ranks never send
+        each other pickles (all_gather_object would unpickle whatever a peer,
+        or anyone who reached the store, sent; docs/cluster-security.md)."""
+        import json
+
+        import torch
+
+        raw = json.dumps(obj, default=str, separators=(",", ":")).encode()
+        sizes = self.all_gather(what, torch.tensor([len(raw)], dtype=torch.int64, device=self.device))
+        m = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(max(m, 1), dtype=torch.uint8)
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+        parts = self.all_gather(what, buf.to(self.device))
+        return [json.loads(bytes(p.cpu()[: int(s.item())].numpy().tobytes())) for p, s in zip(parts, sizes)]
 
     def all_gather(self, what: str, t) -> list:
         import torch
@@ -140,7 +152,7 @@ def _agree(g: Group, what: str, err: Optional[BaseException], payload) -> list:
     """All ranks exchange (error line or None, payload); any rank's error is raised on every rank."""
     line = None if err is None else (err.one_line() if isinstance(err, Ds4quantError) else
                                      f"{type(err).__name__}: {err}")
-    got = g.gather_objects(what, (line, payload))
+    got = g.gather_json(what, [line, payload])
     bad = [(r, m) for r, (m, _) in enumerate(got) if m is not None]
     if bad:
         if err is not None and isinstance(err, Ds4quantError):
@@ -155,7 +167,9 @@ def _agree(g: Group, what: str, err: Optional[BaseException], payload) -> list:
 
 class Watchdog:
     """Ends this rank (exit 3, one line on stderr) if no progress is made for
-    ``idle_s`` seconds or the launching parent process is gone; a hang
+    ``idle_s`` seconds or the launching parent process, or the home process
+    that ``store.HOME_ENV`` names (torchrun's ranks are torchrun's children), is
+    gone, removing the run's folder (``orphan_dir``) in the second case; a hang
     outside a collective (or inside one with no timeout) cannot outlive it.
     (Peers of a hung rank fail sooner, at their collective timeout.)"""
 
@@ -176,14 +190,19 @@ class Watchdog:
         self._stop.set()
 
     def _run(self) -> None:
+        from ds4quant.runtime.cluster.store import HOME_ENV, home_alive
+
+        home = os.environ.get(HOME_ENV)
         while not self._stop.wait(0.5):
             why = None
             if os.getppid() != self._ppid:
                 why = "its launcher exited"
+            elif home and not home_alive(home):
+                why = "the process that started the cluster exited"
             elif time.monotonic() - self._last > self.idle_s:
                 why = f"no progress for {self.idle_s:g}s (hung)"
             if why:
-                if self.orphan_dir and os.getppid() != self._ppid:
+                if self.orphan_dir and not why.startswith("no progress"):
                     import shutil
 
                     shutil.rmtree(self.orphan_dir, ignore_errors=True)
@@ -305,7 +324,11 @@ def open_shard(g: Group, job: dict, mode: Mode, beat=lambda: None) -> Shard:
                       for o in (job.get("owners") or (plc.owners[0],)))
         t0 = time.perf_counter()
         try:
-            rt = runtime.load(view, placement=_local_placement(plc, rank, local), mode=mode)
+            # one rank per node hashes the files it reads (ranks of a node read the same
+            # files); a home that checked them already says so in the job
+            verify = bool(job.get("verify_payloads", True)) and os.environ.get("LOCAL_RANK", str(rank)) == "0"
+            rt = runtime.load(view, placement=_local_placement(plc, rank, local), mode=mode,
+                              verify_payloads=verify)
         except Exception as e:
             err = e
         _agree(g, "load", err, None)

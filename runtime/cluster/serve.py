@@ -48,7 +48,7 @@ def serve_calls(g, spec: dict, dog) -> int:
         shard = open_shard(g, job, mode, dog.beat)
         h = shard.view.header
         H = int(h.hidden)
-        reports = g.gather_objects("ready", shard.report(rank, n, g.backend, mode))
+        reports = g.gather_json("ready", shard.report(rank, n, g.backend, mode))
         if wire is not None:
             wire.send({"op": "ready", "ranks": reports, "hidden": H})
         while True:
@@ -132,7 +132,7 @@ def _serve_one(g, shard, wire, msg, L: int, T: int, K: int, H: int, mode: Mode) 
     if failed:  # every rank knows; the failed ones say why, and every rank ends with the same line
         line = None if err is None else (err.one_line() if isinstance(err, Ds4quantError)
                                          else f"rank {rank}: {type(err).__name__}: {err}")
-        said = g.gather_objects(f"layer {L} errors", line)
+        said = g.gather_json(f"layer {L} errors", line)
         text = "; ".join(s for s in said if s)
         if err is not None and not isinstance(err, Ds4quantError):
             raise ClusterError(text) from err

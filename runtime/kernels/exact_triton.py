@@ -2,9 +2,9 @@
 steps): the bits of ``owners/torch_exact`` (the definition), at about the
 cost of fast mode's matrix-vector kernels.
 
-A decode step is four launches: ``quantize`` (step 1 of exact mode on the
-layer input), ``gemv_exact`` for gate + up, ``swiglu_quantize`` (step 3,
-then step 1 on its output), ``gemv_exact`` for down. Why the products are
+A decode step is four launches: ``quantize`` (``Q`` of docs/exact-mode.md on the
+layer input), ``gemv_exact`` for gate + up, ``swiglu_quantize`` (``SWIGLU``,
+then ``Q`` on its output), ``gemv_exact`` for down. Why the products are
 exact:
 
 * a weight is level * scale with an integer level (|level| <= 4) and the
@@ -261,7 +261,7 @@ def quantize(x, bad, qt=None, s=None, nb: int = 16):
 
 
 def swiglu_quantize(g, u, limit: float, bad, nb: int = 16, h=None):
-    """Step 3 on float32 gate / up outputs (n, I), then step 1 on its float32 result:
+    """``SWIGLU`` on float32 gate / up outputs (n, I), then ``Q`` on its float32 result:
     (qt, s) as ``quantize`` gives them; a non-finite SwiGLU output counts in ``bad``.
     ``h``: a float32 (n, I) tensor that also receives the SwiGLU output."""
     import torch

@@ -36,8 +36,8 @@ loop-carried prefetch, ``PRE``), so a program keeps two tiles of loads in
 flight. Scale bytes are turned into their float32 values by arithmetic where
 that reproduces the format's table bit for bit (``SDEC``, checked against
 the LUT at launch), else by a LUT gather. Row counts must be multiples of the
-row block (no masks). Tiles measured on the lent H200:
-``benchmarks/results/runtime_gpu_notes.md`` (session 4).
+row block (no masks). Tiles measured on an H200:
+docs/performance.md#runtime-gpu-step.
 """
 
 from __future__ import annotations

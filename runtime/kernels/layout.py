@@ -19,7 +19,7 @@ meta byte). These are the same products ``formats.decode`` forms
 ``formats.decode`` bit for bit (a test checks it on the CPU device); the
 kernels' sums are fast mode's, not exact mode's.
 
-rocmfp2_affine (type 107, spec §4) is ``(code * scales[s]) - scales[o]`` with
+rocmfp2_affine (type 107, docs/formats.md#rocmfp2-affine) is ``(code * scales[s]) - scales[o]`` with
 codes 0..3 and both bytes plain UE4M3: two float32 roundings, as its decode
 does. The product of a 2-bit code and a UE4M3 value (4 significant bits) is
 exact in float32, so a compiler that contracts the multiply and the
@@ -52,6 +52,20 @@ AFFINE = "rocmfp2_affine"
 #: qtypes the Triton kernels decode in place; every other qtype runs
 #: decode_torch + matmul (q8_0, bf16, f16, f32).
 KERNEL_QTYPES = tuple(sorted(set(_SCALE) | set(_MIX) | {"mxfp4", AFFINE}))
+
+#: ``tl.dot`` input precision of the float32 tl.dot tiles by backend: three tf32 products
+#: (close to float32) on NVIDIA; AMD's Triton accepts only ieee / bf16x3 / bf16x6 (and tf32
+#: on gfx942), so three bf16 products there (the ahead-of-time check found tf32x3 refused
+#: for gfx1151)
+DOT_PREC = {"cuda": "tf32x3", "hip": "bf16x3"}
+
+
+def dot_prec() -> str:
+    """The default ``tl.dot`` precision of this torch build's GPU backend."""
+    import torch
+
+    return DOT_PREC["hip" if getattr(torch.version, "hip", None) else "cuda"]
+
 
 # level arithmetic the kernel may do instead of a table gather (LV_CODE: level = code)
 LV_GATHER, LV_FP2, LV_FP3, LV_CODE = 0, 1, 2, 3

@@ -191,6 +191,8 @@ def _bk(cols: int, g: int) -> int:
 
 def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, bn: int = 0,
            num_warps: int = 0, bk: int = 0, prec: str = "tf32x3"):
+    # ``prec`` matters to the tl.dot tile only: the matrix-vector tile takes one specialisation
+    # for every backend (``layout.DOT_PREC``: tf32x3 does not compile for AMD)
     """out[slot] = W_e @ x[slot] (or SwiGLU(W_e x, W2_e x) with ``w2``) for every group.
 
     fmt: layout.Format; x float32 (n_slots, K) sorted by expert; groups int32
@@ -206,7 +208,7 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
     ks_row = w["s"].shape[2]
     dual = w2 is not None
     o = w2 if dual else w
-    # defaults measured on the lent H200 (benchmarks/results/runtime_gpu_h200_run2.json): the
+    # defaults measured on an H200 (benchmarks/results/runtime_gpu_dot_tiles_h200.json): the
     # matrix-vector tile likes 32 rows x 256 columns (112 us a DS4 layer at batch 1, 16 rows: 131);
     # the tl.dot tile must stay narrow in K (64 rows x 32 columns: 7.1 ms at batch 64; 256 columns
     # spill: 106 ms)
@@ -227,7 +229,8 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
         w["slut"], w["llut"], o["slut"], o["llut"],
         N, K, ka_row, kb_row, ks_row, float(limit),
         ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev,
-        LV=fmt.lv_mode, AFF=fmt.affine, DUAL=dual, BT=bt, BN=bn, BK=bk, PREC=prec, num_warps=num_warps,
+        LV=fmt.lv_mode, AFF=fmt.affine, DUAL=dual, BT=bt, BN=bn, BK=bk, PREC=prec if bt > 1 else "ieee",
+        num_warps=num_warps,
     )
     return out
 

@@ -1,8 +1,13 @@
-"""Exact mode of the CUDA owner through ``kernels.exact_triton`` (a mixin of
-``CudaOwner``): the layers whose three projections run the decode-step
-kernels (``CudaOwner.gemv_set``: rocmfp2 / rocmfp3 word layout) take four
-launches a call — quantize, gate + up, SwiGLU + quantize, down — captured
-once per (layer, slots) in a CUDA graph like fast mode's decode step.
+"""Exact mode of the CUDA owner through ``kernels.exact_triton`` and
+``kernels.exact_planes`` (a mixin of ``CudaOwner``): a layer with one stack per
+projection takes four launches a call — quantize, gate + up, SwiGLU +
+quantize, down — captured once per (layer, slots) in a CUDA graph like fast
+mode's decode step. rocmfp2 / rocmfp3 layers of the decode-step word layout
+(``CudaOwner.gemv_set``) use ``exact_triton.gemv_exact`` (gate and up in one
+launch); every other kernel qtype (MIX, rocmfp4/6/8, s40, affine, mxfp4) uses
+``exact_planes.product`` on the plane layout (gate and up apart), with the
+level tables as integers times a power of two (``exact_planes.integer_levels``;
+a MIX book pair it refuses keeps the layer on the definition's path).
 
 The bytes are the definition's (``owners/torch_exact``, the CPU owner's):
 the kernels compute the same exact sums and the same one-operation-at-a-time
@@ -14,7 +19,7 @@ stage reads it. A non-finite input or SwiGLU output sends the call through
 ``TorchOwner``'s exact path, which raises the definition's error.
 ``exact_stats`` counts the calls that took the kernels alone, the patched
 ones and the reruns.
-Other qtypes, several stacks a projection and batches above
+q8_0 / bf16 / f16 / f32, several stacks a projection and batches above
 ``exact_max_slots`` take ``TorchOwner``'s exact path directly.
 """
 
@@ -33,9 +38,12 @@ class ExactKernelsMixin:
         # slots a call may have for the kernels (each slot reads its expert's weights: no grouping)
         self.exact_max_slots = 1024
         self.exact_stats = {"kernel": 0, "patched": 0, "rerun": 0}
+        # (rows per program, columns per step, warps) of the plane-layout product
+        self.exact_planes_tile = (16, 64, 4)
 
     def exact_set(self, layer: int, ids: np.ndarray):
-        """``gemv_set(layer)`` when this call can take the exact kernels, else None."""
+        """``("words", gemv_set(layer))`` or ``("planes", (gate, up, down planes, loc device,
+        loc host))`` when this call can take the exact kernels, else None."""
         n = ids.shape[0]
         if not self.exact_kernels or not 0 < n <= self.exact_max_slots:
             return None
@@ -44,11 +52,55 @@ class ExactKernelsMixin:
         except ImportError:  # exact mode stays usable without triton (the definition's path)
             return None
         gem = self.gemv_set(layer)
-        if gem is None:
-            return None
-        if not self._all_resident(gem[4], ids):
+        got = ("words", gem) if gem is not None else None
+        if got is None:
+            ps = self._exact_planes_set(layer)
+            got = ("planes", ps) if ps is not None else None
+        if got is None or not self._all_resident(got[1][4], ids):
             return None  # the definition's path names the expert that is not resident
-        return gem
+        return got
+
+    def _exact_planes_set(self, layer: int):
+        """The plane-layout stacks of ``layer`` with their integer level tables on the device
+        (``exact_planes.integer_levels``), or None."""
+        import torch
+        from ds4quant.runtime.kernels import exact_planes as xp
+
+        pf = self.single_stacks(layer)
+        if pf is None:
+            return None
+        for p in pf[:3]:
+            if p["fmt"].mix:
+                self._mix_levels(p)  # raises when the books are not registered
+            key = id(p["books"]) if p["fmt"].mix else 0
+            if p.get("ilut_key") != key or "ilut" not in p:
+                got = xp.integer_levels(p["llut"].cpu().numpy(), p["fmt"].group)
+                if got is None:
+                    p["ilut"] = None
+                else:
+                    p["ilut"] = torch.from_numpy(got[0]).to(self.device)
+                    p["ishift"] = torch.from_numpy(got[1]).to(self.device)
+                    p["wide"] = got[2]
+                p["ilut_key"] = key
+                p["finite"] = self._finite_weights(p)
+            if p["ilut"] is None or not p["finite"]:
+                return None
+        return pf
+
+    @staticmethod
+    def _finite_weights(p) -> bool:
+        """Whether every decoded weight of the stack is finite: a scale byte whose value times
+        the largest level overflows float32 (mxfp4's top E8M0 bytes) makes the definition raise,
+        so such a stack keeps the definition's path (checked once per stack and books)."""
+        import torch
+        from ds4quant.runtime.kernels import layout
+
+        top = np.float32(np.abs(p["llut"].cpu().numpy()).max())
+        with np.errstate(over="ignore"):
+            over = np.flatnonzero(~np.isfinite(layout.scale_lut(p["stack"].qtype) * top))
+        if over.size == 0:
+            return True
+        return not bool(torch.isin(p["s"], torch.from_numpy(over).to(p["s"].device, torch.uint8)).any())
 
     def exact_device(self, layer: int, x, ids):
         """The exact kernels on device tensors: x float32 (n, H), ids int64 (n,) global
@@ -57,6 +109,8 @@ class ExactKernelsMixin:
         import torch
         from ds4quant.runtime.kernels import exact_triton as ek
 
+        if self._exact_kind(layer) == "planes":
+            return self._planes_device(layer, x, ids)
         lg, lu, ld, loc, _ = self._gemv[layer]
         bad = torch.zeros((1,), dtype=torch.int32, device=x.device)
         qx, sx = ek.quantize(x, bad)
@@ -74,6 +128,8 @@ class ExactKernelsMixin:
         import torch
         from ds4quant.runtime.kernels import exact_triton as ek
 
+        if self._exact_kind(layer) == "planes":
+            return self._planes_device(layer, x, ids, patch=True)
         lg, lu, ld, loc, _ = self._gemv[layer]
         host_ids = ids.cpu().numpy()
         bad = torch.zeros((1,), dtype=torch.int32, device=x.device)
@@ -115,7 +171,8 @@ class ExactKernelsMixin:
         if key in self._graph_cache:
             return self._graph_cache[key]
         xs = torch.zeros((n, H), dtype=torch.float32, device=self.device)
-        ids = torch.full((n,), int(self._gemv[layer][4].argmax()), dtype=torch.int64, device=self.device)
+        loc = self._gemv[layer][4] if self._exact_kind(layer) == "words" else self._exact_planes_set(layer)[4]
+        ids = torch.full((n,), int(loc.argmax()), dtype=torch.int64, device=self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles the kernels outside the capture
@@ -207,3 +264,41 @@ class ExactKernelsMixin:
         if y is None:
             self.exact_stats["rerun"] += 1
         return y
+
+    def _exact_kind(self, layer: int) -> str:
+        return "words" if self.gemv_set(layer) is not None else "planes"
+
+    def _planes_device(self, layer: int, x, ids, patch: bool = False):
+        """Exact mode on the plane layout: x float32 (n, H), ids int64 (n,) device tensors ->
+        (y, bad) like ``exact_device``, or with ``patch`` y with every flagged pair replaced by
+        the definition's limbs (None when an input or a SwiGLU output is not finite)."""
+        import torch
+        from ds4quant.runtime.kernels import exact_planes as xp
+        from ds4quant.runtime.kernels import exact_triton as ek
+
+        pg, pu, pd, loc, _ = self._exact_planes_set(layer)[:5]
+        bn, bk, nw = self.exact_planes_tile
+        kw = dict(flags=patch, bn=bn, bk=bk, num_warps=nw)
+        bad = torch.zeros((1,), dtype=torch.int32, device=x.device)
+        qx, sx = ek.quantize(x, bad)
+        if patch and int(bad[0]):
+            return None
+        q = xp.plain(qx)
+        g = xp.product(pg["fmt"], pg, q, sx, ids, loc, bad, **kw)
+        u = xp.product(pu["fmt"], pu, q, sx, ids, loc, bad, **kw)
+        host_ids = ids.cpu().numpy() if patch else None
+        if patch:
+            (g, fg), (u, fu) = g, u
+            self._patch(layer, "gate", g, fg, host_ids, x)
+            self._patch(layer, "up", u, fu, host_ids, x)
+            bad.zero_()
+        h = torch.empty_like(g) if patch else None
+        qh, sh = ek.swiglu_quantize(g, u, self.swiglu_limit, bad, h=h)
+        if patch and int(bad[0]):
+            return None
+        y = xp.product(pd["fmt"], pd, xp.plain(qh), sh, ids, loc, bad, **kw)
+        if patch:
+            y, fy = y
+            self._patch(layer, "down", y, fy, host_ids, h)
+            return y
+        return y, bad

@@ -6,7 +6,7 @@ the Triton kernels of ``runtime.kernels``.
   definition's exact sums and float64 SwiGLU in four launches, a CUDA graph
   per (layer, slots)); elsewhere, and for a call those kernels flag, it is
   ``TorchOwner``'s: ``formats.decode_torch`` of the artifact bytes, then
-  ``torch_exact`` (the session plan's definition in integer /
+  ``torch_exact`` (docs/exact-mode.md's definition in integer /
   single-rounding torch ops).
 * fast mode repacks every resident stack once at load
   (``kernels.layout.repack``: code planes + scale bytes, and offset bytes
@@ -18,6 +18,11 @@ the Triton kernels of ``runtime.kernels``.
   fused, then down; slots sorted by expert, up to ``bt`` tokens of one
   expert per program (``tl.dot``) when an expert has several slots, a
   matrix-vector tile per slot otherwise.
+* prefill (experts with more than ``group_max_mean`` slots each on average,
+  one stack per projection): the
+  tensor-core grouped GEMMs of ``kernels.prefill_triton`` (``owners/cuda_prefill``):
+  bf16 weight tiles decoded in registers, the slot sort on the device, no
+  host planning; other layers keep the float32 ``tl.dot`` kernels.
 * MIX (105/106) stacks decode with the books registered in this owner's
   registry, copied to the device on first use (and again after a
   re-registration); an unregistered tensor raises ``UnregisteredTableError``.
@@ -56,6 +61,7 @@ from ds4quant.errors import BadInputError, MissingDependencyError, ShapeError
 from ds4quant.runtime.mode import Mode
 from ds4quant.runtime.owners.base import ExpertStack
 from ds4quant.runtime.owners.cuda_exact import ExactKernelsMixin
+from ds4quant.runtime.owners.cuda_prefill import PrefillMixin
 from ds4quant.runtime.owners.torch_owner import DEFAULT_SWIGLU_LIMIT, TorchOwner
 from ds4quant.runtime.swiglu import swiglu_fast
 
@@ -96,19 +102,21 @@ def _need_triton():
     return moe_triton
 
 
-class CudaOwner(ExactKernelsMixin, TorchOwner):
+class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
     """Owner protocol on a CUDA/ROCm device; see the module docstring."""
 
     def __init__(self, device: str = "cuda:0", identity: Optional[str] = None,
-                 swiglu_limit: float = DEFAULT_SWIGLU_LIMIT, bt: int = 16, prec: str = "tf32x3",
-                 graphs: bool = True, gemv_max_slots: int = 16, exact_kernels: bool = True):
+                 swiglu_limit: float = DEFAULT_SWIGLU_LIMIT, bt: int = 16, prec: Optional[str] = None,
+                 graphs: bool = True, gemv_max_slots: int = 16, exact_kernels: bool = True,
+                 prefill: bool = True):
         super().__init__(device, identity=identity, swiglu_limit=swiglu_limit)
         self._exact_init(exact_kernels)
+        self._prefill_init(prefill)
         self.graphs = bool(graphs)
         self.gemv_max_slots = int(gemv_max_slots)
         # decode-step kernel tiles: stage ("gu" / "down") -> (rows per program, words per step,
         # warps, pipeline stages, prefetch, scales computed rather than gathered)
-        # (measured on the lent H200: benchmarks/results/runtime_gpu_step_h200_s4.json)
+        # (measured on an H200: docs/performance.md#runtime-gpu-step)
         self.gemv_tile: dict[str, tuple] = {"gu": (8, 64, 4, 1, True, True), "down": (16, 64, 8, 1, True, True)}
         # the grouped form's tiles (same fields) and tokens per program (batch 64 on the H200:
         # tb 2 at (8, 32, 2) with computed scales, 1.68 ms; tb 4 lost at 64 and led at 2048 tokens)
@@ -122,11 +130,17 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
         if bt not in (16, 32, 64):
             raise BadInputError(f"bt (tokens of one expert per program) must be 16, 32 or 64, got {bt}")
         self.bt = int(bt)
-        self.prec = prec
+        # the tl.dot tiles' input precision: the backend's (layout.DOT_PREC) unless given
+        self.prec = prec or self._dot_prec()
         # launch shape (rows, warps, columns per step) per tokens-per-program
         # (1: matrix-vector tile, bt: tl.dot); 0 = the kernel default
         self.tile: dict[int, tuple[int, int, int]] = {}
         self._planes: dict[str, dict] = {}  # tensor -> planes of that stack
+
+    def _dot_prec(self) -> str:
+        from ds4quant.runtime.kernels import layout
+
+        return layout.dot_prec() if self.device.type == "cuda" else layout.DOT_PREC["cuda"]
 
     # -- residency -------------------------------------------------------
     def add_stack(self, stack: ExpertStack) -> None:
@@ -148,6 +162,7 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
         if stack.qtype in layout.LINEAR_QTYPES:
             p["lin"] = layout.linear_planes(stack.qtype, a, b, s, p["slut"])
         self._gemv.pop(stack.layer, None)
+        self._prefill_reset(stack.layer)
         self._graph_cache = {k: v for k, v in self._graph_cache.items() if k[0] != stack.layer}
         if not fmt.mix:
             p["llut"] = torch.from_numpy(layout.level_lut(stack.qtype)).to(self.device)
@@ -166,6 +181,7 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
         super().close()
         self._planes.clear()
         self._gemv.clear()
+        self._prefill.clear()
         self._graph_cache.clear()
         self._pinned.clear()
 
@@ -296,6 +312,11 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
         self._gemv[layer] = got
         return got
 
+    def _busy(self, ids: np.ndarray) -> bool:
+        """Whether the call's experts see more than ``group_max_mean`` slots each on average:
+        the tensor-core prefill's condition (fewer slots take the matrix-vector tiles)."""
+        return ids.shape[0] / np.unique(ids).shape[0] > self.group_max_mean
+
     @staticmethod
     def _all_resident(loc: np.ndarray, ids: np.ndarray) -> bool:
         """Whether every id of a non-empty ``ids`` has a slot in ``gemv_set``'s host
@@ -407,6 +428,9 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
             if not self._all_resident(loc, ids):
                 bad = sorted({int(e) for e in ids if e < 0 or e >= loc.shape[0] or loc[e] < 0})
                 raise BadInputError(f"experts {bad} of layer {layer} are not resident on {self.identity}")
+        pf = self.prefill_set(layer) if gem is None and self._busy(ids) else None
+        if pf is not None and not self._all_resident(pf[4], ids):
+            pf = None  # the planned path names the expert that is not resident
         pin_i = self._pin("ids", n, torch.int64)
         pin_i.numpy()[...] = ids
         if gem is not None:  # the kernels read x group-transposed: done here, on the host
@@ -437,7 +461,9 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
             elif gem is not None:
                 y = self.gemv_device(layer, dx, di)
             else:
-                y = self.fast_device(layer, dx, ids)
+                y = self.prefill_device(layer, dx, di) if pf is not None else None
+                if y is None:
+                    y = self.fast_device(layer, dx, ids)
                 if y is None:
                     return None
             pin_y = self._pin("y", n * H, torch.float32).view(n, H)
@@ -532,7 +558,12 @@ class CudaOwner(ExactKernelsMixin, TorchOwner):
                 y = torch.empty_like(ys)
                 y[torch.from_numpy(order)] = ys
             else:
-                y = self.fast_device(layer, xt, ids)
+                pf = self.prefill_set(layer) if ids.shape[0] and self._busy(ids) else None
+                y = None
+                if pf is not None and self._all_resident(pf[4], ids):  # the prefill kernels
+                    y = self.prefill_device(layer, xt, torch.from_numpy(ids))
+                if y is None:
+                    y = self.fast_device(layer, xt, ids)
         if y is None:
             return super().run_slots(layer, x, expert_ids, mode)
         return y.cpu().numpy()

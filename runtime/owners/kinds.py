@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from ds4quant.errors import BadInputError
 
-__all__ = ["OwnerKind", "OwnerName", "OWNER_NAMES", "FACTORIES", "owner_factory", "make_owner"]
+__all__ = ["OwnerKind", "OwnerName", "OWNER_NAMES", "FACTORIES", "owner_factory", "make_owner", "check_device"]
 
 OWNER_NAMES = "cpu, cpu:N, cuda:N, hip:N, torch-cpu:N, worker:N or worker:N/OWNER"
 MAX_INDEX_DIGITS = 4
@@ -140,4 +140,33 @@ def make_owner(name: "OwnerName | str", *, identity: Optional[str] = None, **opt
     """The owner ``name`` names, with runtime identity ``identity`` (default
     ``name.identity``); options (``swiglu_limit``, ...) go to its constructor."""
     name = OwnerName.parse(name)
+    if name.kind in (OwnerKind.CUDA, OwnerKind.HIP):
+        check_device(name)
     return owner_factory(name.kind)(name, identity=identity or name.identity, **options)
+
+
+def check_device(name: "OwnerName | str") -> None:
+    """Refuse (one BadInputError line naming the owner) a ``cuda:N`` / ``hip:N``
+    owner this process's torch cannot run: no GPU build or device, a ROCm
+    owner on a CUDA build, or N past the devices there are. torch's own
+    refusal is an AssertionError deep in its lazy init."""
+    name = OwnerName.parse(name)
+    if name.kind not in (OwnerKind.CUDA, OwnerKind.HIP):
+        return
+    import torch
+
+    where = f"owner {name}"
+    build = "ROCm" if getattr(torch.version, "hip", None) else "CUDA" if torch.version.cuda else None
+    if build is None:
+        raise BadInputError(f"this torch {torch.__version__} is a CPU-only build; a {name.kind.value} owner needs "
+                            "a CUDA or ROCm build of torch", where=where, hint="use cpu, torch-cpu:N or worker:N")
+    if name.kind is OwnerKind.HIP and build != "ROCm":
+        raise BadInputError(f"this torch is a {build} build; hip:N names a ROCm device (host it in a worker "
+                            "with a ROCm torch: worker:N/hip:M)", where=where)
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not n:
+        raise BadInputError(f"this {build} build of torch sees no GPU device", where=where,
+                            hint="check the driver and CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES")
+    if (name.index or 0) >= n:
+        raise BadInputError(f"device {name.index} does not exist: this process sees {n} device(s) "
+                            f"(0..{n - 1})", where=where)

@@ -1,6 +1,6 @@
 """Exact mode in torch ops only: the implementation a CUDA/HIP device runs.
 
-Written from the definition in the session plan (PLAN.md "Exact mode"),
+Written from the definition in docs/exact-mode.md,
 independently of the numba CPU owner, so the two agree only if both follow
 the definition. Every step is integer arithmetic or a single correctly
 rounded IEEE operation, so the bits do not depend on the device, the thread
@@ -42,7 +42,7 @@ CHUNK = 1 << 21
 F64_SPAN = 53  # float64 significand bits: the span an exact float64 sum may cover
 # Devices whose exact mode takes the float64 route by default. The route is exact
 # in any summation order, so cuBLAS/rocBLAS give the same bits as the CPU's BLAS
-# (shown on the lent H200, session 5: tests/runtime/test_execute.py::
+# (shown on an H200, docs/performance.md#gpu-identity: tests/runtime/test_execute.py::
 # test_exact_linear_on_the_device_gives_the_cpu_bits and the CUDA owner's identity
 # tests); HIP devices are torch's "cuda" type too.
 F64_DEVICES = ("cpu", "cuda")

@@ -5,7 +5,7 @@ Quantized bytes stay resident (on the device; on the CPU device the artifact's
 memmap slices themselves); each call decodes the experts its slots select,
 once per expert per call, with ``formats.decode_torch``. ``fast`` multiplies
 the decoded float32 weights with torch; ``exact`` runs ``torch_exact`` (the
-session plan's identity definition in torch ops only).
+identity definition of docs/exact-mode.md in torch ops only).
 
     o = TorchOwner("cpu")                 # identity "torch-cpu:0"
     o.add_stack(stack); o.register_books(stack.tensor, stack.expert_ids, entry)

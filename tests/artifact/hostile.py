@@ -22,7 +22,7 @@ UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64,
 F32, F16, Q8_0 = 0, 1, 8
 ROCMFP3, ROCMFP2_MIX, ROCMFP2 = 104, 106, 107
 
-# (block size, block bytes) for the types used here (spec rocmfpx-codecs.md §0-§9, gguf sizes)
+# (block size, block bytes) for the types used here (docs/formats.md, gguf sizes)
 SIZES = {F32: (1, 4), F16: (1, 2), Q8_0: (32, 34), 100: (32, 18), 101: (32, 17), 102: (32, 26),
          103: (32, 33), 104: (32, 14), 105: (32, 14), 106: (32, 10), 107: (32, 10)}
 

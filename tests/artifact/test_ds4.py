@@ -1,4 +1,4 @@
-"""DS4 GGUF conventions (spec ds4-and-lucebox.md §2)."""
+"""DS4 GGUF conventions (docs/formats.md#ds4-gguf)."""
 
 from __future__ import annotations
 

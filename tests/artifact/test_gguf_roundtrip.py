@@ -14,7 +14,7 @@ from ds4quant.artifact import GGUFWriter, read_gguf, read_gguf_set, tensor_nbyte
 from ds4quant.artifact.gguf_writer import align_up
 from ds4quant.errors import BadInputError, CorruptDataError, ShapeError, UnknownQTypeError
 
-# Spec sizes (rocmfpx-codecs.md §0, §3-§9): ggml id -> bytes per 32 weights.
+# Documented sizes (docs/formats.md, one section per qtype): ggml id -> bytes per 32 weights.
 SPEC_BLOCK_BYTES = {100: 18, 101: 17, 102: 26, 103: 33, 104: 14, 105: 14, 106: 10, 107: 10}
 ROCMFPX = [("rocmfp4", 100), ("rocmfp4_fast", 101), ("rocmfp6", 102), ("rocmfp8", 103), ("rocmfp3", 104),
            ("rocmfp3_mix", 105), ("rocmfp2_mix", 106), ("rocmfp2", 107), ("rocmfp2_affine", 107),

@@ -1,8 +1,8 @@
 """artifact.qtypes sizes come from the codec registry; each ROCmFPX entry is
-pinned here to the spec's field sums and to the golden vectors' lengths.
+pinned here to docs/formats.md's field sums and to the golden vectors' lengths.
 
-The field lists are read from spec rocmfpx-codecs.md (section per row) and
-written out field by field, so a wrong codec entry, a wrong spec reading and
+The field lists are read from docs/formats.md (section per row) and
+written out field by field, so a wrong codec entry, a wrong reading and
 a golden file that disagrees each fail a different assertion.
 """
 
@@ -17,22 +17,22 @@ from ds4quant.artifact.qtypes import (
 from ds4quant.errors import UnknownQTypeError
 from tests.golden import FORMAT_TO_QTYPE, load_cases
 
-# qtype -> (ggml id, variant tag, spec section, fields (name, bytes) of one 32-weight block)
+# qtype -> (ggml id, variant tag, docs section, fields (name, bytes) of one 32-weight block)
 SPEC = {
-    "rocmfp4": (100, "fp4-cb10-h16", "§8", (("qs", 16), ("e half scales", 2))),
-    "rocmfp4_fast": (101, "fp4-cb10-b32", "§8", (("qs", 16), ("e block scale", 1))),
-    "rocmfp6": (102, "fp6", "§6", (("qs", 24), ("e half scales", 2))),
-    "rocmfp8": (103, "fp8", "§7", (("qs", 32), ("e block scale", 1))),
-    "rocmfp3": (104, "fp3", "§5", (("qs", 12), ("e half scales", 2))),
-    "rocmfp3_mix": (105, "mix105-7s1c", "§9.1 (= §5 wire)", (("qs", 12), ("meta per half", 2))),
-    "rocmfp2_mix": (106, "mix106-7s1c", "§9.1 (= §3 wire)", (("qs", 8), ("meta per half", 2))),
-    "rocmfp2": (107, "fp2-default", "§3", (("qs", 8), ("e half scales", 2))),
-    # §4: e[0] is the scale byte, e[1] the offset byte (one each per 32 weights)
-    "rocmfp2_affine": (107, "fp2-affine", "§4", (("qs", 8), ("scale", 1), ("offset", 1))),
-    # not in the spec; shares id 107 and its geometry (§0 "Two cautions")
+    "rocmfp4": (100, "fp4-cb10-h16", "docs/formats.md#rocmfp4", (("qs", 16), ("e half scales", 2))),
+    "rocmfp4_fast": (101, "fp4-cb10-b32", "docs/formats.md#rocmfp4", (("qs", 16), ("e block scale", 1))),
+    "rocmfp6": (102, "fp6", "docs/formats.md#rocmfp6", (("qs", 24), ("e half scales", 2))),
+    "rocmfp8": (103, "fp8", "docs/formats.md#rocmfp8", (("qs", 32), ("e block scale", 1))),
+    "rocmfp3": (104, "fp3", "docs/formats.md#rocmfp3", (("qs", 12), ("e half scales", 2))),
+    "rocmfp3_mix": (105, "mix105-7s1c", "docs/formats.md#mix (= #rocmfp3 wire)", (("qs", 12), ("meta per half", 2))),
+    "rocmfp2_mix": (106, "mix106-7s1c", "docs/formats.md#mix (= #rocmfp2 wire)", (("qs", 8), ("meta per half", 2))),
+    "rocmfp2": (107, "fp2-default", "docs/formats.md#rocmfp2", (("qs", 8), ("e half scales", 2))),
+    # docs/formats.md#rocmfp2-affine: e[0] is the scale byte, e[1] the offset byte (one each per 32 weights)
+    "rocmfp2_affine": (107, "fp2-affine", "docs/formats.md#rocmfp2-affine", (("qs", 8), ("scale", 1), ("offset", 1))),
+    # not Lucebox; shares id 107 and its geometry (docs/formats.md#type-107)
     "rocmfp2_s40": (107, "fp2-s40", "other forks", (("qs", 8), ("e half scales", 2))),
 }
-# spec section headings: bytes per 32 weights
+# docs/formats.md section headings: bytes per 32 weights
 SPEC_HEADING_BYTES = {100: 18, 101: 17, 102: 26, 103: 33, 104: 14, 105: 14, 106: 10, 107: 10}
 
 

@@ -257,7 +257,7 @@ def test_write_into_missing_folder_is_refused(tmp_path):
 
 
 # --------------------------------------------------------------------------
-# shape errors name the file (issue 13)
+# shape errors name the file
 
 
 def test_read_profiles_remember_their_file(tmp_path):

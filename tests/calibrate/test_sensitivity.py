@@ -39,7 +39,7 @@ def test_calibrate_writes_gains_for_every_routed_tensor(tiny_calib):
     assert s.sequences == 2 and rep.sha256["sensitivity.json"]
 
 
-def test_sensitivity_is_deterministic_and_restores_the_model(tiny_calib, tmp_path):
+def test_sensitivity_is_deterministic(tiny_calib, tmp_path):
     from ds4quant.calibrate import calibrate
 
     _, out = tiny_calib
@@ -49,19 +49,6 @@ def test_sensitivity_is_deterministic_and_restores_the_model(tiny_calib, tmp_pat
     calibrate(SAMPLE, TOKENS, tmp_path / "none", sensitivity_seqs=0)
     assert not (tmp_path / "none" / "sensitivity.json").exists()
     assert (tmp_path / "none" / "imatrix.gguf").read_bytes() == (out / "imatrix.gguf").read_bytes()
-
-
-def test_measure_restores_weights():
-    torch = pytest.importorskip("torch")
-    from ds4quant.calibrate import calibrate  # noqa: F401  (the reference stack is importable)
-    from ds4quant.runtime.reference import load_reference
-    from ds4quant.calibrate.sensitivity import measure_sensitivity
-
-    model = load_reference(SAMPLE, threads=1)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    measure_sensitivity(model, [[0, 5, 9, 3, 7, 11]], None, None)
-    after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_convert_uses_the_calibrate_runs_own_sensitivity_beside_the_imatrix(tiny_calib, tmp_path):
@@ -83,6 +70,7 @@ def test_convert_uses_the_calibrate_runs_own_sensitivity_beside_the_imatrix(tiny
         j = json.loads(r.output)
         runs[name] = (j["adaptive"], next((tmp_path / name).glob("*.gguf")).read_bytes())
     assert runs["auto"][0]["objective"].startswith("predicted KL")
-    assert runs["auto"][0]["options"]["sensitivity"] == str(calib / "sensitivity.json")
+    # recorded as a name, not the absolute path (artifact.portable: releases leak no paths)
+    assert runs["auto"][0]["options"]["sensitivity"] == "sensitivity.json"
     assert runs["none"][0]["objective"] == "weighted error" and runs["none"][0]["options"]["sensitivity"] is None
     assert runs["auto"][1] == runs["named"][1]

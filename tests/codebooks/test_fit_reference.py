@@ -1,4 +1,4 @@
-"""The reference fitter (spec §10) against the golden fit cases, bit for bit."""
+"""The reference fitter (docs/formats.md#mix-fitter) against the golden fit cases, bit for bit."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_rejections():
 
 
 def test_repair_examples_from_the_spec():
-    # a +-1 input gives [-1, -0.99609375, 0.99609375, 1] for L = 4 (§10)
+    # a +-1 input gives [-1, -0.99609375, 0.99609375, 1] for L = 4 (docs/formats.md#mix-fitter)
     bits, repaired = _bf16_repair(np.array([-1, -1, 1, 1], F), 0)
     assert (np.asarray(bits, np.uint32) << 16).view(np.float32).tolist() == [-1, -0.99609375, 0.99609375, 1]
     assert repaired

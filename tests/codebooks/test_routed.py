@@ -1,4 +1,4 @@
-"""The routed-codebook coverage rule (spec §11.1/§11.2: every resident MIX
+"""The routed-codebook coverage rule (docs/formats.md#p4mix, #gumix: every resident MIX
 expert tensor covered exactly once): duplicates, gaps and wrong dims refused."""
 
 from __future__ import annotations

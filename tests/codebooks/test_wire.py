@@ -1,4 +1,4 @@
-"""Codebook sidecars (spec §11) and ds4quant's own table: exact sizes, round
+"""Codebook sidecars (docs/formats.md#gumix) and ds4quant's own table: exact sizes, round
 trips, coverage rules, and hand-built hostile blobs refused in bounded time."""
 
 from __future__ import annotations

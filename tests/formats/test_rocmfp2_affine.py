@@ -1,5 +1,5 @@
 """ROCmFP2 AFFINE (ggml 107, ROCMFP2_AFFINE build): layout, exact bytes,
-fast == reference, decoders bitwise equal, error bounds (spec §4)."""
+fast == reference, decoders bitwise equal, error bounds (docs/formats.md#rocmfp2-affine)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_hand_built_block():
 
 
 def test_decode_two_roundings():
-    # y = (code * S(e0)) - S(e1), each step a float32 operation (§4).
+    # y = (code * S(e0)) - S(e1), each step a float32 operation (docs/formats.md#rocmfp2-affine).
     rng = np.random.default_rng(7)
     data = rng.integers(0, 256, size=(3, 40), dtype=np.uint8)
     blocks = data.reshape(-1, 10)
@@ -78,7 +78,7 @@ def test_invalid_scale_bytes_decode_to_zero_scale():
 
 
 # --------------------------------------------------------------------------
-# edge cases of §4 / §12
+# edge cases of docs/formats.md#rocmfp2-affine
 
 
 def test_zero_and_nonfinite_blocks():

@@ -1,5 +1,5 @@
-"""MIX codecs 106/105 (spec §9): registry facts, a literal scalar reading of
-§9.4 against the vectorised reference, reference vs numba vs torch bytes and
+"""MIX codecs 106/105 (docs/formats.md#mix): registry facts, a literal scalar reading of
+docs/formats.md#mix-encoder against the vectorised reference, reference vs numba vs torch bytes and
 bits, refusals, and mode-0 decode. Golden vectors run in test_golden.py."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def importance(rng, cols):
 
 
 # --------------------------------------------------------------------------
-# a literal, scalar reading of §9.4 (independent of the vectorised reference)
+# a literal, scalar reading of docs/formats.md#mix-encoder (independent of the vectorised reference)
 
 
 def _nl(v, levels):
@@ -206,7 +206,7 @@ def test_threads_and_expert_split_do_not_change_bytes(qtype):
 
 
 def test_zero_half_gets_meta_zero_and_nearest_zero_level():
-    # §9.4 step 5: book {-2, -0.5, 0.5, 2} -> code 1, which decodes to 0 * -0.5 = -0.0
+    # docs/formats.md#mix-encoder step 5: book {-2, -0.5, 0.5, 2} -> code 1, which decodes to 0 * -0.5 = -0.0
     books = np.array([[-2.0, -0.5, 0.5, 2.0], [-1.0, -0.25, 0.25, 1.0]], dtype=F)
     x = np.zeros((1, 128), dtype=F)
     x[0, 16:32] = np.linspace(-1, 1, 16)
@@ -314,7 +314,7 @@ def test_mode0_fixed_levels_106():
     books = books_for("rocmfp2_mix", "wide")
     blk = np.zeros((4, 10), dtype=np.uint8)
     blk[:, :8] = 0b11100100  # codes 0, 1, 2, 3 repeating
-    blk[0, 8:] = [0x40, 0x50]  # 1.0 and 4.0 (§1 lists 0x58 as 4.0; by its formula 0x58 is 8.0)
+    blk[0, 8:] = [0x40, 0x50]  # 1.0 and 4.0 (docs/formats.md#ue4m3)
     blk[1, 8:] = [0xC0, 0x7F]  # bit 7 -> 0; 0x7F -> 0
     blk[2, 8:] = [0x01, 0x7E]  # 2^-10 and 224
     blk[3, 8:] = [0x80, 0x00]
@@ -386,7 +386,7 @@ def test_property_reference_equals_fast(case):
 
 
 # --------------------------------------------------------------------------
-# mode 0: ds4quant's fixed-level encoder (no public reference, spec §13.3)
+# mode 0: ds4quant's fixed-level encoder (no public reference, docs/formats.md#mix-encoder)
 
 
 @pytest.mark.parametrize("qtype", sorted(MIX))
@@ -426,7 +426,7 @@ def _lvl(qtype, v):
 
 @pytest.mark.parametrize("mix,plain", [("rocmfp2_mix", "rocmfp2"), ("rocmfp3_mix", "rocmfp3")])
 def test_mode0_without_importance_equals_the_uniform_codec(mix, plain):
-    # unweighted, finite input: mode 0 is the 107 / 104 search (§3, §5) byte for byte
+    # unweighted, finite input: mode 0 is the 107 / 104 search (docs/formats.md#rocmfp2, #rocmfp3) byte for byte
     if plain not in formats.QTYPES:
         pytest.skip(f"{plain} is not registered")
     rng = np.random.default_rng(23)

@@ -292,7 +292,7 @@ def test_tiny_and_subnormal_groups_get_the_smallest_scale(name):
     x = np.full((1, 32), 1e-40, F32)  # subnormal float32
     x[0, 1::2] = -3e-6
     e, codes = ss.unpack_ref(fmt, formats.encode(name, x), 32, group)
-    assert np.all(e == 1)  # §12: values far below 2^-11 -> e = 1
+    assert np.all(e == 1)  # values far below 2^-11 -> e = 1 (docs/formats.md#scale-search)
     if fmt == ss.S40:
         assert set(np.unique(codes)) <= {1, 2}  # no zero level: +-1 * 2^-10
         e0, _ = ss.unpack_ref(fmt, formats.encode(name, x, zero_seed=True), 32, group)
@@ -319,7 +319,7 @@ def test_single_outlier_is_kept(name):
 
 
 # --------------------------------------------------------------------------
-# the search rules of §2.3
+# the search rules of docs/formats.md#scale-search
 
 
 def test_search_overflow_rules():
@@ -335,7 +335,7 @@ def test_search_overflow_rules():
 
 def test_fp8_nearest_collapse_without_importance():
     x = np.zeros((1, 32), F32)
-    x[0, 0] = 1e20  # N(1e20/127) collapses to 1 in float32 (§1)
+    x[0, 0] = 1e20  # N(1e20/127) collapses to 1 in float32 (docs/formats.md#ue4m3)
     for impl in ("ref", "fast"):
         assert formats.encode("rocmfp8", x, impl=impl)[0, 32] == 1
 

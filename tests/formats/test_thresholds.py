@@ -9,10 +9,10 @@ and ``+-0``. Then:
 
 * the reference and the fast encoder give the same bytes;
 * every group got the pinned scale byte;
-* every probe decodes to the level the spec's tie rule gives (rocmfpx-codecs.md
-  §3 FP2 ties to the lower code, §5 FP3 and §8 FP4 to the lower magnitude,
-  §6 FP6 and §7 FP8 round half away, S40 ties inner with the sign of signbit,
-  §4 affine floor(t + 0.5) ties up, §9.3 mode 0 as FP2 / FP3, §9.4 mode 1's
+* every probe decodes to the level docs/formats.md's tie rule gives (its
+  sections: FP2 ties to the lower code, FP3 and FP4 to the lower magnitude,
+  FP6 and FP8 round half away, S40 ties inner with the sign of signbit,
+  affine floor(t + 0.5) ties up, MIX mode 0 as FP2 / FP3, MIX mode 1's
   nearest level NL ties to the lower level).
 
 The oracle below is exact rational arithmetic on the level sets (Fraction),
@@ -22,7 +22,7 @@ changes a probe's level and fails here.
 Pinning: with an importance vector, the pin element (``top * S``) has weight
 > 0 and every probe weight 0, so only the pin decides the scale: ``S`` gives
 error 0, a smaller scale clips the pin, and a larger scale at best ties, which
-goes to the smaller byte (§2.3). Without importance, the probes count, so each
+goes to the smaller byte (docs/formats.md#scale-search). Without importance, the probes count, so each
 group holds one probe and fifteen or more exact pins; the test checks the
 search still lands on ``S`` before it checks any probe.
 """
@@ -42,7 +42,7 @@ from tests.golden import describe_mismatch
 
 F32 = np.float32
 
-# Exact powers of two as UE4M3 bytes (§1 landmarks): 2^-10 (the smallest,
+# Exact powers of two as UE4M3 bytes (docs/formats.md#ue4m3 landmarks): 2^-10 (the smallest,
 # subnormal), 2^-7 (first normal), 0.5, 1, 4 and 128.
 SCALE_BYTES = (0x01, 0x08, 0x38, 0x40, 0x58, 0x78)
 
@@ -55,7 +55,7 @@ def _pow2(e: int) -> float:
 
 
 # --------------------------------------------------------------------------
-# the spec's tie rules, on exact rationals
+# the documented tie rules (docs/formats.md), on exact rationals
 
 
 def _nearest(levels, q: Fraction, tie: str) -> Fraction:
@@ -76,7 +76,7 @@ def _nearest(levels, q: Fraction, tie: str) -> Fraction:
 
 def _signed_mag(mags, tie: str) -> Callable[[float], Fraction]:
     """Sign + magnitude formats: the magnitude of |q| by ``tie``, the sign of x
-    (a zero magnitude is +0: "-0" codes decode as +0, §5, §6, §8)."""
+    (a zero magnitude is +0: "-0" codes decode as +0, docs/formats.md#rocmfp3, #rocmfp6, #rocmfp4)."""
 
     def level(q: float) -> Fraction:
         m = _nearest(mags, abs(Fraction(q)), tie)
@@ -85,7 +85,7 @@ def _signed_mag(mags, tie: str) -> Callable[[float], Fraction]:
     return level
 
 
-def _fp2_level(q: float) -> Fraction:  # §3: {-1, 0, 1, 2}, ties to the lower code
+def _fp2_level(q: float) -> Fraction:  # docs/formats.md#rocmfp2: {-1, 0, 1, 2}, ties to the lower code
     return _nearest([Fraction(v) for v in (-1, 0, 1, 2)], Fraction(q), "low")
 
 
@@ -122,7 +122,7 @@ class Case:
     qtype: str
     group: int  # weights per scale byte
     top: float  # largest positive level: the pin is top * S
-    level: Callable[[float], Fraction]  # the spec's level for q = x / S
+    level: Callable[[float], Fraction]  # the documented level for q = x / S
     probes: tuple[float, ...]
     pins: tuple[float, ...]  # exact levels for the unweighted layout
     options: tuple = ()  # encode keywords
@@ -172,7 +172,7 @@ CASES = {
                               tuple(_probes(_thresholds([0, 1, 2, 4]), [5.0])),
                               (4.0, -4.0, 2.0, -1.0, 4.0, 1.0, -2.0, 4.0, -4.0, 2.0, 1.0, 4.0, -1.0, 4.0, -4.0),
                               options=(("mode", 0),), books=_BOOK8, modes=0),
-    # mode 1 (§9.4): NL's binary search sends a tie to the lower level; book 1
+    # mode 1 (docs/formats.md#mix-encoder): NL's binary search sends a tie to the lower level; book 1
     # is book 0 halved, so it only ever ties book 0, and ties go to book 0. The
     # search window is centred on N(max|x| / 1) over the whole half, weights or
     # not, so no probe lies past the top level here.
@@ -284,7 +284,7 @@ def _check(case: Case, x, imp, qx, probe, e_want: int, flipped: bool, label: str
             expect = F32(float(lv)) * s
         if y[r, c].view(np.uint32) != F32(expect).view(np.uint32):
             errors.append(f"x = {q!r} * S decodes to {float(y[r, c]) / float(s)!r} * S, the tie rule gives {lv}")
-    assert not errors, f"{label}: {len(errors)} probes off the spec's level, e.g.\n  " + "\n  ".join(errors[:8])
+    assert not errors, f"{label}: {len(errors)} probes off the documented level, e.g.\n  " + "\n  ".join(errors[:8])
 
 
 @pytest.mark.parametrize("e", SCALE_BYTES, ids=lambda e: f"e{e:#04x}")
@@ -344,7 +344,7 @@ def _affine_probes(s: float, o: float) -> list[float]:
 
 
 def _affine_code(x: float, s: float, o: float) -> int:
-    # §4 acode: the float32 operations as the spec writes them
+    # the float32 operations as docs/formats.md#rocmfp2-affine writes them
     t = F32(F32(F32(F32(x) + F32(o)) / F32(s)) + F32(0.5))
     return int(min(max(np.floor(t), 0), 3))
 
@@ -384,7 +384,7 @@ def test_affine_ties(se, oe, weighted):
             f"{sorted(set(zip(blk[:, 8].tolist(), blk[:, 9].tolist())))[:4]}")
     else:
         # the probe's own error may move an unweighted block off (s, o): its
-        # probe is then checked against the spec at the (s, o) it got
+        # probe is then checked against the documented rule at the (s, o) it got
         assert np.any((blk[:, 8] == se) & (blk[:, 9] == oe))
     y = formats.decode("rocmfp2_affine", ref, 32, impl="ref")
     errors = []
@@ -403,7 +403,7 @@ def test_affine_ties(se, oe, weighted):
 
 def test_probe_sets_cover_the_planted_fp3_threshold():
     """The FP3 threshold 3.0 (the mutation ``a > 3.0`` -> ``a >= 3.0``) is a
-    probe, and the spec sends it to magnitude 2."""
+    probe, and docs/formats.md#rocmfp3 sends it to magnitude 2."""
     case = CASES["rocmfp3"]
     assert 3.0 in case.probes and -3.0 in case.probes
     assert case.level(3.0) == 2 and case.level(-3.0) == -2

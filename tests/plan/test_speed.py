@@ -32,7 +32,7 @@ MIX = ("rocmfp2_mix", "rocmfp3_mix")
 # main's code (6e8481d) before the speed-up. The fast path must not be worse.
 TODAY = {2.7: 334.8224675890745, 17 / 6: 269.2279181767368}
 # The same at the default effort (6 iterations, 1 restart, 512 rows), from the
-# pre-change kernels (legacy_kernels(), benchmarks/results/adaptive_cost_ds4tiny_2core_run1.json).
+# pre-change kernels (legacy_kernels(), benchmarks/results/adaptive_measure_ds4tiny_2core.json).
 TODAY_DEFAULT = {2.7: 313.50545272279595, 17 / 6: 254.18054807328568}
 
 

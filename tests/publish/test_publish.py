@@ -157,11 +157,12 @@ def test_refusals_before_any_work(arts, tmp_path):
     res = runner.invoke(cli, ["publish", str(strix), str(tmp_path / "full")])
     assert res.exit_code == 2 and "not empty" in res.output
     assert (tmp_path / "full" / "x").read_text() == "keep"
+    # --force replaces only a release publish wrote: a folder of the user's is refused, untouched
     res = runner.invoke(cli, ["publish", str(strix), str(tmp_path / "full"), "--force"])
-    assert res.exit_code == 0, res.output
-    assert not (tmp_path / "full" / "x").exists() and (tmp_path / "full" / SUMS_NAME).is_file()
+    assert res.exit_code == 2 and "has no SHA256SUMS" in res.output, res.output
+    assert (tmp_path / "full" / "x").read_text() == "keep"
     res = runner.invoke(cli, ["publish", str(strix), str(strix / "inside")])
-    assert res.exit_code == 2 and "outside the artifact folder" in res.output
+    assert res.exit_code == 2 and "release folder is inside the artifact" in res.output
 
 
 def test_unreachable_hub_fails_cleanly_and_leaves_the_release_complete(arts, tmp_path, monkeypatch):

@@ -101,8 +101,9 @@ def identity_rows(layer: int, expert: int, proj: int, rows: int, cols: int) -> n
 
 def write_identity_artifact(artifact, out):
     """``artifact``'s GGUF with every routed expert rewritten as bf16 identity rows (a
-    folder ``out`` holding ``ident.gguf``); every other tensor and key kept."""
-    from ds4quant.artifact import GGUFWriter, read_gguf_set
+    folder ``out`` holding ``ident.gguf`` and its manifest, so runtime.load can check
+    its hashes); every other tensor and key kept."""
+    from ds4quant.artifact import FileEntry, GGUFWriter, Manifest, read_gguf_set, tensor_entries, write_manifest
     from ds4quant.names import PROJS, parse_stack
 
     src = read_gguf_set(next(artifact.glob("*.gguf")))
@@ -122,6 +123,10 @@ def write_identity_artifact(artifact, out):
         vals = np.concatenate([identity_rows(s.layer, e, PROJS.index(s.proj), rows, cols) for e in range(n)])
         w.add_tensor(name, "bf16", t.shape, formats.encode("bf16", vals).tobytes())
     w.write()
+    made = read_gguf_set(out / "ident.gguf")
+    write_manifest(out / "manifest.json", Manifest("test", ("identity",), {}, {},
+                                                   files=(FileEntry.of(out / "ident.gguf"),),
+                                                   tensors=tensor_entries(made)))
     return out
 
 

@@ -146,7 +146,7 @@ def test_an_owner_error_reaches_the_caller():
 
 
 # --------------------------------------------------------------------------
-# the torch implementation of the exact definition (steps 1-3)
+# the torch implementation of the exact definition (docs/exact-mode.md: Q, D, SWIGLU)
 
 
 def _rational_f32(S: Fraction) -> np.float32:

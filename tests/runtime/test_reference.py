@@ -1,8 +1,8 @@
 """runtime.reference on the shipped sample (samples/ds4-tiny, FP8/FP4, dequantized by our own code).
 
-The swap test builds its own experts module from the spec's formula
-(down(silu(clamp(gate, max=limit)) * clamp(up, +-limit)) * w, ds4-reference-model.md
-§Q2) in the eager forward's order, so it checks swap_experts against
+The swap test builds its own experts module from the documented formula
+(down(silu(clamp(gate, max=limit)) * clamp(up, +-limit)) * w,
+docs/reference-model.md#experts) in the eager forward's order, so it checks swap_experts against
 transformers' eager experts, not against runtime code.
 """
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not (SAMPLE / "config.json").exists(), reason="s
 
 
 class _SpecExperts(torch.nn.Module):
-    """Routed experts recomputed from the spec formula, in the eager order:
+    """Routed experts recomputed from the documented formula, in the eager order:
     experts ascending, each expert's rows in (top-k slot, token) order, index_add_."""
 
     def __init__(self, eager):
@@ -69,7 +69,7 @@ def _ids(batch: int = 2, seq: int = 24) -> "torch.Tensor":
 
 
 def _logits(model, ids):
-    with torch_threads(1), torch.no_grad():  # bits depend on the thread count (spec §Q4)
+    with torch_threads(1), torch.no_grad():  # bits depend on the thread count (docs/reference-model.md#determinism)
         return model(input_ids=ids, use_cache=False).logits
 
 

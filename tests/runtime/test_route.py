@@ -10,7 +10,7 @@ mdl = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4"
 from ds4quant.errors import BadInputError, ShapeError  # noqa: E402
 from ds4quant.runtime.route import route, route_like  # noqa: E402
 
-# The working tiny config of spec ds4-reference-model.md.
+# The tiny config of docs/reference-model.md#tiny-models.
 TINY = {
     "vocab_size": 512, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 4,
     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "q_lora_rank": 128,

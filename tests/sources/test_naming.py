@@ -27,7 +27,7 @@ from tests.sources._util import SAMPLE
 gguf = pytest.importorskip("gguf")
 V = gguf.GGUFValueType
 
-# spec ds4-and-lucebox.md §2 and the Lucebox loader's tensor list
+# docs/formats.md#ds4-gguf and the Lucebox loader's tensor list
 SPOT = [
     ("embed.weight", "token_embd.weight", Kind.EMBEDDING),
     ("head.weight", "output.weight", Kind.OUTPUT),
@@ -152,7 +152,7 @@ def test_hf_names_cover_the_transformers_model_exactly():
 # deepseek4.* keys
 
 
-FLASH_NATIVE = {  # V4-Flash facts from ds4-and-lucebox.md §2 (native config keys)
+FLASH_NATIVE = {  # V4-Flash facts (docs/formats.md#ds4-gguf; native config keys)
     "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
     "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
     "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "qk_rope_head_dim": 64,

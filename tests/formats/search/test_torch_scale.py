@@ -8,7 +8,7 @@ and on CUDA where present.
   proofs (every group through the full scan) and at the full window;
 - FP4-grid matrices like DS4 Flash's experts: the same bytes, some groups
   proved inside the window and some scanned in full (both paths run);
-- the search rules of §2.3 (inf ties -> e = 1, FP4 never >= FLT_MAX,
+- the search rules of docs/formats.md#scale-search (inf ties -> e = 1, FP4 never >= FLT_MAX,
   all-zero importance -> e = 1) and FP2's collapsing distances (|x/S| >= 2^24),
   where the threshold shortcut is off;
 - FP2's threshold shortcut equals the distance rule on sampled float32 below 2^24;

@@ -1,0 +1,217 @@
+"""The layer walk: every calibration sequence through the streamed model, one
+decoder layer at a time, with the sums, the sensitivity branches and the
+journal that lets a killed run resume.
+
+Per layer L (materialized once): each sequence's hidden streams are read
+from the work folder, run through the layer with the hooks of
+``collect.LayerSums`` recording (batch 1, in sequence order), and written as
+layer L+1's input. Then the sensitivity pass (if any) measures the layer on
+the captured experts calls of its sequences, the branches alive at L go
+through the unperturbed layer and the branches that start at L through the
+perturbed one. The layer's sums and sensitivity piece are saved, the journal
+records the layer finished, its input states are dropped. After the last
+layer the head runs: the ``output.weight`` sums, the reference
+log-probabilities of the sensitivity sequences and each branch's KL.
+
+Memory: one materialized layer, one sequence's hidden streams and the
+sensitivity sequences' captured experts calls; every hidden state lives in
+the work folder (``journal``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ds4quant.calibrate.collect import HeadSums, LayerSums
+from ds4quant.calibrate.journal import Journal
+from ds4quant.calibrate.sensitivity import SensitivityPass, kl_sum, ref_logp
+from ds4quant.progress import Meter, ProgressFn
+
+__all__ = ["WalkResult", "walk"]
+
+MAIN = "main"
+
+
+@dataclass
+class WalkResult:
+    layers: list  # LayerSums per layer
+    head: HeadSums
+    pieces: dict  # layer -> sensitivity piece (name -> array)
+    kl_sums: dict  # branch key -> sum of KL over the sensitivity sequences' positions
+    sens_tokens: int
+
+
+def _save_npz(path: Path, arrays: dict) -> None:
+    import io
+
+    from ds4quant.artifact.atomic import atomic_write_bytes
+
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+class _States:
+    """Hidden streams in the work folder: states/LAYER/KEY/SEQ.npy (float32)."""
+
+    def __init__(self, journal: Journal, device):
+        self.j, self.device = journal, device
+
+    def _path(self, layer: int, key: str, i: int) -> Path:
+        return self.j.states(layer) / key / f"{i}.npy"
+
+    def put(self, layer: int, key: str, i: int, h) -> None:
+        p = self._path(layer, key, i)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "wb") as f:
+            np.save(f, h.detach().cpu().numpy())
+
+    def get(self, layer: int, key: str, i: int):
+        import torch
+
+        return torch.from_numpy(np.load(self._path(layer, key, i))).to(self.device)
+
+
+@contextlib.contextmanager
+def _experts_hook(experts, fn):
+    def hook(module, args, kwargs):
+        hidden = args[0] if len(args) > 0 else kwargs["hidden_states"]
+        idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
+        fn(module, hidden, idx, weights)
+
+    h = experts.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        h.remove()
+
+
+def meter_for(n_layer: int, journal: Journal, seqs: Sequence[Sequence[int]]) -> Meter:
+    """The run's meter: one counted item per remaining layer and the head, then writing the files."""
+    left = n_layer + 1 - (journal.finished + 1)
+    return Meter("calibrate", left, "layer", total_work=left * sum(len(s) for s in seqs), then=("writing files",))
+
+
+def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[SensitivityPass], stream, *,
+         meter: Optional[Meter] = None, progress: Optional[ProgressFn] = None) -> WalkResult:
+    """Run ``seqs`` through ``sm`` (a ``StreamedModel``; ``stream`` its
+    ``model.Stream``: devices per layer, memory plan) layer by layer from the
+    journal's first unfinished layer; see the module doc. ``progress`` gets a
+    TICK per sequence and a STEP per layer and for the head (``meter``'s
+    events; detail ``tokens``: tokens through the layers so far)."""
+    cfg = sm.config
+    n_layer, n_exp = cfg.num_hidden_layers, cfg.n_routed_experts
+    batches = sm.batches(seqs, batch_size=1)
+    n_sens = min(sens.seqs, len(seqs)) if sens is not None else 0
+    states = _States(journal, stream.device)
+    tokens = sum(len(s) for s in seqs)
+    start = journal.finished + 1
+    meter = meter or meter_for(n_layer, journal, seqs)
+    done_tokens = 0
+
+    def tick(item: str, i: int) -> None:
+        nonlocal done_tokens
+        done_tokens += len(seqs[i])
+        ev = meter.tick(f"{item}: sequence {i + 1}/{len(seqs)}", work=len(seqs[i]), tokens=done_tokens)
+        if progress is not None:
+            progress(ev)
+
+    def step(item: str) -> None:
+        ev = meter.step(item, work=0, tokens=done_tokens)
+        if progress is not None:
+            progress(ev)
+
+    if start == 0:  # the embeddings are cheap; a run killed before layer 0 finished redoes them
+        for i, b in enumerate(batches):
+            states.put(0, MAIN, i, sm.embed(b))
+    sm.release_embed()
+    journal.drop_stale_states()
+    for L in range(start, n_layer):
+        sums = LayerSums(L, n_exp, cfg.hidden_size, cfg.moe_intermediate_size)
+        calls: list = []
+        rec = {"on": False, "i": -1}
+
+        def on_experts(module, hidden, idx, weights):
+            if not rec["on"]:
+                return
+            sums.on_experts(module, hidden, idx)
+            if rec["i"] < n_sens:
+                calls.append((hidden.detach().clone(), idx.detach().clone(), weights.detach().clone()))
+
+        states.device = stream.layer_device(L)
+        with sm.layer(L, states.device, stream.plan.expert_cache) as layer:
+            experts = layer.mlp.experts
+            sums.attach(layer)
+            try:
+                with _experts_hook(experts, on_experts):
+                    for i, b in enumerate(batches):
+                        h = states.get(L, MAIN, i)
+                        rec.update(on=True, i=i)
+                        sums.begin()
+                        out = sm.run_layer(layer, b, h)
+                        sums.end()
+                        rec["on"] = False
+                        states.put(L + 1, MAIN, i, out)
+                        tick(f"layer {L}", i)
+            finally:
+                sums.detach()
+            if sens is not None:
+                piece, branches = sens.layer(L, experts, calls, sums)
+                calls.clear()
+                for key in sens.keys_entering(L):
+                    for i in range(n_sens):
+                        states.put(L + 1, key, i, sm.run_layer(layer, batches[i], states.get(L, key, i)))
+                for br in branches:
+                    for i in range(n_sens):
+                        layer.mlp.experts = br.experts(experts, i)
+                        try:
+                            out = sm.run_layer(layer, batches[i], states.get(L, MAIN, i))
+                        finally:
+                            layer.mlp.experts = experts
+                        states.put(L + 1, br.key, i, out)
+                _save_npz(journal.sens_path(L), piece)
+        from ds4quant.artifact.atomic import atomic_write_bytes
+
+        journal.sums_path(L).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(journal.sums_path(L), sums.to_bytes())
+        journal.finish_layer(L)
+        step(f"layer {L}")
+
+    states.device = stream.device
+    head = HeadSums()
+    kl_sums: dict = {}
+    with sm.head() as hd:
+        head.attach(hd)
+        refs = []
+        try:
+            for i, b in enumerate(batches):
+                h = states.get(n_layer, MAIN, i)
+                head.begin()
+                logits = sm.logits(hd, h)
+                head.end()
+                if i < n_sens:
+                    refs.append(ref_logp(logits[0]))
+                tick("head", i)
+        finally:
+            head.detach()
+        if sens is not None:
+            for key in sens.keys_entering(n_layer):
+                total = 0.0
+                for i in range(n_sens):
+                    total += kl_sum(refs[i], sm.logits(hd, states.get(n_layer, key, i))[0])
+                kl_sums[key] = total
+    step("head")
+    layers = [LayerSums.from_bytes(L, journal.sums_path(L).read_bytes()) for L in range(n_layer)]
+    pieces = {}
+    if sens is not None:
+        for L in range(n_layer):
+            with np.load(journal.sens_path(L)) as z:
+                pieces[L] = {k: z[k] for k in z.files}
+    return WalkResult(layers, head, pieces, kl_sums, sum(len(s) for s in seqs[:n_sens]))

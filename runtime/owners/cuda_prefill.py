@@ -1,0 +1,109 @@
+"""Prefill of the CUDA owner through ``kernels.prefill_triton`` (a mixin of
+``CudaOwner``): calls whose experts see many slots each (past the decode-step
+and grouped matrix-vector kernels) on a layer with one stack per projection
+take two tensor-core launches, gate + up with SwiGLU fused, then down, after
+the slot sort on the device. No host planning and no read-back: the host
+only checks that every routed expert is resident here (it holds the ids
+already) and picks the row tile from the slot count.
+
+Stacks whose decoded weights ``prefill_triton.bf16_terms`` cannot prove exact
+in one or two bf16 parts (and layers with several stacks a projection) keep
+the float32 ``tl.dot`` kernels of ``moe_triton`` (``CudaOwner.fast_device``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PROJS = ("gate", "up", "down")
+
+
+class PrefillMixin:
+    """Tensor-core prefill on the plane layout; needs CudaOwner's residency."""
+
+    def _prefill_init(self, enabled: bool) -> None:
+        self.prefill = bool(enabled)
+        # (rows per program, columns per step, warps, pipeline stages) of the two launches;
+        # a design choice, not a measurement (see docs/gpu.md)
+        self.prefill_tile: dict[str, tuple] = {"gu": (64, 64, 4, 3), "down": (64, 64, 4, 3)}
+        self._prefill: dict[int, object] = {}
+
+    def _prefill_reset(self, layer: int) -> None:
+        self._prefill.pop(layer, None)
+
+    def prefill_set(self, layer: int):
+        """``single_stacks(layer)`` when prefill is on, else None."""
+        return self.single_stacks(layer) if self.prefill else None
+
+    def single_stacks(self, layer: int):
+        """(gate, up, down planes, loc int64 device, loc host, local experts) when ``layer``
+        has one kernel-layout stack per projection over the same experts, else None (the
+        prefill kernels' and the plane-layout exact kernels' condition)."""
+        if layer in self._prefill:
+            return self._prefill[layer]
+        import torch
+
+        got = None
+        stacks = []
+        for proj in PROJS:
+            owners = {v[0].tensor for v in self._where.get((layer, proj), {}).values()}
+            if len(owners) != 1 or next(iter(owners)) not in self._planes:
+                break
+            stacks.append(self._planes[next(iter(owners))])
+        else:
+            pg, pu, pd = stacks
+            ids = pg["stack"].expert_ids
+            if pu["stack"].expert_ids == ids and pd["stack"].expert_ids == ids:
+                loc = np.full(max(ids) + 1, -1, np.int64)
+                loc[list(ids)] = np.arange(len(ids))
+                got = (pg, pu, pd, torch.from_numpy(loc).to(self.device), loc, len(ids))
+        self._prefill[layer] = got
+        return got
+
+    def _bf16_split(self, p):
+        """SPLIT for a stack's planes (True: two bf16 parts), or None when the decoded weights
+        are not exact in two parts; MIX: from the registered books (raises when unregistered)."""
+        from ds4quant.runtime.kernels import prefill_triton as pk
+
+        if p["fmt"].mix:
+            self._mix_levels(p)
+            key = id(p["books"])
+            if p.get("terms_key") != key:
+                books, modes = self.registry.lookup(self.identity, p["stack"].tensor)
+                p["terms"] = pk.qtype_terms(p["stack"].qtype, books, modes)
+                p["terms_key"] = key
+        elif "terms" not in p:
+            p["terms"] = pk.qtype_terms(p["stack"].qtype)
+        t = p["terms"]
+        return None if t == 0 else (t == 2)
+
+    def prefill_device(self, layer: int, x, ids):
+        """The prefill kernels on device tensors: x float32 (n, H) in slot order, ids int64
+        (n,) global experts (all resident) -> float32 (n, H) in slot order, or None when a
+        stack's weights have no exact bf16 form."""
+        import torch
+
+        from ds4quant.runtime.kernels import prefill_triton as pk
+        from ds4quant.runtime.swiglu import swiglu_fast
+
+        pg, pu, pd, loc, _, E = self._prefill[layer]
+        splits = [self._bf16_split(p) for p in (pg, pu, pd)]
+        if any(s is None for s in splits):
+            return None
+        n = x.shape[0]
+        plan = pk.sort_slots(ids, loc, E, n)
+        L = self.swiglu_limit
+        bn, bk, nw, ns = self.prefill_tile["gu"]
+        kw = dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns)
+        if pg["fmt"].key == pu["fmt"].key and splits[0] == splits[1]:
+            h = pk.grouped(pg["fmt"], x, plan, pg, w2=pu, limit=L, split=splits[0], out_dtype=torch.bfloat16,
+                           **kw)
+        else:
+            g = pk.grouped(pg["fmt"], x, plan, pg, split=splits[0], **kw)
+            u = pk.grouped(pu["fmt"], x, plan, pu, split=splits[1], **kw)
+            h = swiglu_fast(g, u, L)
+        bn, bk, nw, ns = self.prefill_tile["down"]
+        y = torch.empty((n, pd["stack"].rows), dtype=torch.float32, device=x.device)
+        pk.grouped(pd["fmt"], h, plan, pd, scatter=True, split=splits[2], out=y, bn=bn, bk=bk, num_warps=nw,
+                   num_stages=ns)
+        return y

@@ -1,0 +1,121 @@
+"""The tensor-core prefill kernels (kernels/prefill_triton.py) through Triton's
+interpreter on the CPU: the device slot sort, the bf16 weight decode and the
+grouped GEMMs against the float64 reference, per kernel qtype, with uneven
+expert loads (an expert with no slot, one with all of them); and the bf16
+exactness proof of every level x scale product per qtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ds4quant.runtime.kernels import layout  # noqa: E402
+
+from . import _synth as S  # noqa: E402
+from ._interp import kernels  # noqa: E402
+
+LAYER = 1
+EXPERTS = (3, 7, 8, 20)
+
+
+@pytest.fixture(scope="module")
+def pk():
+    return kernels("ds4quant.runtime.kernels.prefill_triton")
+
+
+def _owner(qtype, experts=EXPERTS):
+    from ds4quant.runtime.owners.cuda_owner import CudaOwner
+
+    o = CudaOwner("cpu", identity="torch-cpu:9")
+    o.gemv_max_slots, o.group_max_mean = 0, 0.0  # straight to the prefill kernels
+    # whole-matrix column blocks: the interpreter's cost is per program
+    o.prefill_tile = {"gu": (128, 64, 4, 1), "down": (256, 64, 4, 1)}
+    stacks, entries = S.layer_stacks(qtype, LAYER, experts)
+    for st in stacks.values():
+        o.add_stack(st)
+    for t, ent in entries.items():
+        o.register_books(t, experts, ent)
+    return o, stacks
+
+
+def _ref_bf16(stacks, x, ids):
+    """float64 reference with the activations rounded to bf16 as the kernels feed them
+    (the gate/up input, and the SwiGLU output before down)."""
+    xb = torch.from_numpy(x).to(torch.bfloat16).to(torch.float64).numpy()
+    out = np.empty(x.shape)
+    for r, e in enumerate(int(e) for e in ids):
+        W = {p: S.decoded(st, list(st.expert_ids).index(e)).astype(np.float64) for p, st in stacks.items()}
+        gc = np.minimum(W["gate"] @ xb[r], 10.0)
+        h = gc / (1 + np.exp(-gc)) * np.clip(W["up"] @ xb[r], -10.0, 10.0)
+        hb = torch.from_numpy(h.astype(np.float32)).to(torch.bfloat16).to(torch.float64).numpy()
+        out[r] = W["down"] @ hb
+    return out
+
+
+LOADS = {
+    "uneven": np.array([7, 3, 7, 20, 7, 3, 7, 7, 20, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 3]),  # expert 8: no slot
+    "one expert": np.array([20] * 18),
+}
+
+
+@pytest.mark.parametrize("qtype", layout.KERNEL_QTYPES)
+def test_prefill_matches_float64(pk, qtype):
+    for name, ids in LOADS.items():
+        o, stacks = _owner(qtype)
+        x = S.tokens(len(ids), seed=11)
+        assert o.prefill_set(LAYER) is not None
+        y = o.run_slots(LAYER, x, ids, "fast")
+        assert y.dtype == np.float32 and y.shape == x.shape and np.all(np.isfinite(y))
+        # the bf16-rounded activations: only float32 summation error remains
+        S.assert_rows_close(y, _ref_bf16(stacks, x, ids), ids, 1e-2, f"{qtype} {name} (bf16 inputs)")
+        # the unrounded float64 reference: bf16 activations' rounding
+        S.assert_rows_close(y, S.moe_ref64(stacks, x, ids), ids, 3e-2, f"{qtype} {name}")
+
+
+def test_device_sort_plans_every_slot_once(pk):
+    ids = torch.tensor([5, 1, 5, 5, 9, 1, 5], dtype=torch.int64)
+    loc = torch.full((10,), -1, dtype=torch.int64)
+    loc[torch.tensor([1, 5, 7, 9])] = torch.arange(4)
+    plan = pk.sort_slots(ids, loc, 4, 7, bm=2)
+    order = plan.order.long()
+    assert sorted(order.tolist()) == list(range(7))
+    assert loc[ids[order]].tolist() == sorted(loc[ids].tolist())
+    assert plan.count.tolist() == [2, 4, 0, 1]  # expert 7 (local 2): no slot
+    assert plan.start.tolist() == [0, 2, 6, 6]
+    assert plan.tend.tolist() == [1, 3, 3, 4]
+    assert plan.tiles >= int(plan.tend[-1])
+
+
+def test_bf16_parts_are_exact_per_qtype(pk):
+    """One bf16 part carries every decoded weight of the low-bit formats exactly, two parts
+    those of rocmfp6 / rocmfp8 / affine; MIX books are checked per registered pair."""
+    one = {"rocmfp2", "rocmfp2_s40", "rocmfp3", "rocmfp4", "rocmfp4_fast", "mxfp4"}
+    two = {"rocmfp6", "rocmfp8", "rocmfp2_affine"}
+    for q in layout.KERNEL_QTYPES:
+        if layout.kernel_format(q).mix:
+            continue
+        assert pk.qtype_terms(q) == (1 if q in one else 2), q
+        assert q in one | two
+    for q in ("rocmfp2_mix", "rocmfp3_mix"):
+        books = np.stack([S.books_for(q, LAYER, e) for e in EXPERTS])
+        modes = np.array([S.mode_for(q, e) for e in EXPERTS])
+        assert pk.qtype_terms(q, books, modes) in (1, 2)
+
+
+def test_bf16_proof_refuses_what_two_parts_cannot_hold(pk):
+    lv = np.array([[1.0, np.float32(1 + 2.0 ** -10 + 2.0 ** -20)]], np.float32)  # 21 bits, two apart
+    sc = np.array([1.0, 0.5], np.float32)
+    assert pk.bf16_terms(lv, sc) == 0
+    assert pk.bf16_terms(np.array([[1.0, 3.0]], np.float32), sc) == 1
+    assert pk.bf16_terms(np.array([[1.0, 257.0]], np.float32), sc) == 2
+
+
+def test_prefill_falls_back_on_books_without_an_exact_bf16_form(pk, monkeypatch):
+    o, stacks = _owner("rocmfp2_mix")
+    monkeypatch.setattr(pk, "qtype_terms", lambda *a, **k: 0)
+    ids = LOADS["uneven"]
+    x = S.tokens(len(ids), seed=2)
+    y = o.run_slots(LAYER, x, ids, "fast")  # the float32 tl.dot path
+    S.assert_rows_close(y, S.moe_ref64(stacks, x, ids), ids, 2e-5, "fallback")
