@@ -42,3 +42,27 @@ def test_streamed_equals_whole_model_on_two_placements(mx, tmp_path):
     assert both.kl.same_top1 == whole.kl.same_top1 and abs(both.kl.kld_mean - whole.kl.kld_mean) < 1e-4
     assert both.moe_output_sha256 == whole.moe_output_sha256
     assert both.exact_copy.reference_sets == whole.exact_copy.reference_sets
+
+
+def test_streamed_candidate_on_cluster_ranks_gives_the_single_process_bits(mx, tmp_path, monkeypatch):
+    import tempfile
+
+    import numpy as np
+
+    from ds4quant.artifact.view import open_artifact
+    from ds4quant.calib.routing import RoutingProfile
+    from ds4quant.runtime.placement import write_placement
+    from ds4quant.runtime.planning import plan_ranks
+    from ds4quant.verify import verify
+
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))  # the ranks' files under this test's folder
+    with open_artifact(mx) as v:
+        h, fp = v.header, v.fingerprint()
+    counts = (np.arange(h.n_layer * h.n_expert, dtype=np.uint64).reshape(h.n_layer, h.n_expert) * 7919) % 1000
+    plc = write_placement(tmp_path / "cluster.json",
+                          plan_ranks(RoutingProfile(h.n_layer, h.n_expert, h.n_expert_used, counts), 2, "balanced", 2,
+                                     owner="cpu", artifact=fp))
+    f = verify(mx, source=COPY, fidelity=True, mode="exact", stream=True, placements=(None, plc)).fidelity
+    assert f.identical and "gloo ranks" in f.placements[1]
