@@ -287,6 +287,12 @@ def measure(ctx: Context) -> FidelityReport:
 
         return measure_streamed(ctx)
     tok, tok_kind = tokenizer_for(o.source)
+    based = None
+    if o.reference is not None:  # a base made for something else is refused before the model loads
+        from ds4quant.runtime.stream import reference_config
+
+        rc = reference_config(o.source)
+        based = from_base(o, eval_tokens(o, tok, rc.vocab_size, rc.max_position_embeddings)[0], rc)
     fp = FidelityProgress(o.progress, plan_passes([label for label, _ in o.placements], o.protocol == "exact-copy",
                                                   o.engines))
     fp.phase("loading the reference model (transformers, fp32)")
@@ -310,7 +316,7 @@ def measure(ctx: Context) -> FidelityReport:
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
     if o.reference is not None:  # the reference's side from its base: the reference does not run
         with fp.run("reference logits"):
-            side = from_base(o, seqs, cfg)
+            side = based
         with fp.run("reference response"):
             pass
         if o.protocol == "exact-copy":
