@@ -98,13 +98,12 @@ def _approx(sm, o, seqs, pos, pad, side, targets, tok, task, drop, cfg):
 
     from ds4quant.records import ApproximationFigures
     from ds4quant.runtime import fidelity as fd
-    from ds4quant.runtime.routing_approx import check
+    from ds4quant.runtime.routing_approx import check, moe_layers_of
     from ds4quant.runtime.stream_fidelity import streamed_copy_sets, streamed_logits
     F = importlib.import_module("ds4quant.verify.fidelity")  # the package's `fidelity` is the stage function
 
-    types = list(getattr(cfg, "mlp_layer_types", None) or ["moe"] * cfg.num_hidden_layers)
     d = drop or MappingProxyType({})
-    a = check(cfg, {i: t == "hash_moe" for i, t in enumerate(types)}, o.experts_per_token, d,
+    a = check(cfg, moe_layers_of(cfg), o.experts_per_token, d,
               str(o.drop_experts) if o.drop_experts is not None else "--experts-per-token")
     logits = streamed_logits(sm, seqs, pos, pad, experts_per_token=o.experts_per_token, drop=d).logits
     sets = streamed_copy_sets(sm, tok, task, o.copy_sets, experts_per_token=o.experts_per_token, drop=d)[0] \

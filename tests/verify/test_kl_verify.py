@@ -136,3 +136,17 @@ def test_routing_shortcut_at_the_models_k_changes_nothing(tmp_path):
     assert ap.kl == f.kl and ap.logits == f.logits  # bit-identical figures
     j = rep.to_json()["fidelity"]
     assert FidelityReport.from_json(j).approximation == ap
+
+
+def test_a_shortcut_the_model_cannot_take_is_refused_before_anything_runs(mx, tmp_path):
+    from click.testing import CliRunner
+
+    from ds4quant.cli import cli
+
+    bad = tmp_path / "drop.json"
+    bad.write_text('{"2": [40]}')
+    base = ["verify", str(mx), "--source", str(COPY), "--fidelity"]
+    r = CliRunner().invoke(cli, base + ["--drop-experts", str(bad)])
+    assert r.exit_code == 2 and "expert 40 outside 0..31" in r.output and str(bad) in r.output
+    r = CliRunner().invoke(cli, base + ["--experts-per-token", "33"])
+    assert r.exit_code == 2 and "--experts-per-token" in r.output
