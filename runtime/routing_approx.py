@@ -95,6 +95,12 @@ def check(config, moe_layers: Mapping[int, bool], experts_per_token: Optional[in
     return Approximation(experts_per_token, MappingProxyType(dict(drop)), hashed if experts_per_token else ())
 
 
+def moe_layers_of(config) -> dict[int, bool]:
+    """layer -> hash-routed, from a transformers DeepseekV4Config (every layer has an MoE block)."""
+    types = list(getattr(config, "mlp_layer_types", None) or ["moe"] * config.num_hidden_layers)
+    return {i: t == "hash_moe" for i, t in enumerate(types)}
+
+
 def _topk_forward(gate, k: int, dropped):
     import torch
     import torch.nn.functional as F

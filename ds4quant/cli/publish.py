@@ -44,8 +44,7 @@ def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, 
         raise BadInputError("--fidelity and --protocol need --source", where=str(artifact))
     rep = publish(artifact, outdir, source=source, imatrix=imatrix, hf_repo=hf_repo, overwrite=force,
                   fidelity=fidelity or protocol is not None or reference is not None, protocol=protocol, mode=mode,
-                  reference=reference,
-                  progress=command_progress(as_json, wanted=source is not None))
+                  progress=command_progress(as_json, wanted=source is not None), reference=reference)
     for line in rep.stale:
         click.echo(f"ds4quant: note: {line}", err=True)
     if as_json:

@@ -181,6 +181,14 @@ def verify(
                                 protocol, tuple(engines), ctx_size, copy_sets, experts_per_token,
                                 None if drop_experts is None else Path(drop_experts),
                                 None if reference is None else Path(reference), bool(stream)))
+    if fidelity and (experts_per_token is not None or drop_experts is not None):
+        # a routing shortcut the model cannot take is refused before anything runs
+        from ds4quant.runtime.routing_approx import check, moe_layers_of, read_drop_file
+        from ds4quant.runtime.stream import reference_config
+
+        rc = reference_config(source)
+        check(rc, moe_layers_of(rc), experts_per_token, read_drop_file(drop_experts) if drop_experts else {},
+              str(drop_experts) if drop_experts is not None else "--experts-per-token")
     if reference is not None:
         from ds4quant.runtime.reference_base import read_base
 

@@ -247,7 +247,7 @@ def _approximated(cand, o, seqs, pad, rows, cols, side, targets, tok, task):
 # the measurement
 
 
-def _tokenizer(source: Path):
+def tokenizer_for(source: Path):
     from ds4quant.runtime import fidelity as fd
     from ds4quant.verify._candidate import source_tokenizer
 
@@ -286,9 +286,15 @@ def measure(ctx: Context) -> FidelityReport:
         from ds4quant.verify.streamed import measure_streamed
 
         return measure_streamed(ctx)
-    tok, tok_kind = _tokenizer(o.source)
+    tok, tok_kind = tokenizer_for(o.source)
+    based = None
+    if o.reference is not None:  # a base made for something else is refused before the model loads
+        from ds4quant.runtime.stream import reference_config
+
+        rc = reference_config(o.source)
+        based = from_base(o, eval_tokens(o, tok, rc.vocab_size, rc.max_position_embeddings)[0], rc)
     fp = FidelityProgress(o.progress, plan_passes([label for label, _ in o.placements], o.protocol == "exact-copy",
-                                                  o.engines, reference=o.reference is None))
+                                                  o.engines))
     fp.phase("loading the reference model (transformers, fp32)")
     with C.one_thread():
         ref = load_reference(o.source)
@@ -309,7 +315,13 @@ def measure(ctx: Context) -> FidelityReport:
     cols = torch.tensor([p[1] for p in pos], dtype=torch.long)
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
     if o.reference is not None:  # the reference's side from its base: the reference does not run
-        side = from_base(o, seqs, cfg)
+        with fp.run("reference logits"):
+            side = based
+        with fp.run("reference response"):
+            pass
+        if o.protocol == "exact-copy":
+            with fp.run("reference exact-copy trials"):
+                pass
         layers = []
     else:
         side = run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o, fp)
@@ -371,7 +383,7 @@ def measure(ctx: Context) -> FidelityReport:
                                                   side.response_sha256))
         rep = dataclasses.replace(rep, engines=tuple(figures))
     fp.finish()
-    _checks(ctx, rep)
+    report_checks(ctx, rep)
     return dataclasses.replace(rep, seconds=time.perf_counter() - t0)
 
 
@@ -393,7 +405,7 @@ def placement_runs(view, placements) -> tuple:
     return tuple(out)
 
 
-def _checks(ctx: Context, rep: FidelityReport) -> None:
+def report_checks(ctx: Context, rep: FidelityReport) -> None:
     _quality_checks(ctx, "fidelity", f"{rep.mode} mode", rep.logits, rep.exact_copy, rep.eval_tokens, rep.layers,
                     rep.kl)
     for eng in rep.engines:

@@ -30,10 +30,7 @@ class ReferenceSide:
 
 
 def run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o, fp=None) -> ReferenceSide:
-    """The reference's side run here; fp: the verify's FidelityProgress (its
-    passes named as ``plan_passes`` plans them), or None."""
-    import contextlib
-
+    """The reference run whole; ``fp``: verify's FidelityProgress (its reference passes)."""
     import torch
 
     from ds4quant.runtime import fidelity as fd
@@ -41,17 +38,17 @@ def run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o, fp=None) -> 
     from ds4quant.runtime.indexer_ties import stable_indexer
     from ds4quant.verify import _candidate as C
 
-    def run(name, model=None, **kw):
-        return fp.run(name, model, **kw) if fp is not None else contextlib.nullcontext()
+    from ds4quant.verify.fidelity_progress import FidelityProgress
 
+    fp = fp or FidelityProgress(None, ())
     with C.one_thread(), torch.no_grad():
-        with C.trace_moe(ref, keep_inputs=True) as tr, stable_indexer(ref), run("reference logits", ref):
+        with C.trace_moe(ref, keep_inputs=True) as tr, stable_indexer(ref), fp.run("reference logits", ref):
             logits = C.logits_of(ref, seqs, pad)[rows, cols]
-        with run("reference response", ref, calls=32):
+        with fp.run("reference response", ref, calls=32):
             resp = fd.greedy_response(ref, prompt, 32, tok.eos_token_id)
         sets = copy = None
         if o.protocol == "exact-copy":
-            with run("reference exact-copy trials", ref):
+            with fp.run("reference exact-copy trials", ref):
                 sets, copy = copy_sets(ref, tok, task, o.copy_sets)
     return ReferenceSide(logits, logits, tr, resp.sha256, sets, None if copy is None else copy.passes)
 
@@ -117,7 +114,7 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     from ds4quant.runtime.reference import load_reference
     from ds4quant.verify import _candidate as C
     from ds4quant.verify._run import Options
-    from ds4quant.verify.fidelity import PROTOCOLS, _tokenizer, copy_task, eval_tokens, scored_positions
+    from ds4quant.verify.fidelity import PROTOCOLS, tokenizer_for, copy_task, eval_tokens, scored_positions
 
     t0 = time.perf_counter()
     if tokens is not None and text is not None:
@@ -127,7 +124,7 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     check_sets(copy_sets)
     o = Options(source=Path(source), tokens=None if tokens is None else Path(tokens),
                 text=None if text is None else Path(text), protocol=protocol, ctx_size=ctx_size, copy_sets=copy_sets)
-    tok, _ = _tokenizer(o.source)
+    tok, _ = tokenizer_for(o.source)
     if stream:
         from ds4quant.runtime.stream import reference_config
 

@@ -13,6 +13,7 @@ per-layer MoE errors.
 
 from __future__ import annotations
 
+import importlib
 import time
 
 from ds4quant.errors import BadInputError
@@ -27,7 +28,7 @@ def measure_streamed(ctx: Context) -> FidelityReport:
     from ds4quant.runtime.copy_sets import METHOD
     from ds4quant.runtime.stream import ArtifactWeights, SourceWeights, StreamedModel, reference_config
     from ds4quant.runtime.stream_fidelity import streamed_copy_sets, streamed_logits
-    from ds4quant.verify import fidelity as F
+    F = importlib.import_module("ds4quant.verify.fidelity")  # the package's `fidelity` is the stage function
     from ds4quant.verify._candidate import one_thread
     from ds4quant.verify.reference_side import ReferenceSide, from_base
 
@@ -35,7 +36,7 @@ def measure_streamed(ctx: Context) -> FidelityReport:
     t0 = time.perf_counter()
     if o.engines:
         raise BadInputError("--engine runs the whole model; drop --stream or --engine", where="--stream")
-    tok, tok_kind = F._tokenizer(o.source)
+    tok, tok_kind = F.tokenizer_for(o.source)
     cfg = reference_config(o.source)
     seqs, eval_what = F.eval_tokens(o, tok, cfg.vocab_size, cfg.max_position_embeddings)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -86,7 +87,7 @@ def measure_streamed(ctx: Context) -> FidelityReport:
         logits=LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio), layers=(), response_token_ids=(),
         reference_response_sha256=side.response_sha256, exact_copy=ec,
         kl=F.kl_record(side.kl_base, first["logits"], targets, o), approximation=first.get("approx"))
-    F._checks(ctx, rep)
+    F.report_checks(ctx, rep)
     import dataclasses
 
     return dataclasses.replace(rep, seconds=time.perf_counter() - t0)
@@ -97,13 +98,12 @@ def _approx(sm, o, seqs, pos, pad, side, targets, tok, task, drop, cfg):
 
     from ds4quant.records import ApproximationFigures
     from ds4quant.runtime import fidelity as fd
-    from ds4quant.runtime.routing_approx import check
+    from ds4quant.runtime.routing_approx import check, moe_layers_of
     from ds4quant.runtime.stream_fidelity import streamed_copy_sets, streamed_logits
-    from ds4quant.verify import fidelity as F
+    F = importlib.import_module("ds4quant.verify.fidelity")  # the package's `fidelity` is the stage function
 
-    types = list(getattr(cfg, "mlp_layer_types", None) or ["moe"] * cfg.num_hidden_layers)
     d = drop or MappingProxyType({})
-    a = check(cfg, {i: t == "hash_moe" for i, t in enumerate(types)}, o.experts_per_token, d,
+    a = check(cfg, moe_layers_of(cfg), o.experts_per_token, d,
               str(o.drop_experts) if o.drop_experts is not None else "--experts-per-token")
     logits = streamed_logits(sm, seqs, pos, pad, experts_per_token=o.experts_per_token, drop=d).logits
     sets = streamed_copy_sets(sm, tok, task, o.copy_sets, experts_per_token=o.experts_per_token, drop=d)[0] \

@@ -22,11 +22,10 @@ def mx(tmp_path_factory):
     return out
 
 
-def test_chunked_figures_beside_todays(mx):
+def test_chunked_figures_beside_todays(copy_rep):
     from ds4quant.records import FidelityReport
-    from ds4quant.verify import verify
 
-    rep = verify(mx, source=COPY, fidelity=True, mode="fast", ctx_size=64)
+    rep = copy_rep
     f = rep.fidelity
     k = f.kl
     assert k is not None and "chunks of 64" in f.eval and "llama.cpp" in k.chunking
@@ -57,7 +56,7 @@ def test_ctx_refusals(mx, tmp_path):
 def copy_rep(mx):
     from ds4quant.verify import verify
 
-    return verify(mx, source=COPY, fidelity=True, mode="fast", protocol="exact-copy", copy_sets=2)
+    return verify(mx, source=COPY, fidelity=True, mode="fast", protocol="exact-copy", copy_sets=2, ctx_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def base(tmp_path_factory):
     from ds4quant.verify.reference_side import make_reference_base
 
     out = tmp_path_factory.mktemp("base") / "copy.base"
-    s = make_reference_base(COPY, out, protocol="exact-copy", copy_sets=2)
+    s = make_reference_base(COPY, out, protocol="exact-copy", copy_sets=2, ctx_size=64)
     assert s["max_storage_error_nats"] < 1.3e-4
     return out
 
@@ -74,7 +73,7 @@ def test_base_gives_the_same_figures_without_running_the_reference(mx, copy_rep,
     from ds4quant.verify import verify
 
     a = copy_rep.fidelity
-    b = verify(mx, source=COPY, fidelity=True, mode="fast", protocol="exact-copy", copy_sets=2,
+    b = verify(mx, source=COPY, fidelity=True, mode="fast", protocol="exact-copy", copy_sets=2, ctx_size=64,
                reference=base).fidelity
     assert b.kl.same_top1 == a.kl.same_top1 and abs(b.kl.kld_mean - a.kl.kld_mean) < 1e-4
     assert abs(b.kl.rms_dp - a.kl.rms_dp) < 1e-4 and b.kl.ppl_cand == a.kl.ppl_cand
@@ -88,7 +87,7 @@ def test_cli_refuses_a_flipped_or_mismatched_base(mx, base, tmp_path):
 
     from ds4quant.cli import cli
 
-    args = ["verify", str(mx), "--source", str(COPY), "--fidelity", "--copy-sets", "2"]
+    args = ["verify", str(mx), "--source", str(COPY), "--fidelity", "--copy-sets", "2", "--ctx", "64"]
     r = CliRunner().invoke(cli, args + ["--reference", str(base)])  # made with the protocol, asked without
     assert r.exit_code == 2 and "another protocol" in r.output and "sound" not in r.output
     bad = tmp_path / "flipped.base"
@@ -137,3 +136,17 @@ def test_routing_shortcut_at_the_models_k_changes_nothing(tmp_path):
     assert ap.kl == f.kl and ap.logits == f.logits  # bit-identical figures
     j = rep.to_json()["fidelity"]
     assert FidelityReport.from_json(j).approximation == ap
+
+
+def test_a_shortcut_the_model_cannot_take_is_refused_before_anything_runs(mx, tmp_path):
+    from click.testing import CliRunner
+
+    from ds4quant.cli import cli
+
+    bad = tmp_path / "drop.json"
+    bad.write_text('{"2": [40]}')
+    base = ["verify", str(mx), "--source", str(COPY), "--fidelity"]
+    r = CliRunner().invoke(cli, base + ["--drop-experts", str(bad)])
+    assert r.exit_code == 2 and "expert 40 outside 0..31" in r.output and str(bad) in r.output
+    r = CliRunner().invoke(cli, base + ["--experts-per-token", "33"])
+    assert r.exit_code == 2 and "--experts-per-token" in r.output
