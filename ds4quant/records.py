@@ -198,6 +198,70 @@ class LogitFigures:
 
 
 @dataclass(frozen=True)
+class KlFigures:
+    """The figures llama.cpp's perplexity tool reports with a KL base, defined as it
+    defines them (``runtime/kl_figures.py``): KLD(ref || cand) mean, median, p99 and
+    max in nats; same top-1 and RMS Δp as fractions; both perplexities (the ratio
+    is derived). ``chunking`` says which tokens were scored."""
+
+    tokens: int
+    kld_mean: float
+    kld_median: float
+    kld_p99: float
+    kld_max: float
+    same_top1: float
+    rms_dp: float
+    ppl_ref: float
+    ppl_cand: float
+    chunking: str
+
+    _FLOATS = ("kld_mean", "kld_median", "kld_p99", "kld_max", "same_top1", "rms_dp", "ppl_ref", "ppl_cand")
+
+    @property
+    def ppl_ratio(self) -> float:
+        return self.ppl_cand / self.ppl_ref
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, **{k: getattr(self, k) for k in self._FLOATS}, "ppl_ratio": self.ppl_ratio,
+                "chunking": self.chunking}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "KlFigures":
+        return cls(_need(obj, "tokens", int), *(float(_need(obj, k, _NUM)) for k in cls._FLOATS),
+                   _need(obj, "chunking", str))
+
+
+@dataclass(frozen=True)
+class ApproximationFigures:
+    """The same artifact with a runtime's routing shortcut (``runtime/routing_approx.py``):
+    what changed, and its figures against the reference, to set beside the
+    unmodified ones (the report's own)."""
+
+    description: str
+    experts_per_token: Optional[int]
+    dropped: int
+    logits: LogitFigures
+    kl: KlFigures
+    copy_per60: Optional[float] = None
+    copy_interval: Optional[tuple[float, float]] = None
+
+    def to_json(self) -> dict:
+        return {"description": self.description, "experts_per_token": self.experts_per_token,
+                "dropped_experts": self.dropped, **self.logits.to_json(), "llama_cpp": self.kl.to_json(),
+                "exact_copy_per_60": self.copy_per60,
+                "exact_copy_interval_per_60": None if self.copy_interval is None else list(self.copy_interval)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ApproximationFigures":
+        iv = obj.get("exact_copy_interval_per_60") if isinstance(obj, dict) else None
+        pc = obj.get("exact_copy_per_60") if isinstance(obj, dict) else None
+        return cls(_need(obj, "description", str), _need(obj, "experts_per_token", (int, type(None))),
+                   _need(obj, "dropped_experts", int), LogitFigures.from_json(obj),
+                   KlFigures.from_json(_need(obj, "llama_cpp", dict)), None if pc is None else float(pc),
+                   None if iv is None else (float(iv[0]), float(iv[1])))
+
+
+@dataclass(frozen=True)
 class ExactCopyScore:
     """The exact-copy protocol on the candidate (passes of trials, the failed
     trials as the protocol reports them) beside the source's own passes."""
@@ -207,17 +271,40 @@ class ExactCopyScore:
     failed: tuple[Mapping[str, Any], ...]
     task: str
     reference_passes: int
+    # with several seeded identifier sets (``runtime/copy_sets.py``; the first is the
+    # protocol's own, whose passes are ``passes``): per-set passes, the pooled score
+    # per 60 trials and its interval, for the candidate and the source
+    sets: tuple[int, ...] = ()
+    reference_sets: tuple[int, ...] = ()
+    per60: Optional[float] = None
+    interval: Optional[tuple[float, float]] = None
+    reference_per60: Optional[float] = None
+    reference_interval: Optional[tuple[float, float]] = None
+    interval_method: Optional[str] = None
 
     def to_json(self) -> dict:
-        return {"passes": self.passes, "trials": self.trials, "failed": [dict(f) for f in self.failed],
-                "task": self.task, "reference_passes": self.reference_passes}
+        out = {"passes": self.passes, "trials": self.trials, "failed": [dict(f) for f in self.failed],
+               "task": self.task, "reference_passes": self.reference_passes}
+        if self.sets:
+            out.update({"sets": list(self.sets), "reference_sets": list(self.reference_sets), "per_60": self.per60,
+                        "interval_per_60": list(self.interval), "reference_per_60": self.reference_per60,
+                        "reference_interval_per_60": list(self.reference_interval),
+                        "interval_method": self.interval_method})
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> "ExactCopyScore":
         failed = _need(obj, "failed", list)
-        return cls(_need(obj, "passes", int), _need(obj, "trials", int),
-                   tuple(MappingProxyType(dict(f)) for f in failed), _need(obj, "task", str),
-                   _need(obj, "reference_passes", int))
+        base = (_need(obj, "passes", int), _need(obj, "trials", int),
+                tuple(MappingProxyType(dict(f)) for f in failed), _need(obj, "task", str),
+                _need(obj, "reference_passes", int))
+        if "sets" not in obj:
+            return cls(*base)
+        pair = lambda k: tuple(float(x) for x in _need(obj, k, list))  # noqa: E731
+        return cls(*base, tuple(int(x) for x in _need(obj, "sets", list)),
+                   tuple(int(x) for x in _need(obj, "reference_sets", list)), float(_need(obj, "per_60", _NUM)),
+                   pair("interval_per_60"), float(_need(obj, "reference_per_60", _NUM)),
+                   pair("reference_interval_per_60"), _need(obj, "interval_method", str))
 
 
 @dataclass(frozen=True)
@@ -292,6 +379,8 @@ class FidelityReport:
     cluster: tuple[Mapping[str, Any], ...] = ()
     seconds: float = 0.0
     engines: tuple[EngineFigures, ...] = ()
+    kl: Optional[KlFigures] = None
+    approximation: Optional[ApproximationFigures] = None
 
     @classmethod
     def not_measured(cls, detail: str, requested: bool = False) -> "FidelityReport":
@@ -308,7 +397,8 @@ class FidelityReport:
 
     @property
     def response_matches_reference(self) -> bool:
-        return bool(self.runs) and self.runs[0].response_sha256 == self.reference_response_sha256
+        return bool(self.runs) and bool(self.runs[0].response_sha256) \
+            and self.runs[0].response_sha256 == self.reference_response_sha256
 
     @property
     def moe_output_sha256(self) -> Optional[str]:
@@ -343,6 +433,10 @@ class FidelityReport:
                "moe_output_sha256": self.moe_output_sha256,
                "fast_moe_output_sha256": first.moe_output_sha256 if self.mode == "fast" else None,
                "exact_copy": None if self.exact_copy is None else self.exact_copy.to_json()}
+        if self.kl is not None:
+            out["llama_cpp"] = self.kl.to_json()
+        if self.approximation is not None:
+            out["approximation"] = self.approximation.to_json()
         if self.engines:
             out["engines"] = {e.engine: e.to_json(seconds) for e in self.engines}
         if self.cluster:
@@ -385,7 +479,10 @@ class FidelityReport:
             cluster=tuple(MappingProxyType(dict(c)) for c in _need(obj, "cluster", list)) if "cluster" in obj else (),
             seconds=float(obj.get("seconds", 0.0)),
             engines=tuple(EngineFigures.from_json(e) for e in _need(obj, "engines", dict).values())
-            if "engines" in obj else ())
+            if "engines" in obj else (),
+            kl=KlFigures.from_json(_need(obj, "llama_cpp", dict)) if "llama_cpp" in obj else None,
+            approximation=ApproximationFigures.from_json(_need(obj, "approximation", dict))
+            if "approximation" in obj else None)
 
 
 @dataclass(frozen=True)

@@ -290,11 +290,16 @@ def as_tokenizer(tok) -> Any:
 
 @dataclass(frozen=True)
 class FailedTrial:
+    """A trial greedy decoding gets wrong: ``position`` is the index of the first
+    answer token that differs, ``preferred`` the token id the model chose there."""
+
     identifier: str
     repeat: int
     prompt: str
     expected: str
     got: str
+    position: int = -1
+    preferred: int = -1
 
 
 @dataclass(frozen=True)
@@ -314,7 +319,8 @@ class ExactCopyResult:
     def to_json(self) -> dict:
         return {"task": self.task, "seed": self.seed, "passes": self.passes, "trials": self.trials,
                 "failed": [{"identifier": f.identifier, "repeat": f.repeat, "prompt": f.prompt,
-                            "expected": f.expected, "got": f.got} for f in self.failures]}
+                            "expected": f.expected, "got": f.got, "position": f.position,
+                            "preferred_token": f.preferred} for f in self.failures]}
 
 
 def _device_of(model):
@@ -357,22 +363,67 @@ def greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: 
 
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=_device_of(model))
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+        # the mask says every prompt token is real: generate would otherwise take
+        # a prompt token equal to the pad id (bos 0 when no eos is given) for padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos_token_id,
                              pad_token_id=eos_token_id if eos_token_id is not None else 0)
     return out[0, ids.shape[1]:].tolist()
 
 
+def generated_trials(model, tok, trials: Sequence[Trial]):
+    """Token-by-token greedy decoding per trial: (passed, first wrong index, the token there)
+    as ``check_trials`` reports them (for small models: every step is a forward)."""
+    t = as_tokenizer(tok)
+    out = []
+    for tr in trials:
+        prompt, answer = trial_ids(t, tr)
+        got = greedy(model, prompt, len(answer), None)
+        got = got + [-1] * (len(answer) - len(got))
+        wrong = [k for k in range(len(answer)) if got[k] != answer[k]]
+        out.append((not wrong, wrong[0] if wrong else -1, got[wrong[0]] if wrong else -1))
+    return out
+
+
 def exact_copy(model, tok, task: CopyTask = ECHO, *, seed: int = PROTOCOL_SEED, n: int = N_IDENTIFIERS,
-               repeats: int = N_REPEATS, generate_failures: bool = False, batch: int = 64) -> ExactCopyResult:
+               repeats: int = N_REPEATS, generate_failures: bool = False, batch: int = 64,
+               generate: bool = False) -> ExactCopyResult:
     """Run the exact-copy protocol on a causal LM (``model(ids).logits``; ``generate`` if
-    ``generate_failures``). ``tok``: a transformers tokenizer or a ByteTokenizer.
+    ``generate_failures`` or ``generate``). ``tok``: a transformers tokenizer or a ByteTokenizer.
+
+    Teacher-forced (one forward of prompt + answer per trial) unless ``generate``:
+    then every trial is decoded token by token (small models; both agree trial for
+    trial, the CSA indexer's ties broken alike: ``indexer_ties.stable_indexer``).
 
         res = exact_copy(model, AutoTokenizer.from_pretrained(d), CopyTask.from_json(d + "/task.json"))
         print(res.score)  # e.g. "60/60"
     """
     t = as_tokenizer(tok)
     trials = protocol_trials(task, seed, n, repeats)
-    checks = check_trials(model, t, trials, batch=batch, pad_id=t.eos_token_id or 0)
+    with _stable(model):
+        if generate:
+            checks = generated_trials(model, t, trials)
+        else:
+            checks = check_trials(model, t, trials, batch=batch, pad_id=t.eos_token_id or 0)
+        return copy_result(t, task, seed, trials, checks, generate_failures, model)
+
+
+def _stable(model):
+    """``indexer_ties.stable_indexer`` for a DeepSeek-V4 model; nothing for another."""
+    import contextlib
+
+    try:
+        from ds4quant.runtime.indexer_ties import stable_indexer
+
+        return stable_indexer(model)
+    except ImportError:
+        return contextlib.nullcontext()
+
+
+def copy_result(t, task: CopyTask, seed: int, trials: Sequence[Trial], checks, generate_failures: bool = False,
+                model=None) -> ExactCopyResult:
+    """The protocol's result from per-trial (passed, first wrong index, the token there);
+    ``model`` decodes a failure greedily when ``generate_failures``."""
     failures = []
     for tr, (ok, k, tok_k) in zip(trials, checks):
         if ok:
@@ -381,8 +432,8 @@ def exact_copy(model, tok, task: CopyTask = ECHO, *, seed: int = PROTOCOL_SEED, 
         if generate_failures:
             got = t.decode(greedy(model, prompt, len(answer) + 4, t.eos_token_id))
         else:
-            got = t.decode(answer[:k] + [tok_k])
-        failures.append(FailedTrial(tr.identifier, tr.repeat, tr.prompt, tr.expected, got))
+            got = t.decode(answer[:k] + ([tok_k] if tok_k >= 0 else []))
+        failures.append(FailedTrial(tr.identifier, tr.repeat, tr.prompt, tr.expected, got, k, tok_k))
     return ExactCopyResult(task.name, seed, len(trials) - len(failures), len(trials), tuple(failures))
 
 
@@ -462,7 +513,8 @@ def response_hash(token_ids: Sequence[int]) -> str:
 
 def greedy_response(model, prompt_ids: Sequence[int], max_new_tokens: int = 32,
                     eos_token_id: Optional[int] = None) -> Response:
-    ids = greedy(model, prompt_ids, max_new_tokens, eos_token_id)
+    with _stable(model):
+        ids = greedy(model, prompt_ids, max_new_tokens, eos_token_id)
     return Response(tuple(ids), response_hash(ids))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from ds4quant.cli.group import cli
 
 # each command module registers its command on the group when imported
-from ds4quant.cli import calibrate, convert, formats, inspect, place, publish, run, verify  # noqa: E402,F401  isort: skip
+from ds4quant.cli import calibrate, convert, formats, inspect, place, publish, reference, run, verify  # noqa: E402,F401,E501  isort: skip
 
 __all__ = ["cli", "main"]
 

@@ -20,10 +20,12 @@ from ds4quant.cli.output import command_progress, emit_json
                       "the model card carries the figures.")
 @protocol_option(help="With --fidelity: run this protocol too.")
 @mode_option(help="With --fidelity: the runtime's mode.")
+@click.option("--reference", "reference", default=None, type=PATH,
+              help="With --fidelity: a reference base from `ds4quant reference` (read, not run).")
 @click.option("--force", is_flag=True, help="Replace an earlier release in OUTDIR (only a folder publish wrote: "
                                             "every file listed in its SHA256SUMS).")
 @json_option()
-def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, mode, force, as_json):
+def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, mode, reference, force, as_json):
     """Verify an artifact, then write a release folder: the artifact files,
     manifest.json, SHA256SUMS, the verify report with plots, and a model card
     README.md. An unsound artifact is refused (exit 1).
@@ -41,8 +43,8 @@ def publish_cmd(artifact, outdir, source, imatrix, hf_repo, fidelity, protocol, 
 
         raise BadInputError("--fidelity and --protocol need --source", where=str(artifact))
     rep = publish(artifact, outdir, source=source, imatrix=imatrix, hf_repo=hf_repo, overwrite=force,
-                  fidelity=fidelity or protocol is not None, protocol=protocol, mode=mode,
-                  progress=command_progress(as_json, wanted=source is not None))
+                  fidelity=fidelity or protocol is not None or reference is not None, protocol=protocol, mode=mode,
+                  progress=command_progress(as_json, wanted=source is not None), reference=reference)
     for line in rep.stale:
         click.echo(f"ds4quant: note: {line}", err=True)
     if as_json:

@@ -93,13 +93,15 @@ def publish(
     protocol: Optional[str] = None,
     mode: str = "fast",
     progress: Optional[ProgressFn] = None,
+    reference: "str | os.PathLike | None" = None,
 ) -> PublishReport:
     """Verify ``artifact`` (an artifact folder with manifest.json) and write the
     release folder ``outdir``; optionally upload it to ``hf_repo``.
 
     fidelity / protocol / mode: measure fidelity through the runtime (``verify(fidelity=True)``,
     needs ``source``); the model card then carries the figures. progress: verify's
-    ProgressEvents (``verify(progress=...)``).
+    ProgressEvents (``verify(progress=...)``). reference: a reference base
+    (``ds4quant reference``) read instead of running the reference.
     Raises UnsoundArtifactError when a check fails (nothing is written),
     HubError when the upload fails (the local release stays complete).
     """
@@ -112,7 +114,7 @@ def publish(
     out = check_release_folder(outdir, art, source=source, imatrix=imatrix, overwrite=overwrite)
     stale = clear_stale_partials(out)
     rep = verify(art, source=source, imatrix=imatrix, threshold_db=threshold_db, fidelity=fidelity,
-                 protocol=protocol, mode=mode, progress=progress)
+                 protocol=protocol, mode=mode, progress=progress, reference=reference)
     if not rep.ok:
         bad = rep.failed
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""

@@ -104,6 +104,12 @@ def verify(
     text: "str | os.PathLike | None" = None,
     protocol: Optional[str] = None,
     engines: tuple = (),
+    ctx_size: Optional[int] = None,
+    copy_sets: int = 5,
+    experts_per_token: Optional[int] = None,
+    drop_experts: "str | os.PathLike | None" = None,
+    reference: "str | os.PathLike | None" = None,
+    stream: bool = False,
 ) -> VerifyReport:
     """Check an artifact folder, release folder or bare GGUF (see module doc).
 
@@ -117,7 +123,15 @@ def verify(
     gloo ranks: ``runtime.load`` decides) in ``mode`` ("fast" or "exact"), over ``tokens`` (token-id
     file) or ``text`` (UTF-8 file) or the built-in documents; ``protocol="exact-copy"`` adds the
     exact-copy protocol. ``engines=("llama.cpp",)`` also runs the artifact through that engine
-    (llama-cpp-python) and reports the same figures in ``rep.fidelity.engines``.
+    (llama-cpp-python) and reports the same figures in ``rep.fidelity.engines``. ``ctx_size``:
+    score as llama.cpp's perplexity tool does (the evaluation stream cut into chunks of that many
+    tokens, the second half of each scored); the figures llama.cpp reports go to ``rep.fidelity.kl``.
+    ``copy_sets``: seeded identifier sets the exact-copy protocol runs (its check uses their interval).
+    ``experts_per_token`` (route top-K) / ``drop_experts`` (a JSON file {layer: [expert, ...]}): also
+    measure the artifact with that routing shortcut (``rep.fidelity.approximation``).
+    ``reference``: a reference base (``ds4quant reference``) read instead of running the reference.
+    ``stream``: run both sides through the layer-streamed forward (no whole model in memory; no
+    greedy response or per-layer MoE errors then).
     Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
@@ -140,8 +154,16 @@ def verify(
         mode = Mode.parse(mode, where="--mode")
         if tokens is not None and text is not None:
             raise BadInputError("give --tokens or --text, not both", where="--tokens")
-    elif placements or tokens is not None or text is not None or protocol is not None or engines:
-        raise BadInputError("--placement, --tokens, --text, --protocol and --engine belong to the fidelity "
+        from ds4quant.runtime.copy_sets import check_sets
+
+        check_sets(copy_sets)
+        if ctx_size is not None and (isinstance(ctx_size, bool) or not isinstance(ctx_size, int) or ctx_size < 4):
+            raise BadInputError(f"must be an int >= 4, got {ctx_size!r}", where="--ctx")
+    elif (placements or tokens is not None or text is not None or protocol is not None or engines
+          or ctx_size is not None or experts_per_token is not None or drop_experts is not None
+          or reference is not None or stream):
+        raise BadInputError("--placement, --tokens, --text, --ctx, --protocol, --engine, --experts-per-token, "
+                            "--drop-experts, --reference and --stream belong to the fidelity "
                             "measurement", where="verify", hint="add --fidelity")
     lay = locate(artifact)
     if lay.kind != "gguf" and lay.manifest is None:
@@ -156,7 +178,21 @@ def verify(
     ctx = Context(view, Options(None if source is None else Path(source), None if imatrix is None else Path(imatrix),
                                 threshold_db, progress, bool(fidelity), runs, mode,
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
-                                protocol, tuple(engines)))
+                                protocol, tuple(engines), ctx_size, copy_sets, experts_per_token,
+                                None if drop_experts is None else Path(drop_experts),
+                                None if reference is None else Path(reference), bool(stream)))
+    if fidelity and (experts_per_token is not None or drop_experts is not None):
+        # a routing shortcut the model cannot take is refused before anything runs
+        from ds4quant.runtime.routing_approx import check, moe_layers_of, read_drop_file
+        from ds4quant.runtime.stream import reference_config
+
+        rc = reference_config(source)
+        check(rc, moe_layers_of(rc), experts_per_token, read_drop_file(drop_experts) if drop_experts else {},
+              str(drop_experts) if drop_experts is not None else "--experts-per-token")
+    if reference is not None:
+        from ds4quant.runtime.reference_base import read_base
+
+        read_base(reference)  # a truncated or corrupt base is refused before anything runs
     if fidelity:
         from ds4quant.verify.engines import check_engines
 

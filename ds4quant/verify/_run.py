@@ -42,6 +42,12 @@ class Options:
     text: Optional[Path] = None
     protocol: Optional[str] = None
     engines: tuple[str, ...] = ()  # other engines measured beside the runtime (verify/engines.py)
+    ctx_size: Optional[int] = None  # llama.cpp's chunking of the evaluation stream (runtime/kl_figures.py)
+    copy_sets: int = 5  # seeded identifier sets of the exact-copy protocol (runtime/copy_sets.py)
+    experts_per_token: Optional[int] = None  # priced routing shortcut (runtime/routing_approx.py)
+    drop_experts: Optional[Path] = None  # JSON {layer: [expert, ...]} never selected
+    reference: Optional[Path] = None  # a reference base (runtime/reference_base.py) instead of running it
+    stream: bool = False  # both sides through the layer-streamed forward (verify/streamed.py)
 
 
 @dataclass

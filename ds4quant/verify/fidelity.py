@@ -10,7 +10,21 @@ runtime on the given placement (default: one CPU owner) in the given mode
   candidate block fed the reference's own block input: what that layer adds,
   so a damaged layer is named) and ``propagated`` (in the candidate's run);
 - KL(ref || cand) of next-token distributions (mean, p99), top-1 agreement,
-  perplexity ratio (``runtime.fidelity`` metrics);
+  perplexity ratio (``runtime.fidelity`` metrics), and beside them the figures
+  llama.cpp's perplexity tool reports, defined as it defines them
+  (``runtime.kl_figures``; with ``ctx_size`` over its chunking);
+- with ``experts_per_token`` / ``drop_experts``: the first placement's candidate
+  again with that routing shortcut (``runtime.routing_approx``), its figures in
+  ``approximation`` beside the unmodified ones (reported, never a failed check);
+- with ``reference`` (a base from ``ds4quant reference``): the reference's
+  side is read from it (``verify/reference_side.py``), after it is checked
+  against this source, these tokens, protocol and config; the reference does
+  not run, and the per-layer MoE errors (which need its block inputs) are
+  left out;
+- with ``stream``: both sides through the layer-streamed forward
+  (``verify/streamed.py``), without the greedy response and per-layer errors;
+- every forward of both models breaks the CSA indexer's top-k ties by position
+  (``runtime.indexer_ties``), so a prefix's logits do not depend on what follows;
 - the greedy response (32 tokens, from the first protocol prompt) and its sha256;
 - the sha256 over every layer's routed-experts output in call order; with a
   second placement, whether it and the response hash are identical;
@@ -37,10 +51,12 @@ Which figures fail the check (``LIMITS``); every figure is reported either way:
   shape mismatch, or a model parameter the artifact lacks;
 - ``fidelity.kl``: mean KL above ``LIMITS["kl_mean"]`` nats (a guard against a
   broken conversion: the 2-3 bpw artifacts of samples/ds4-copy measure far below);
-- ``fidelity.exact_copy``: the candidate copies fewer than the source's own
-  passes minus ``LIMITS["exact_copy_slack"]`` trials;
+- ``fidelity.exact_copy``: over ``copy_sets`` seeded identifier sets
+  (``runtime/copy_sets.py``), the candidate's 95% Wilson interval per 60 trials
+  lies wholly below the source's (one set of 60 cannot resolve a few trials);
 - ``fidelity.identity``: exact mode with two placements and different hashes;
-- ``fidelity.<engine>.kl`` / ``.exact_copy``: the same limits for another engine
+- ``fidelity.<engine>.kl`` / ``.exact_copy``: the KL limit, and the protocol's own
+  set against the source's passes minus ``LIMITS["exact_copy_slack"]``, for another engine
   (``engines``: llama.cpp through llama-cpp-python, ``verify/engines.py``), whose
   figures go to ``engines[<engine>]`` with the engine named.
 
@@ -116,6 +132,8 @@ def builtin_docs(task) -> list[str]:
 
 
 def eval_tokens(o, tok, vocab: int, max_len: int) -> tuple[list[list[int]], str]:
+    if o.ctx_size is not None:
+        return _chunked(o, tok, vocab, max_len)
     if o.tokens is not None:
         from ds4quant.calibrate import read_tokens
 
@@ -141,11 +159,95 @@ def eval_tokens(o, tok, vocab: int, max_len: int) -> tuple[list[list[int]], str]
     return seqs, what
 
 
+def _chunked(o, tok, vocab: int, max_len: int) -> tuple[list[list[int]], str]:
+    """llama.cpp's chunks of the whole evaluation text (tokenized once, BOS first)
+    or of the token file's sequences joined in order."""
+    from ds4quant.runtime import kl_figures as K
+
+    n = o.ctx_size
+    if n > max_len:
+        raise BadInputError(f"context {n} exceeds the model's {max_len} positions", where="--ctx")
+    if o.tokens is not None:
+        from ds4quant.calibrate import read_tokens
+
+        stream = [t for s in read_tokens(o.tokens, vocab, max_len) for t in s]
+        what = f"token file {o.tokens}"
+    else:
+        if o.text is not None:
+            try:
+                text = Path(o.text).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise BadInputError(f"cannot read the evaluation text: {e}", where=str(o.text)) from None
+            what = f"text file {o.text}"
+        else:
+            text = "\n".join(builtin_docs(copy_task(o.source)))
+            what = f"{EVAL_DOCS} built-in copy-task documents"
+        stream = [tok.bos_token_id] + tok.encode(text)
+        if any(not 0 <= t < vocab for t in stream):
+            raise BadInputError("the text tokenizes to ids outside the vocabulary", where=what)
+    try:
+        seqs = K.chunks(stream, n, tok.bos_token_id)
+    except BadInputError as e:
+        raise BadInputError(e.message, where=what) from None
+    return seqs, f"{what}, {len(seqs)} chunks of {n} (llama.cpp's perplexity chunking, second halves scored)"
+
+
+def scored_positions(o, seqs) -> list[tuple[int, int]]:
+    """(row, position) pairs whose logits are scored: every position with a next
+    token, or with ``ctx_size`` the second half of each chunk, as llama.cpp."""
+    from ds4quant.runtime import kl_figures as K
+    from ds4quant.verify._candidate import valid_positions
+
+    if o.ctx_size is None:
+        return valid_positions(seqs)
+    return [(i, t) for i in range(len(seqs)) for t in K.scored_positions(o.ctx_size)]
+
+
+def kl_record(ref_logits, cand_logits, targets, o):
+    """llama.cpp's figures of the candidate against the reference (``records.KlFigures``)."""
+    from ds4quant.records import KlFigures
+    from ds4quant.runtime import kl_figures as K
+
+    s = K.kl_summary(ref_logits, cand_logits, targets)
+    how = (f"llama.cpp chunks of {o.ctx_size}, second halves" if o.ctx_size is not None
+           else "every next token of each document")
+    return KlFigures(s.tokens, s.kld_mean, s.kld_median, s.kld_p99, s.kld_max, s.same_top1, s.rms_dp, s.ppl_ref,
+                     s.ppl_cand, how)
+
+
+def approx_requested(o) -> bool:
+    return o.experts_per_token is not None or o.drop_experts is not None
+
+
+def _approximated(cand, o, seqs, pad, rows, cols, side, targets, tok, task):
+    """The candidate again with the routing shortcut (``runtime.routing_approx``)."""
+    from types import MappingProxyType
+
+    from ds4quant.records import ApproximationFigures, LogitFigures
+    from ds4quant.runtime import fidelity as fd
+    from ds4quant.runtime.copy_sets import copy_sets
+    from ds4quant.runtime.indexer_ties import stable_indexer
+    from ds4quant.runtime.routing_approx import approximate_routing, read_drop_file
+    from ds4quant.verify import _candidate as C
+
+    drop = read_drop_file(o.drop_experts) if o.drop_experts is not None else MappingProxyType({})
+    where = str(o.drop_experts) if o.drop_experts is not None else "--experts-per-token"
+    with approximate_routing(cand, o.experts_per_token, drop, where) as a:
+        with stable_indexer(cand):
+            logits = C.logits_of(cand, seqs, pad)[rows, cols]
+        sets = copy_sets(cand, tok, task, o.copy_sets)[0] if o.protocol == "exact-copy" else None
+    m = fd.logit_metrics(side.logits, logits, targets)
+    return ApproximationFigures(a.describe(), o.experts_per_token, sum(len(v) for v in drop.values()),
+                                LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio),
+                                kl_record(side.kl_base, logits, targets, o),
+                                None if sets is None else sets.per60, None if sets is None else sets.interval)
+
+
 # --------------------------------------------------------------------------
 # the measurement
 
 
-def _tokenizer(source: Path):
+def tokenizer_for(source: Path):
     from ds4quant.runtime import fidelity as fd
     from ds4quant.verify._candidate import source_tokenizer
 
@@ -160,9 +262,13 @@ def measure(ctx: Context) -> FidelityReport:
 
     from ds4quant import runtime
     from ds4quant.runtime import fidelity as fd
+    from ds4quant.runtime.copy_sets import METHOD as COPY_METHOD
+    from ds4quant.runtime.copy_sets import copy_sets
+    from ds4quant.runtime.indexer_ties import stable_indexer
     from ds4quant.runtime.reference import load_reference, moe_blocks
     from ds4quant.verify import _candidate as C
     from ds4quant.verify.fidelity_progress import FidelityProgress, plan_passes
+    from ds4quant.verify.reference_side import from_base, run_reference
 
     o = ctx.options
     t0 = time.perf_counter()
@@ -176,7 +282,17 @@ def measure(ctx: Context) -> FidelityReport:
             raise BadInputError(f"the exact-copy protocol needs the source's {' and '.join(missing)} "
                                 "(a model that was trained to copy, with its task)", where=str(o.source),
                                 hint="drop --protocol, or use a source such as samples/ds4-copy")
-    tok, tok_kind = _tokenizer(o.source)
+    if o.stream:
+        from ds4quant.verify.streamed import measure_streamed
+
+        return measure_streamed(ctx)
+    tok, tok_kind = tokenizer_for(o.source)
+    based = None
+    if o.reference is not None:  # a base made for something else is refused before the model loads
+        from ds4quant.runtime.stream import reference_config
+
+        rc = reference_config(o.source)
+        based = from_base(o, eval_tokens(o, tok, rc.vocab_size, rc.max_position_embeddings)[0], rc)
     fp = FidelityProgress(o.progress, plan_passes([label for label, _ in o.placements], o.protocol == "exact-copy",
                                                   o.engines))
     fp.phase("loading the reference model (transformers, fp32)")
@@ -194,19 +310,23 @@ def measure(ctx: Context) -> FidelityReport:
     task = copy_task(o.source)
     prompt = [tok.bos_token_id] + tok.encode(fd.protocol_trials(task)[0].prompt)
     layers = [i for i, _ in moe_blocks(ref)]
-    pos = C.valid_positions(seqs)
+    pos = scored_positions(o, seqs)
     rows = torch.tensor([p[0] for p in pos], dtype=torch.long)
     cols = torch.tensor([p[1] for p in pos], dtype=torch.long)
     targets = torch.tensor([seqs[r][c + 1] for r, c in pos], dtype=torch.long)
-    with C.one_thread(), torch.no_grad():
-        with C.trace_moe(ref, keep_inputs=True) as rtr, fp.run("reference logits", ref):
-            ref_logits = C.logits_of(ref, seqs, pad)[rows, cols]
-        with fp.run("reference response", ref, calls=RESPONSE_TOKENS):
-            ref_resp = fd.greedy_response(ref, prompt, RESPONSE_TOKENS, tok.eos_token_id)
-        ref_copy = None
+    if o.reference is not None:  # the reference's side from its base: the reference does not run
+        with fp.run("reference logits"):
+            side = based
+        with fp.run("reference response"):
+            pass
         if o.protocol == "exact-copy":
-            with fp.run("reference exact-copy trials", ref):
-                ref_copy = fd.exact_copy(ref, tok, task)
+            with fp.run("reference exact-copy trials"):
+                pass
+        layers = []
+    else:
+        side = run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o, fp)
+    ref_logits, rtr, ref_sets = side.logits, side.trace, side.sets
+    with C.one_thread(), torch.no_grad():
         runs, clusters = [], []
         first: dict = {}
         for label, plc in o.placements:
@@ -215,7 +335,8 @@ def measure(ctx: Context) -> FidelityReport:
             with runtime.load(ctx.view, plc, o.mode, verify_payloads=False) as rt:
                 old = C.swap_all(cand, rt)
                 try:
-                    with C.trace_moe(cand, routed=True) as ctr, fp.run(f"candidate logits [{label}]", cand):
+                    with C.trace_moe(cand, routed=True) as ctr, stable_indexer(cand), \
+                            fp.run(f"candidate logits [{label}]", cand):
                         cand_logits = C.logits_of(cand, seqs, pad)[rows, cols]
                     with fp.run(f"candidate response [{label}]", cand, calls=RESPONSE_TOKENS):
                         resp = fd.greedy_response(cand, prompt, RESPONSE_TOKENS, tok.eos_token_id)
@@ -227,7 +348,10 @@ def measure(ctx: Context) -> FidelityReport:
                         first = {"logits": cand_logits, "response": resp, "propagated": propagated, "local": local}
                         if o.protocol == "exact-copy":
                             with fp.run(f"candidate exact-copy trials [{label}]", cand):
-                                first["copy"] = fd.exact_copy(cand, tok, task)
+                                first["sets"], first["copy"] = copy_sets(cand, tok, task, o.copy_sets)
+                        if approx_requested(o):
+                            first["approx"] = _approximated(cand, o, seqs, pad, rows, cols, side, targets,
+                                                            tok, task)
                     if rt.n_ranks:  # cluster ranks: what starting them once cost and each call took
                         clusters.append(rt.stats())
                 finally:
@@ -236,14 +360,17 @@ def measure(ctx: Context) -> FidelityReport:
     ec = None
     if "copy" in first:
         c = first["copy"].to_json()
+        cs_, rs_ = first["sets"], ref_sets
         ec = ExactCopyScore(c["passes"], c["trials"], tuple(MappingProxyType(f) for f in c["failed"]), c["task"],
-                            ref_copy.passes)
+                            side.copy_passes, cs_.passes, rs_.passes, cs_.per60, cs_.interval, rs_.per60,
+                            rs_.interval, COPY_METHOD)
     rep = FidelityReport(
         requested=True, measured=True, mode=o.mode.value, tokenizer=tok_kind, eval=eval_what, eval_tokens=len(pos),
         runs=tuple(runs), logits=LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio),
         layers=tuple(MoeLayerError(L, first["local"][L], first["propagated"][L]) for L in layers),
-        response_token_ids=tuple(first["response"].token_ids), reference_response_sha256=ref_resp.sha256,
-        exact_copy=ec, cluster=tuple(clusters))
+        response_token_ids=tuple(first["response"].token_ids), reference_response_sha256=side.response_sha256,
+        exact_copy=ec, cluster=tuple(clusters), kl=kl_record(side.kl_base, first["logits"], targets, o),
+        approximation=first.get("approx"))
     if o.engines:
         from ds4quant.verify.engines import measure_engine
 
@@ -252,11 +379,11 @@ def measure(ctx: Context) -> FidelityReport:
             for e in o.engines:
                 with fp.run(f"{e} figures"):
                     figures.append(measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt,
-                                                  tok, task, o.protocol, RESPONSE_TOKENS,
-                                                  ref_copy.passes if ref_copy is not None else None, ref_resp.sha256))
+                                                  tok, task, o.protocol, RESPONSE_TOKENS, side.copy_passes,
+                                                  side.response_sha256))
         rep = dataclasses.replace(rep, engines=tuple(figures))
     fp.finish()
-    _checks(ctx, rep)
+    report_checks(ctx, rep)
     return dataclasses.replace(rep, seconds=time.perf_counter() - t0)
 
 
@@ -278,8 +405,9 @@ def placement_runs(view, placements) -> tuple:
     return tuple(out)
 
 
-def _checks(ctx: Context, rep: FidelityReport) -> None:
-    _quality_checks(ctx, "fidelity", f"{rep.mode} mode", rep.logits, rep.exact_copy, rep.eval_tokens, rep.layers)
+def report_checks(ctx: Context, rep: FidelityReport) -> None:
+    _quality_checks(ctx, "fidelity", f"{rep.mode} mode", rep.logits, rep.exact_copy, rep.eval_tokens, rep.layers,
+                    rep.kl)
     for eng in rep.engines:
         _quality_checks(ctx, f"fidelity.{eng.engine}", eng.engine, eng.logits, eng.exact_copy, rep.eval_tokens, ())
     sp = rep.second
@@ -294,7 +422,14 @@ def _checks(ctx: Context, rep: FidelityReport) -> None:
                                           f"vs {sp.response_sha256[:16]}", ctx.first)
 
 
-def _quality_checks(ctx: Context, check: str, what: str, m, ec, n: int, layers) -> None:
+def _llama_line(kf) -> str:
+    if kf is None:
+        return ""
+    return (f"; llama.cpp figures: KLD median {kf.kld_median:.4g} max {kf.kld_max:.4g}, same top-1 "
+            f"{100 * kf.same_top1:.2f}%, RMS dp {100 * kf.rms_dp:.3f}%, PPL {kf.ppl_cand:.4g} vs {kf.ppl_ref:.4g}")
+
+
+def _quality_checks(ctx: Context, check: str, what: str, m, ec, n: int, layers, kf=None) -> None:
     """KL and exact-copy against LIMITS, as ``check``.kl / ``check``.exact_copy; ``what`` names the run."""
     kl = m.kl_mean
     if not math.isfinite(kl) or kl > LIMITS["kl_mean"]:
@@ -305,8 +440,20 @@ def _quality_checks(ctx: Context, check: str, what: str, m, ec, n: int, layers) 
                  ctx.first)
     else:
         ctx.ok(f"{check}.kl", f"mean KL {kl:.4g} nats (p99 {m.kl_p99:.4g}), top-1 {100 * m.top1:.2f}% over "
-                              f"{n} tokens ({what}); limit {LIMITS['kl_mean']:g}", ctx.first)
-    if ec is not None:
+                              f"{n} tokens ({what}); limit {LIMITS['kl_mean']:g}" + _llama_line(kf), ctx.first)
+    if ec is not None and ec.sets:
+        # the interval, not one draw: fail only when the candidate's whole interval
+        # lies below the source's (a difference the sets resolve)
+        lo, hi = ec.interval
+        rlo, rhi = ec.reference_interval
+        text = (f"{ec.per60:.1f} per 60 exact copies [{lo:.1f}, {hi:.1f}] over {len(ec.sets)} identifier sets "
+                f"{list(ec.sets)} (the source: {ec.reference_per60:.1f} [{rlo:.1f}, {rhi:.1f}], "
+                f"{list(ec.reference_sets)}; {ec.interval_method})")
+        if hi < rlo:
+            ctx.fail(f"{check}.exact_copy", f"{text}; below the source's interval", ctx.first)
+        else:
+            ctx.ok(f"{check}.exact_copy", text + ("" if check == "fidelity" else f" ({what})"), ctx.first)
+    elif ec is not None:
         need = ec.reference_passes - LIMITS["exact_copy_slack"]
         text = f"{ec.passes}/{ec.trials} exact copies (the source: {ec.reference_passes}/{ec.trials})"
         if ec.passes < need:

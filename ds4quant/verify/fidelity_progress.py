@@ -84,12 +84,14 @@ class FidelityProgress:
             self._emit(self._meter.finish())
 
 
-def plan_passes(placements: Sequence[str], exact_copy: bool, engines: Sequence[str] = ()) -> list[tuple[str, str]]:
-    """The passes ``verify.fidelity.measure`` runs, in order: the reference's,
-    then each placement's (the first also measures the local per-layer error
-    and the exact-copy trials), then each other engine's logits."""
-    out = [("reference logits", "logits"), ("reference response", "response")]
-    if exact_copy:
+def plan_passes(placements: Sequence[str], exact_copy: bool, engines: Sequence[str] = (), *,
+                reference: bool = True) -> list[tuple[str, str]]:
+    """The passes ``verify.fidelity.measure`` runs, in order: the reference's
+    (none when a reference base stands in for it), then each placement's (the
+    first also measures the local per-layer error and the exact-copy trials),
+    then each other engine's logits."""
+    out = [("reference logits", "logits"), ("reference response", "response")] if reference else []
+    if exact_copy and reference:
         out.append(("reference exact-copy trials", "exact-copy"))
     for k, label in enumerate(placements):
         out += [(f"candidate logits [{label}]", "logits"), (f"candidate response [{label}]", "response")]

@@ -202,8 +202,9 @@ def _search_kernel(x_ptr, q_ptr, s2_ptr, S_ptr, INV_ptr, e_ptr, c_ptr, y_ptr, n,
 
 
 def _block(n: int, dev) -> int:
-    """BLOCK on a GPU; under the interpreter (the CPU tests) one wide program, which numpy runs fastest."""
-    if getattr(dev, "type", None) == "cuda":
+    """BLOCK compiled (a GPU, or the ahead-of-time check's capture); under the interpreter (the
+    CPU tests) one wide program, which numpy runs fastest."""
+    if getattr(dev, "type", None) == "cuda" or not INTERPRETED:
         return BLOCK
     return max(16, min(256, triton.next_power_of_2(max(1, n))))
 

@@ -12,11 +12,10 @@ scenario): the subset the always-on test compiles.
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
-
-import re
+from dataclasses import dataclass
 
 from ds4quant.runtime.kernels import catalog
 
@@ -78,17 +77,18 @@ def _job(args):
 
 
 def representative(specs) -> list:
-    """The first specialisation of each (kernel, scenario)."""
+    """The first specialisation of each (kernel, scenario, backends made for): a launch whose
+    settings differ per backend (the tl.dot precision) is represented on each."""
     seen: dict = {}
     for s in specs:
-        seen.setdefault((s.module, s.kernel, s.scenario), s)
+        seen.setdefault((s.module, s.kernel, s.scenario, s.backends), s)
     return list(seen.values())
 
 
 def compile_specs(specs, targets, jobs: int = 1) -> list:
-    """Every (spec, target) pair compiled; ``jobs`` worker processes (spawned without
-    TRITON_INTERPRET)."""
-    work = [(s, t) for s in specs for t in targets]
+    """Every (spec, target) pair whose backend the spec is made for, compiled; ``jobs`` worker
+    processes (spawned without TRITON_INTERPRET)."""
+    work = [(s, t) for s in specs for t in targets if t[0] in s.backends]
     if jobs <= 1:
         return [compile_one(*w) for w in work]
     import multiprocessing as mp

@@ -19,8 +19,9 @@ library call an operator becomes), so the check reads the generated code:
   expansions (``v_div_scale`` / ``v_rcp`` / ``v_rsq`` / ``v_sqrt`` refined by
   fused steps, then ``v_div_fmas`` / ``v_div_fixup``) consist of FMAs by
   design; so do the compiler's integer divisions and int64 conversions
-  (``v_rcp_iflag_f32``, FMAs by 2^32), recognised by their constants. A register written by one of those seeds, or by an arithmetic
-  instruction reading such a register, is "in an expansion" until it is
+  (``v_rcp_iflag_f32``, FMAs by 2^32), recognised by their constants. A
+  register written by one of those seeds, or by an arithmetic instruction
+  reading such a register, is "in an expansion" until it is
   overwritten; an FMA reading one belongs to the expansion, any other FMA is
   a contraction. A ``v_rcp`` / ``v_rsq`` / ``v_sqrt`` whose result no FMA
   refines is an approximation; ``v_exp_*``, ``v_log_*``, ``v_sin_*``,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 #: (backend, arch, warp size) of every target the check compiles for: the AMD GPUs users
@@ -59,6 +59,7 @@ class Spec:
     options: tuple  # ((launch option, value), ...): num_warps, enable_fp_fusion, ...
     rules: Rules
     scenario: str
+    backends: tuple = ("cuda", "hip")  # the targets a launch with these settings is made for
 
     @property
     def key(self) -> tuple:
@@ -94,6 +95,19 @@ def _arg_type(v) -> str:
     raise TypeError(f"no Triton type for a kernel argument {type(v).__name__}")
 
 
+_BACKENDS = [("cuda", "hip")]  # the backends the launches being recorded are made for
+
+
+@contextmanager
+def _only(*backends: str):
+    """Launches inside are made for these backends only (settings that differ per backend)."""
+    _BACKENDS.append(tuple(backends))
+    try:
+        yield
+    finally:
+        _BACKENDS.pop()
+
+
 @contextmanager
 def _recording(out: list):
     """Triton's launcher replaced by a recorder of (kernel, arguments, options)."""
@@ -104,7 +118,7 @@ def _recording(out: list):
     orig = JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        out.append((self, args, kwargs))
+        out.append((self, args, kwargs, _BACKENDS[-1]))
         return None
 
     JITFunction.run = record
@@ -114,7 +128,7 @@ def _recording(out: list):
         JITFunction.run = orig
 
 
-def _spec(fn, args, kwargs, rules: Rules, scenario: str) -> Spec:
+def _spec(fn, args, kwargs, rules: Rules, scenario: str, backends: tuple) -> Spec:
     names = list(fn.arg_names)
     const_names = {p.name for p in fn.params if p.is_constexpr}
     values = dict(zip(names, args))
@@ -132,7 +146,7 @@ def _spec(fn, args, kwargs, rules: Rules, scenario: str) -> Spec:
         else:
             sig.append((n, _arg_type(values[n])))
     return Spec(fn.__module__, fn.__name__, tuple(sig), tuple(const), tuple(sorted(options.items())), rules,
-                scenario)
+                scenario, backends)
 
 
 # -- scenarios: the launches the owners and the measure stage make -----------
@@ -179,10 +193,12 @@ def scenario_moe_linear():
         g = torch.zeros((1, 3), dtype=torch.int32)
         for bt in (1, o.bt):
             bn, nw, bk = o.tile.get(bt, (0, 0, 0))
-            kw = dict(bt=bt, prec=o.prec, bn=bn, num_warps=nw, bk=bk)
-            moe_triton.linear(f, x, g, gu, h, w2=gu, limit=10.0, **kw)
-            moe_triton.linear(f, x, g, gu, h, **kw)
-            moe_triton.linear(f, h, g, d, y, **kw)
+            for backend, prec in layout.DOT_PREC.items():  # the owner's precision on each backend
+                kw = dict(bt=bt, prec=prec, bn=bn, num_warps=nw, bk=bk)
+                with _only(backend):
+                    moe_triton.linear(f, x, g, gu, h, w2=gu, limit=10.0, **kw)
+                    moe_triton.linear(f, x, g, gu, h, **kw)
+                    moe_triton.linear(f, h, g, d, y, **kw)
 
 
 def _linear_planes(qtype: str, E: int, N: int, K: int):
@@ -388,10 +404,13 @@ def capture(scenarios=None) -> list:
         calls: list = []
         with _recording(calls):
             SCENARIOS[name]()
-        for fn, args, kwargs in calls:
+        for fn, args, kwargs, backends in calls:
             key = (fn.__module__, fn.__name__)
             if key not in rules:
                 raise LookupError(f"scenario {name} launches {key[0]}.{key[1]}, which the catalogue does not list")
-            sp = _spec(fn, args, kwargs, rules[key], name)
-            specs.setdefault(sp.key, sp)
+            sp = _spec(fn, args, kwargs, rules[key], name, backends)
+            if sp.key in specs:  # the same launch made for more backends
+                old = specs[sp.key]
+                sp = replace(old, backends=tuple(dict.fromkeys(old.backends + backends)))
+            specs[sp.key] = sp
     return list(specs.values())

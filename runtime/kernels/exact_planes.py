@@ -161,9 +161,12 @@ def product(fmt, w, q, s, ids, loc, bad, *, flags: bool = False, bn: int = 16, b
     n, K = q.shape
     b = w["b"] if w["b"] is not None else a
     kb_row = b.shape[2] if w["b"] is not None else 0
-    bk = max(bk, fmt.group, 32)
+    floor = max(fmt.group, 32)
+    bk = max(min(bk, K), floor)
+    while K % bk and bk > floor:  # the largest power-of-two step up to bk that divides K
+        bk //= 2
     if K % bk:
-        raise ValueError(f"exact product needs a column count that is a multiple of {bk}, got {K}")
+        raise ValueError(f"exact product needs a column count that is a multiple of {floor}, got {K}")
     bn = _bn(N, bn)  # row blocks divide the rows: the stores are unmasked
     out = torch.empty((n, N), dtype=torch.float32, device=q.device)
     fl = torch.zeros((n, N), dtype=torch.int8, device=q.device) if flags else out

@@ -53,6 +53,20 @@ AFFINE = "rocmfp2_affine"
 #: decode_torch + matmul (q8_0, bf16, f16, f32).
 KERNEL_QTYPES = tuple(sorted(set(_SCALE) | set(_MIX) | {"mxfp4", AFFINE}))
 
+#: ``tl.dot`` input precision of the float32 tl.dot tiles by backend: three tf32 products
+#: (close to float32) on NVIDIA; AMD's Triton accepts only ieee / bf16x3 / bf16x6 (and tf32
+#: on gfx942), so three bf16 products there (the ahead-of-time check found tf32x3 refused
+#: for gfx1151)
+DOT_PREC = {"cuda": "tf32x3", "hip": "bf16x3"}
+
+
+def dot_prec() -> str:
+    """The default ``tl.dot`` precision of this torch build's GPU backend."""
+    import torch
+
+    return DOT_PREC["hip" if getattr(torch.version, "hip", None) else "cuda"]
+
+
 # level arithmetic the kernel may do instead of a table gather (LV_CODE: level = code)
 LV_GATHER, LV_FP2, LV_FP3, LV_CODE = 0, 1, 2, 3
 

@@ -191,6 +191,8 @@ def _bk(cols: int, g: int) -> int:
 
 def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, bn: int = 0,
            num_warps: int = 0, bk: int = 0, prec: str = "tf32x3"):
+    # ``prec`` matters to the tl.dot tile only: the matrix-vector tile takes one specialisation
+    # for every backend (``layout.DOT_PREC``: tf32x3 does not compile for AMD)
     """out[slot] = W_e @ x[slot] (or SwiGLU(W_e x, W2_e x) with ``w2``) for every group.
 
     fmt: layout.Format; x float32 (n_slots, K) sorted by expert; groups int32
@@ -227,7 +229,8 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
         w["slut"], w["llut"], o["slut"], o["llut"],
         N, K, ka_row, kb_row, ks_row, float(limit),
         ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev,
-        LV=fmt.lv_mode, AFF=fmt.affine, DUAL=dual, BT=bt, BN=bn, BK=bk, PREC=prec, num_warps=num_warps,
+        LV=fmt.lv_mode, AFF=fmt.affine, DUAL=dual, BT=bt, BN=bn, BK=bk, PREC=prec if bt > 1 else "ieee",
+        num_warps=num_warps,
     )
     return out
 

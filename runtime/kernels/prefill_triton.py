@@ -234,9 +234,12 @@ def grouped(fmt, x, plan: SlotPlan, w, *, w2=None, limit: float = 0.0, scatter: 
     kb_row = b.shape[2] if w["b"] is not None else 0
     ks_row = w["s"].shape[2]
     o = w2 if w2 is not None else w
-    bk = max(bk, fmt.group)
+    floor = max(fmt.group, 16)
+    bk = max(min(bk, K), floor)
+    while K % bk and bk > floor:  # the largest power-of-two step up to bk that divides K
+        bk //= 2
     if K % bk:
-        raise ValueError(f"prefill kernel needs a column count that is a multiple of {bk}, got {K}")
+        raise ValueError(f"prefill kernel needs a column count that is a multiple of {floor}, got {K}")
 
     def off(p):
         return p["o"] if p.get("o") is not None else p["s"]

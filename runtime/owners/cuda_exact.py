@@ -82,9 +82,25 @@ class ExactKernelsMixin:
                     p["ishift"] = torch.from_numpy(got[1]).to(self.device)
                     p["wide"] = got[2]
                 p["ilut_key"] = key
-            if p["ilut"] is None:
+                p["finite"] = self._finite_weights(p)
+            if p["ilut"] is None or not p["finite"]:
                 return None
         return pf
+
+    @staticmethod
+    def _finite_weights(p) -> bool:
+        """Whether every decoded weight of the stack is finite: a scale byte whose value times
+        the largest level overflows float32 (mxfp4's top E8M0 bytes) makes the definition raise,
+        so such a stack keeps the definition's path (checked once per stack and books)."""
+        import torch
+        from ds4quant.runtime.kernels import layout
+
+        top = np.float32(np.abs(p["llut"].cpu().numpy()).max())
+        with np.errstate(over="ignore"):
+            over = np.flatnonzero(~np.isfinite(layout.scale_lut(p["stack"].qtype) * top))
+        if over.size == 0:
+            return True
+        return not bool(torch.isin(p["s"], torch.from_numpy(over).to(p["s"].device, torch.uint8)).any())
 
     def exact_device(self, layer: int, x, ids):
         """The exact kernels on device tensors: x float32 (n, H), ids int64 (n,) global

@@ -18,7 +18,8 @@ the Triton kernels of ``runtime.kernels``.
   fused, then down; slots sorted by expert, up to ``bt`` tokens of one
   expert per program (``tl.dot``) when an expert has several slots, a
   matrix-vector tile per slot otherwise.
-* prefill (experts with many slots each, one stack per projection): the
+* prefill (experts with more than ``group_max_mean`` slots each on average,
+  one stack per projection): the
   tensor-core grouped GEMMs of ``kernels.prefill_triton`` (``owners/cuda_prefill``):
   bf16 weight tiles decoded in registers, the slot sort on the device, no
   host planning; other layers keep the float32 ``tl.dot`` kernels.
@@ -105,7 +106,7 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
     """Owner protocol on a CUDA/ROCm device; see the module docstring."""
 
     def __init__(self, device: str = "cuda:0", identity: Optional[str] = None,
-                 swiglu_limit: float = DEFAULT_SWIGLU_LIMIT, bt: int = 16, prec: str = "tf32x3",
+                 swiglu_limit: float = DEFAULT_SWIGLU_LIMIT, bt: int = 16, prec: Optional[str] = None,
                  graphs: bool = True, gemv_max_slots: int = 16, exact_kernels: bool = True,
                  prefill: bool = True):
         super().__init__(device, identity=identity, swiglu_limit=swiglu_limit)
@@ -129,11 +130,17 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
         if bt not in (16, 32, 64):
             raise BadInputError(f"bt (tokens of one expert per program) must be 16, 32 or 64, got {bt}")
         self.bt = int(bt)
-        self.prec = prec
+        # the tl.dot tiles' input precision: the backend's (layout.DOT_PREC) unless given
+        self.prec = prec or self._dot_prec()
         # launch shape (rows, warps, columns per step) per tokens-per-program
         # (1: matrix-vector tile, bt: tl.dot); 0 = the kernel default
         self.tile: dict[int, tuple[int, int, int]] = {}
         self._planes: dict[str, dict] = {}  # tensor -> planes of that stack
+
+    def _dot_prec(self) -> str:
+        from ds4quant.runtime.kernels import layout
+
+        return layout.dot_prec() if self.device.type == "cuda" else layout.DOT_PREC["cuda"]
 
     # -- residency -------------------------------------------------------
     def add_stack(self, stack: ExpertStack) -> None:
@@ -305,6 +312,11 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
         self._gemv[layer] = got
         return got
 
+    def _busy(self, ids: np.ndarray) -> bool:
+        """Whether the call's experts see more than ``group_max_mean`` slots each on average:
+        the tensor-core prefill's condition (fewer slots take the matrix-vector tiles)."""
+        return ids.shape[0] / np.unique(ids).shape[0] > self.group_max_mean
+
     @staticmethod
     def _all_resident(loc: np.ndarray, ids: np.ndarray) -> bool:
         """Whether every id of a non-empty ``ids`` has a slot in ``gemv_set``'s host
@@ -416,7 +428,7 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
             if not self._all_resident(loc, ids):
                 bad = sorted({int(e) for e in ids if e < 0 or e >= loc.shape[0] or loc[e] < 0})
                 raise BadInputError(f"experts {bad} of layer {layer} are not resident on {self.identity}")
-        pf = self.prefill_set(layer) if gem is None else None
+        pf = self.prefill_set(layer) if gem is None and self._busy(ids) else None
         if pf is not None and not self._all_resident(pf[4], ids):
             pf = None  # the planned path names the expert that is not resident
         pin_i = self._pin("ids", n, torch.int64)
@@ -546,7 +558,7 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
                 y = torch.empty_like(ys)
                 y[torch.from_numpy(order)] = ys
             else:
-                pf = self.prefill_set(layer) if ids.shape[0] else None
+                pf = self.prefill_set(layer) if ids.shape[0] and self._busy(ids) else None
                 y = None
                 if pf is not None and self._all_resident(pf[4], ids):  # the prefill kernels
                     y = self.prefill_device(layer, xt, torch.from_numpy(ids))

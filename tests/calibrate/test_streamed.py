@@ -200,7 +200,9 @@ def test_streamed_sensitivity_predicts_the_measured_kl(tmp_path):
     KLs between 0.27x and 1.9x of the per-tensor draw's. A factor 3 allows
     that spread and a bias of the prediction no larger than it; the ranking
     is what the allocator acts on."""
-    toks = SAMPLES / "tokens.txt"
+    lines = [x for x in (SAMPLES / "tokens.txt").read_text().splitlines() if x.strip() and not x.startswith("#")]
+    toks = tmp_path / "tokens.txt"
+    toks.write_text("\n".join(lines[:8]) + "\n")  # the sensitivity sequences only: the KLs need no others
     pt = calibrate(SAMPLE, toks, tmp_path / "pt", sensitivity_method="per-tensor")
     st = calibrate(SAMPLE, toks, tmp_path / "st")
     measured = read_sensitivity(Path(pt.out_dir) / "sensitivity.json")
@@ -244,3 +246,32 @@ def test_bad_options_refused_before_any_work(tmp_path):
     if os.environ.get("CUDA_VISIBLE_DEVICES", "x") == "" or not __import__("torch").cuda.is_available():
         with pytest.raises(BadInputError, match="cuda:0 is not available|cuda is not available"):
             calibrate(SAMPLE, toks, tmp_path / "o", device="cuda")
+
+
+def test_streamed_sensitivity_file_round_trips_and_refuses_a_bad_layers_block(tiny, tmp_path):
+    from ds4quant.calib.sensitivity import write_sensitivity
+    from ds4quant.errors import CorruptDataError
+
+    d, _toks = tiny
+    src = d / "full" / "sensitivity.json"
+    s = read_sensitivity(src)
+    write_sensitivity(tmp_path / "again.json", s)
+    assert (tmp_path / "again.json").read_bytes() == src.read_bytes()
+    doc = json.loads(src.read_text())
+    doc["layers"]["0"]["groups"]["down"]["coefficient"] = -1
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(CorruptDataError, match="layer 0, group down: coefficient must be a finite positive"):
+        read_sensitivity(tmp_path / "bad.json")
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_calibrate_on_cuda_writes_the_files(tiny, tmp_path):
+    """On a GPU the layers run there (not the CPU's bits): every file is
+    written, every token fills its slots, and the work folder is gone."""
+    d, toks = tiny
+    rep = calibrate(SAMPLE, toks, tmp_path / "g", sensitivity_seqs=2, device="cuda")
+    assert rep.device == "cuda:0" and rep.unreached is not None
+    for f in FILES:
+        assert (tmp_path / "g" / f).is_file(), f
+    assert (tmp_path / "g" / "routing.csv").read_text().count("\n") > 0
+    assert not (tmp_path / "g" / WORK).exists()

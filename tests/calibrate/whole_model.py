@@ -151,7 +151,6 @@ def whole_model_files(source, seqs, out: Path, *, tokens_file: str, sensitivity_
     from ds4quant.calib.imatrix import make_imatrix, write_imatrix_gguf, write_imatrix_lucebox
     from ds4quant.calib.routing import RoutingProfile, write_routing_csv, write_routing_json
     from ds4quant.calib.sensitivity import write_sensitivity
-    from ds4quant.calibrate.stage import _tokens_sha256
     from ds4quant.runtime.reference import load_reference, torch_threads
     from ds4quant.sources import open_official_source
     from ds4quant.sources.config import HASH_MOE
@@ -175,7 +174,10 @@ def whole_model_files(source, seqs, out: Path, *, tokens_file: str, sensitivity_
                           chunk_size=next(iter(lens)) if len(lens) == 1 else None)
         write_imatrix_gguf(out / "imatrix.gguf", im)
         write_imatrix_lucebox(out / "imatrix.lucebox.dat", im)
-        sha = _tokens_sha256(seqs)
+        h = hashlib.sha256()  # the report's canonical token text: one line per sequence
+        for q in seqs:
+            h.update((" ".join(str(t) for t in q) + "\n").encode("ascii"))
+        sha = h.hexdigest()
         hash_layers = [i for i, t in enumerate(cfg.mlp_layer_types) if t == HASH_MOE]
         prof = RoutingProfile(cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok,
                               slots.astype(np.uint64), tokens=sum(len(s) for s in seqs),

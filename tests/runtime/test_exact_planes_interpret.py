@@ -139,3 +139,27 @@ def test_products_flag_exactly_the_pairs_outside_the_bound(xp):
     m = fl.numpy() == 0
     assert np.array_equal(_bits(y)[m], _bits(want)[m])
     o.close()
+
+
+def test_a_stack_with_overflowing_weights_keeps_the_definitions_path(xp):
+    """mxfp4's top E8M0 bytes times its largest level overflow float32: the definition refuses
+    such a weight, so the owner does not take the kernels (which would sum it finitely)."""
+    from ds4quant.errors import BadInputError
+    from ds4quant.runtime.owners.base import ExpertStack
+
+    stacks, _ = S.layer_stacks("mxfp4", LAYER, EXPERTS)
+    g = stacks["gate"]
+    data = g.data.copy()
+    blk = data.reshape(len(EXPERTS), g.rows, -1, 17)
+    blk[1, 0, 0, 0] = 254  # one block of expert 4: scale 2^126 (times level 12: inf)
+    blk[1, 0, 0, 1] = 0x77  # codes 7: level 12
+    stacks["gate"] = ExpertStack(g.tensor, g.layer, g.proj, g.qtype, g.rows, g.cols, g.expert_ids, data)
+    from ds4quant.runtime.owners.cuda_owner import CudaOwner
+
+    o = CudaOwner("cpu", identity="torch-cpu:8")
+    for st in stacks.values():
+        o.add_stack(st)
+    assert o.exact_set(LAYER, np.array([1])) is None
+    with pytest.raises(BadInputError, match="non-finite"):
+        o.run_slots(LAYER, S.tokens(1), np.array([4]), "exact")
+    o.close()

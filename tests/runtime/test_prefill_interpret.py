@@ -60,9 +60,16 @@ LOADS = {
 }
 
 
+# every qtype with the uneven load; one expert holding every slot for one qtype of each decode
+# form (one bf16 part, a hi + lo split, affine's two parts, MIX books)
+ALL_IN_ONE = ("rocmfp4", "rocmfp8", "rocmfp2_affine", "rocmfp3_mix")
+
+
 @pytest.mark.parametrize("qtype", layout.KERNEL_QTYPES)
 def test_prefill_matches_float64(pk, qtype):
     for name, ids in LOADS.items():
+        if name == "one expert" and qtype not in ALL_IN_ONE:
+            continue
         o, stacks = _owner(qtype)
         x = S.tokens(len(ids), seed=11)
         assert o.prefill_set(LAYER) is not None

@@ -99,6 +99,7 @@ def _owner(qtype, experts=EXPERTS):
     # whole-matrix row blocks: the interpreter's cost is per program (two column steps for gate/up)
     o.tile = {1: (256, 4, 128), 16: (256, 4, 64)}
     o.gemv_max_slots, o.group_max_mean = 0, 0.0  # rocmfp2/3 too: these kernels, not gemv_triton's
+    o.prefill = False  # nor the tensor-core prefill's (tests/runtime/test_prefill_interpret.py)
     stacks, entries = S.layer_stacks(qtype, LAYER, experts)
     for st in stacks.values():
         o.add_stack(st)

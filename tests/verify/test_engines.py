@@ -31,7 +31,7 @@ class Toy(torch.nn.Module):
         h = self.emb[ids].cumsum(1) / torch.arange(1, ids.shape[1] + 1).view(1, -1, 1)
         return SimpleNamespace(logits=(h @ self.out).float())
 
-    def generate(self, ids, max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=None):
+    def generate(self, ids, max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=None, **_):
         seq = ids[0].tolist()
         for _ in range(max_new_tokens):
             nxt = int(self(torch.tensor([seq])).logits[0, -1].argmax())

@@ -184,11 +184,11 @@ def test_verify_json_fidelity_block_keeps_its_keys_and_round_trips(fast_rep, exa
 
     for rep, extra in ((fast_rep, []), (exact_rep, ["second_placement"])):
         j = rep.to_json()["fidelity"]
-        assert list(j) == KEYS + extra
+        assert list(j) == KEYS + ["llama_cpp"] + extra
         assert FidelityReport.from_json(j).to_json() == j
         assert j["placements"][0] == "cpu:0 (one CPU owner)"
     fj, ej = fast_rep.to_json()["fidelity"], exact_rep.to_json()["fidelity"]
     assert fj["mode"] == "fast" and fj["moe_output_sha256"] is None and len(fj["fast_moe_output_sha256"]) == 64
     assert ej["mode"] == "exact" and ej["fast_moe_output_sha256"] is None and len(ej["moe_output_sha256"]) == 64
     assert ej["placements"][1] == "placement" and ej["exact_copy"] is None
-    assert set(fj["exact_copy"]) == {"passes", "trials", "failed", "task", "reference_passes"}
+    assert {"passes", "trials", "failed", "task", "reference_passes", "sets", "interval_per_60"} <= set(fj["exact_copy"])

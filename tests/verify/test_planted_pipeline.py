@@ -65,7 +65,7 @@ def test_two_placements_are_identical_only_when_both_hashes_agree(moe, resp, sam
     rep = _report(PlacementRun("placement", moe * 64, resp * 64))
     assert rep.identical is same
     ctx = _Ctx()
-    vf._checks(ctx, rep)
+    vf.report_checks(ctx, rep)
     ident = [c for c in ctx.checks if c.name == "fidelity.identity"]
     assert len(ident) == 1 and ident[0].ok is same, ident
     if not same:
@@ -74,7 +74,7 @@ def test_two_placements_are_identical_only_when_both_hashes_agree(moe, resp, sam
 
 def test_identity_is_not_claimed_in_fast_mode():
     ctx = _Ctx()
-    vf._checks(ctx, _report(PlacementRun("placement", "c" * 64, "c" * 64), mode="fast"))
+    vf.report_checks(ctx, _report(PlacementRun("placement", "c" * 64, "c" * 64), mode="fast"))
     assert not [c for c in ctx.checks if c.name == "fidelity.identity"]
 
 

@@ -1,0 +1,130 @@
+"""Fidelity's forward passes through the layer-streamed model.
+
+At DeepSeek-V4-Flash size neither the reference nor the candidate fits as a
+whole model, and greedy generation needs every layer for every token. What
+fidelity needs streams: the logits at the scored positions of the evaluation
+sequences, and the exact-copy protocol teacher-forced (a trial passes when
+every answer token is the argmax given the correct prefix: one forward of
+prompt + answer). ``StreamedFidelity`` runs both on any weight provider
+(``SourceWeights`` for the reference, ``ArtifactWeights`` for the candidate on
+any placement), with the CSA indexer's ties broken by position
+(``indexer_ties``) and, optionally, a routing shortcut (``routing_approx``)
+in every layer, and hashes the routed experts' outputs in call order.
+
+Batches are formed as the whole-model harness forms them (every evaluation
+sequence in one right-padded batch; protocol trials in chunks of 64 padded
+with eos), so on CPU the logits are the whole model's bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ds4quant.runtime.stream.model import Observer
+
+
+class _Hooks(Observer):
+    """Per layer: stable indexer ties, the routing shortcut, the routed-output hash,
+    and the logits kept at the wanted positions."""
+
+    def __init__(self, want: Mapping[int, list], experts_per_token=None, drop=None):
+        self.want = want  # batch index -> [(row, position)]
+        self.kept: dict = {}
+        self.routed = hashlib.sha256()
+        self.k, self.drop = experts_per_token, drop
+        self._open: list = []
+        self._handles: list = []
+
+    def on_layer_start(self, layer: int, module) -> None:
+        from ds4quant.runtime.indexer_ties import stable_indexer
+
+        from ds4quant.runtime.routing_approx import route_block
+
+        cms = [stable_indexer(module)]
+        if self.k is not None or self.drop:
+            cms.append(route_block(module.mlp, int(module.mlp.gate.num_experts), self.k,
+                                   tuple((self.drop or {}).get(layer, ()))))
+        for cm in cms:
+            cm.__enter__()
+            self._open.append(cm)
+
+        def hook(mod, args, out, layer=layer):
+            import torch
+
+            self.routed.update(int(layer).to_bytes(4, "little"))
+            self.routed.update(np.ascontiguousarray(out.detach().to("cpu", torch.float32).numpy()).tobytes())
+
+        self._handles.append(module.mlp.experts.register_forward_hook(hook))
+
+    def on_layer_end(self, layer: int, module) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        while self._open:
+            self._open.pop().__exit__(None, None, None)
+
+    def on_logits(self, index: int, batch, logits) -> None:
+        pos = self.want.get(index)
+        if pos:
+            r = [p[0] for p in pos]
+            c = [p[1] for p in pos]
+            self.kept[index] = logits[r, c].detach().to("cpu").float().clone()
+
+
+@dataclass
+class StreamedPass:
+    logits: Any  # float32 [N, V] at the wanted positions, in order
+    routed_sha256: str
+    copy: Optional[Any] = None  # CopySets
+
+
+def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, experts_per_token=None,
+                    drop=None, batch_size: Optional[int] = None) -> StreamedPass:
+    """Logits at ``positions`` [(row, position)] of ``seqs`` through ``sm``."""
+    import torch
+
+    from ds4quant.runtime.stream.model import stream_forward
+
+    bs = batch_size or len(seqs)
+    want: dict = {}
+    order = []
+    for r, c in positions:
+        b, row = divmod(r, bs)
+        want.setdefault(b, []).append((row, c))
+        order.append(b)
+    obs = _Hooks(want, experts_per_token, drop)
+    stream_forward(sm, sm.batches(seqs, batch_size=bs, pad_id=pad), observer=obs, keep_logits=False)
+    parts = [obs.kept[b] for b in sorted(obs.kept)]
+    logits = torch.cat(parts) if parts else torch.zeros((0, int(sm.config.vocab_size)))
+    return StreamedPass(logits, obs.routed.hexdigest())
+
+
+def streamed_copy_sets(sm, tok, task, n_sets: int, *, experts_per_token=None, drop=None, batch: int = 64):
+    """The exact-copy protocol over ``n_sets`` seeded identifier sets, teacher-forced
+    through ``sm`` (``copy_sets.CopySets``; the protocol's own set's ExactCopyResult)."""
+    from ds4quant.runtime import fidelity as fd
+    from ds4quant.runtime.copy_sets import CopySets, check_sets
+
+    check_sets(n_sets)
+    t = fd.as_tokenizer(tok)
+    seeds = tuple(fd.PROTOCOL_SEED + i for i in range(n_sets))
+    trials = [tr for s in seeds for tr in fd.protocol_trials(task, seed=s)]
+    pairs = [fd.trial_ids(t, tr) for tr in trials]
+    seqs = [p + a for p, a in pairs]
+    positions = [(i, len(p) - 1 + k) for i, (p, a) in enumerate(pairs) for k in range(len(a))]
+    got = streamed_logits(sm, seqs, positions, t.eos_token_id or 0, experts_per_token=experts_per_token,
+                          drop=drop, batch_size=batch).logits.argmax(-1).tolist()
+    checks, at = [], 0
+    for p, a in pairs:
+        g = got[at:at + len(a)]
+        at += len(a)
+        wrong = [k for k in range(len(a)) if g[k] != a[k]]
+        checks.append((not wrong, wrong[0] if wrong else -1, g[wrong[0]] if wrong else -1))
+    per = len(trials) // n_sets
+    passes = tuple(sum(ok for ok, _, _ in checks[i * per:(i + 1) * per]) for i in range(n_sets))
+    first = fd.copy_result(t, task, seeds[0], trials[:per], checks[:per])
+    return CopySets(seeds, passes, per), first

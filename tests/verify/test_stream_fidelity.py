@@ -1,0 +1,68 @@
+"""verify --fidelity --stream: the layer-streamed passes give the whole model's figures and hashes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[2]
+COPY = ROOT / "samples" / "ds4-copy"
+SPLIT = {L: {"cpu:0": tuple(range(0, 32, 2)), "cpu:1": tuple(range(1, 32, 2))} for L in range(4)}
+
+
+@pytest.fixture(scope="module")
+def mx(tmp_path_factory):
+    from ds4quant.convert import convert
+
+    out = tmp_path_factory.mktemp("sf") / "mx"
+    convert(COPY, out, "mxfp4", force=True, command=["test"])
+    return out
+
+
+def test_streamed_equals_whole_model_on_two_placements(mx, tmp_path):
+    from ds4quant.verify import verify
+    from ds4quant.verify.reference_side import make_reference_base
+
+    kw = dict(source=COPY, fidelity=True, mode="exact", protocol="exact-copy", copy_sets=2, placements=(None, SPLIT))
+    whole = verify(mx, **kw).fidelity
+    streamed = verify(mx, stream=True, **kw).fidelity
+    assert streamed.kl == whole.kl and streamed.logits == whole.logits
+    assert streamed.moe_output_sha256 == whole.moe_output_sha256 and streamed.identical and whole.identical
+    assert streamed.exact_copy.sets == whole.exact_copy.sets
+    assert streamed.exact_copy.reference_sets == whole.exact_copy.reference_sets
+    assert streamed.exact_copy.failed == whole.exact_copy.failed
+    assert streamed.layers == () and streamed.response_sha256 == "" and not streamed.response_matches_reference
+    base = tmp_path / "s.base"
+    make_reference_base(COPY, base, protocol="exact-copy", copy_sets=2, stream=True)
+    both = verify(mx, stream=True, reference=base, **kw).fidelity
+    assert both.kl.same_top1 == whole.kl.same_top1 and abs(both.kl.kld_mean - whole.kl.kld_mean) < 1e-4
+    assert both.moe_output_sha256 == whole.moe_output_sha256
+    assert both.exact_copy.reference_sets == whole.exact_copy.reference_sets
+
+
+def test_streamed_candidate_on_cluster_ranks_gives_the_single_process_bits(mx, tmp_path, monkeypatch):
+    import tempfile
+
+    import numpy as np
+
+    from ds4quant.artifact.view import open_artifact
+    from ds4quant.calib.routing import RoutingProfile
+    from ds4quant.runtime.placement import write_placement
+    from ds4quant.runtime.planning import plan_ranks
+    from ds4quant.verify import verify
+
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))  # the ranks' files under this test's folder
+    with open_artifact(mx) as v:
+        h, fp = v.header, v.fingerprint()
+    counts = (np.arange(h.n_layer * h.n_expert, dtype=np.uint64).reshape(h.n_layer, h.n_expert) * 7919) % 1000
+    plc = write_placement(tmp_path / "cluster.json",
+                          plan_ranks(RoutingProfile(h.n_layer, h.n_expert, h.n_expert_used, counts), 2, "balanced", 2,
+                                     owner="cpu", artifact=fp))
+    f = verify(mx, source=COPY, fidelity=True, mode="exact", stream=True, placements=(None, plc)).fidelity
+    assert f.identical and "gloo ranks" in f.placements[1]
