@@ -130,7 +130,7 @@ def _dims(hidden: int, moe_inter: int) -> dict:
 
 # DeepSeek-V4 Flash's attention types per layer (native compress_ratios codes):
 # two sliding-window layers, then CSA (ratio 4) and HCA (ratio 128) alternating
-# for 40 layers, and a last CSA layer (shared/spec/ds4-and-lucebox.md §2).
+# for 40 layers, and a last CSA layer (the official config's compress_ratios).
 DS4_FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
 
 # DeepSeek-V4 Flash's real dimensions (same section): a slice of N layers has the

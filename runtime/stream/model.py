@@ -14,7 +14,7 @@ sliding-window causal mask from transformers' own mask builder, the same
 "main" and "compress" rotary tables, position ids, token ids; no cache), so
 with the reference's weights the logits are the whole model's, bit for bit,
 at the same torch thread count and the same batching (a batch row is not
-bitwise independent of its batch neighbours: spec §"Measured facts").
+bitwise independent of its batch neighbours: docs/reference-model.md#determinism).
 
     with SourceWeights(src) as w:
         sm = StreamedModel(w)
