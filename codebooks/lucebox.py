@@ -18,7 +18,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from ds4quant.codebooks import dmix, gumix, p4mix
+import ds4quant.codebooks.dmix as dmix
+import ds4quant.codebooks.gumix as gumix
+import ds4quant.codebooks.p4mix as p4mix
 from ds4quant.codebooks.dmix import CLASSES, DmixEntry
 from ds4quant.codebooks.routed import SURFACES, MixEntry
 from ds4quant.codebooks.table import CodebookEntry, CodebookTable

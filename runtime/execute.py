@@ -132,7 +132,7 @@ def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[st
         raise BadInputError(f"layer {layer}: the placement names owners {unknown} this runtime does not have")
     home = home if home is not None else (names[0] if names else None)
 
-    from ds4quant.runtime import overlap as ov
+    import ds4quant.runtime.overlap as ov
 
     raw: list = []
     sels = {n: np.nonzero(who == n)[0] for n in names}

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 from ds4quant.errors import BadInputError, CorruptDataError, MissingDependencyError
+from ds4quant.runtime.torch_env import quiet_transformers, torch_threads  # noqa: F401  (public here too)
 
 __all__ = [
     "ExpertCall", "ExpertCapture", "capture_experts", "check_dependencies", "expert_rows", "load_reference",
@@ -50,41 +51,6 @@ def check_dependencies(quantized: bool = False, needed_by: str = "the reference 
     for module, what in need:
         if importlib.util.find_spec(module) is None:
             raise MissingDependencyError(f"{needed_by} needs {module} ({what})", hint=_INSTALL_HINT)
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' warnings and progress bars (library code never
-    prints); the previous settings come back afterwards."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op thread count set to ``n`` inside the block (the
-    reference model's bits depend on it, docs/reference-model.md#determinism), restored after."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _check_threads(threads: Optional[int]) -> None:

@@ -131,7 +131,7 @@ def measure_engine(view, engine: str, ref_logits, rows, cols, targets, seqs, pad
     import time
 
     from ds4quant.runtime import fidelity as fd
-    from ds4quant.verify import _candidate as C
+    import ds4quant.verify._candidate as C
 
     t0 = time.perf_counter()
     with open_llama(view) as lm:

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 import time
 from pathlib import Path
 from types import MappingProxyType
@@ -76,12 +75,11 @@ from types import MappingProxyType
 from ds4quant.errors import BadInputError
 from ds4quant.records import ExactCopyScore, FidelityReport, LogitFigures, MoeLayerError, PlacementRun
 from ds4quant.verify._run import Context
+from ds4quant.verify.eval_inputs import (  # noqa: F401  (public here too)
+    EVAL_DOCS, PROTOCOLS, builtin_docs, copy_task, eval_tokens, scored_positions, tokenizer_for)
 
 LIMITS = MappingProxyType({"kl_mean": 0.5, "exact_copy_slack": 1})
-EVAL_SEED = "ds4quant/verify/fidelity/eval"
-EVAL_DOCS = 4
 RESPONSE_TOKENS = 32
-PROTOCOLS = ("exact-copy",)
 
 
 def fidelity(ctx: Context) -> None:
@@ -113,96 +111,6 @@ def tokenizer_check(ctx: Context) -> None:
 # evaluation set
 
 
-def copy_task(source: Path):
-    from ds4quant.runtime import fidelity as fd
-
-    p = Path(source) / "task.json"
-    return fd.CopyTask.from_json(p) if p.is_file() else fd.ECHO
-
-
-def builtin_docs(task) -> list[str]:
-    """EVAL_DOCS documents: filler, a copy-task prompt with its answer, more filler."""
-    from ds4quant.runtime import fidelity as fd
-
-    rng = random.Random(EVAL_SEED)
-    docs = []
-    for _, tr in zip(range(EVAL_DOCS), fd.novel_trials(task, rng)):
-        docs.append(tr.prompt + tr.expected + "\n" + "\n".join(fd.filler_lines(rng, 2)))
-    return docs
-
-
-def eval_tokens(o, tok, vocab: int, max_len: int) -> tuple[list[list[int]], str]:
-    if o.ctx_size is not None:
-        return _chunked(o, tok, vocab, max_len)
-    if o.tokens is not None:
-        from ds4quant.calibrate import read_tokens
-
-        return [list(s) for s in read_tokens(o.tokens, vocab, max_len)], f"token file {o.tokens}"
-    if o.text is not None:
-        try:
-            text = Path(o.text).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise BadInputError(f"cannot read the evaluation text: {e}", where=str(o.text)) from None
-        docs = [d for d in text.split("\n\n") if d.strip()]
-        what = f"text file {o.text}"
-    else:
-        docs = builtin_docs(copy_task(o.source))
-        what = f"{EVAL_DOCS} built-in copy-task documents"
-    seqs = [[tok.bos_token_id] + tok.encode(d) for d in docs]
-    for i, s in enumerate(seqs):
-        bad = [t for t in s if not 0 <= t < vocab]
-        if bad or len(s) > max_len:
-            raise BadInputError(f"document {i} tokenizes to ids outside the vocabulary or beyond "
-                                f"{max_len} tokens", where=what)
-    if not seqs:
-        raise BadInputError("no evaluation documents", where=what)
-    return seqs, what
-
-
-def _chunked(o, tok, vocab: int, max_len: int) -> tuple[list[list[int]], str]:
-    """llama.cpp's chunks of the whole evaluation text (tokenized once, BOS first)
-    or of the token file's sequences joined in order."""
-    from ds4quant.runtime import kl_figures as K
-
-    n = o.ctx_size
-    if n > max_len:
-        raise BadInputError(f"context {n} exceeds the model's {max_len} positions", where="--ctx")
-    if o.tokens is not None:
-        from ds4quant.calibrate import read_tokens
-
-        stream = [t for s in read_tokens(o.tokens, vocab, max_len) for t in s]
-        what = f"token file {o.tokens}"
-    else:
-        if o.text is not None:
-            try:
-                text = Path(o.text).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise BadInputError(f"cannot read the evaluation text: {e}", where=str(o.text)) from None
-            what = f"text file {o.text}"
-        else:
-            text = "\n".join(builtin_docs(copy_task(o.source)))
-            what = f"{EVAL_DOCS} built-in copy-task documents"
-        stream = [tok.bos_token_id] + tok.encode(text)
-        if any(not 0 <= t < vocab for t in stream):
-            raise BadInputError("the text tokenizes to ids outside the vocabulary", where=what)
-    try:
-        seqs = K.chunks(stream, n, tok.bos_token_id)
-    except BadInputError as e:
-        raise BadInputError(e.message, where=what) from None
-    return seqs, f"{what}, {len(seqs)} chunks of {n} (llama.cpp's perplexity chunking, second halves scored)"
-
-
-def scored_positions(o, seqs) -> list[tuple[int, int]]:
-    """(row, position) pairs whose logits are scored: every position with a next
-    token, or with ``ctx_size`` the second half of each chunk, as llama.cpp."""
-    from ds4quant.runtime import kl_figures as K
-    from ds4quant.verify._candidate import valid_positions
-
-    if o.ctx_size is None:
-        return valid_positions(seqs)
-    return [(i, t) for i in range(len(seqs)) for t in K.scored_positions(o.ctx_size)]
-
-
 def kl_record(ref_logits, cand_logits, targets, o):
     """llama.cpp's figures of the candidate against the reference (``records.KlFigures``)."""
     from ds4quant.records import KlFigures
@@ -228,7 +136,7 @@ def _approximated(cand, o, seqs, pad, rows, cols, side, targets, tok, task):
     from ds4quant.runtime.copy_sets import copy_sets
     from ds4quant.runtime.indexer_ties import stable_indexer
     from ds4quant.runtime.routing_approx import approximate_routing, read_drop_file
-    from ds4quant.verify import _candidate as C
+    import ds4quant.verify._candidate as C
 
     drop = read_drop_file(o.drop_experts) if o.drop_experts is not None else MappingProxyType({})
     where = str(o.drop_experts) if o.drop_experts is not None else "--experts-per-token"
@@ -247,14 +155,6 @@ def _approximated(cand, o, seqs, pad, rows, cols, side, targets, tok, task):
 # the measurement
 
 
-def tokenizer_for(source: Path):
-    from ds4quant.runtime import fidelity as fd
-    from ds4quant.verify._candidate import source_tokenizer
-
-    t = source_tokenizer(source)
-    return (fd.as_tokenizer(t), "tokenizer.json") if t is not None else (fd.ByteTokenizer(), "byte ids")
-
-
 def measure(ctx: Context) -> FidelityReport:
     import copy
 
@@ -266,7 +166,7 @@ def measure(ctx: Context) -> FidelityReport:
     from ds4quant.runtime.copy_sets import copy_sets
     from ds4quant.runtime.indexer_ties import stable_indexer
     from ds4quant.runtime.reference import load_reference, moe_blocks
-    from ds4quant.verify import _candidate as C
+    import ds4quant.verify._candidate as C
     from ds4quant.verify.fidelity_progress import FidelityProgress, plan_passes
     from ds4quant.verify.reference_side import from_base, run_reference
 

@@ -36,7 +36,7 @@ def run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o, fp=None) -> 
     from ds4quant.runtime import fidelity as fd
     from ds4quant.runtime.copy_sets import copy_sets
     from ds4quant.runtime.indexer_ties import stable_indexer
-    from ds4quant.verify import _candidate as C
+    import ds4quant.verify._candidate as C
 
     from ds4quant.verify.fidelity_progress import FidelityProgress
 
@@ -89,7 +89,7 @@ def from_base(o, seqs, cfg) -> ReferenceSide:
 def _streamed_side(o, seqs, pos, pad, tok, task) -> ReferenceSide:
     from ds4quant.runtime.stream import SourceWeights, StreamedModel
     from ds4quant.runtime.stream_fidelity import streamed_copy_sets, streamed_logits
-    from ds4quant.verify import _candidate as C
+    import ds4quant.verify._candidate as C
 
     with C.one_thread(), SourceWeights(o.source) as w:
         sm = StreamedModel(w, threads=1)
@@ -112,9 +112,9 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     from ds4quant.runtime import reference_base as B
     from ds4quant.runtime.copy_sets import check_sets
     from ds4quant.runtime.reference import load_reference
-    from ds4quant.verify import _candidate as C
+    import ds4quant.verify._candidate as C
     from ds4quant.verify._run import Options
-    from ds4quant.verify.fidelity import PROTOCOLS, tokenizer_for, copy_task, eval_tokens, scored_positions
+    from ds4quant.verify.eval_inputs import PROTOCOLS, copy_task, eval_tokens, scored_positions, tokenizer_for
 
     t0 = time.perf_counter()
     if tokens is not None and text is not None:

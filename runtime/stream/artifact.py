@@ -43,7 +43,7 @@ class ArtifactWeights:
     def __init__(self, artifact: Any, placement: Any = None, mode: "Mode | str" = Mode.EXACT, *,
                  source_dir: "Optional[str | os.PathLike[str]]" = None, config: Any = None, executor: Any = None):
         from ds4quant.runtime.stream.config import build_skeleton, reference_config
-        from ds4quant.runtime.reference import quiet_transformers
+        from ds4quant.runtime.torch_env import quiet_transformers
         from ds4quant.sources.naming import hf_name, official_name
 
         if (source_dir is None) == (config is None):

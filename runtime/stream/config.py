@@ -45,7 +45,7 @@ def reference_config(source_dir: "str | os.PathLike[str]", dtype: Any = None, ex
         obj.pop(k, None)
     obj.pop("torch_dtype", None)
     obj["dtype"] = str(dtype or torch.float32).replace("torch.", "")
-    from ds4quant.runtime.reference import quiet_transformers
+    from ds4quant.runtime.torch_env import quiet_transformers
 
     with quiet_transformers():
         try:

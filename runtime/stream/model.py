@@ -103,7 +103,7 @@ class StreamedModel:
         import torch
 
         from ds4quant.runtime.stream.config import build_skeleton
-        from ds4quant.runtime.reference import quiet_transformers
+        from ds4quant.runtime.torch_env import quiet_transformers
 
         self.weights = weights
         self.config = weights.config
@@ -159,7 +159,7 @@ class StreamedModel:
         if self.threads is None:
             yield
             return
-        from ds4quant.runtime.reference import torch_threads
+        from ds4quant.runtime.torch_env import torch_threads
 
         with torch_threads(self.threads):
             yield
