@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ds4quant.errors import BadInputError
+from ds4quant.records import KlFigures
 
 LOG_PROB_RANGE = 16.0  # nats kept below the top logit, and the KLD term floor
 LEVELS = 65535  # uint16 steps over that range
@@ -170,31 +171,14 @@ def median(values: np.ndarray) -> float:
     return float(v[n // 2]) if n % 2 else float(0.5 * (v[n // 2] + v[n // 2 - 1]))
 
 
-@dataclass(frozen=True)
-class KlSummary:
-    """The figures over all scored tokens (shares as fractions, KLD in nats)."""
-
-    tokens: int
-    kld_mean: float
-    kld_median: float
-    kld_p99: float
-    kld_max: float
-    same_top1: float
-    rms_dp: float
-    ppl_ref: float
-    ppl_cand: float
-
-    @property
-    def ppl_ratio(self) -> float:
-        return self.ppl_cand / self.ppl_ref
-
-
-def summarise(tf: TokenFigures) -> KlSummary:
-    return KlSummary(int(tf.kld.shape[0]), float(tf.kld.mean()), median(tf.kld), percentile(tf.kld, 0.99),
+def summarise(tf: TokenFigures, chunking: str = "every next token") -> KlFigures:
+    """The figures over all scored tokens (shares as fractions, KLD in nats);
+    chunking: which tokens were scored, in words."""
+    return KlFigures(int(tf.kld.shape[0]), float(tf.kld.mean()), median(tf.kld), percentile(tf.kld, 0.99),
                      float(tf.kld.max()), float(tf.same_top.mean()), float(np.sqrt((tf.p_diff ** 2).mean())),
-                     float(np.exp(tf.nll_ref.mean())), float(np.exp(tf.nll_cand.mean())))
+                     float(np.exp(tf.nll_ref.mean())), float(np.exp(tf.nll_cand.mean())), chunking)
 
 
-def kl_summary(reference, cand_logits, targets) -> KlSummary:
-    """``summarise(token_figures(...))``."""
-    return summarise(token_figures(reference, cand_logits, targets))
+def kl_summary(reference, cand_logits, targets, chunking: str = "every next token") -> KlFigures:
+    """``summarise(token_figures(...), chunking)``."""
+    return summarise(token_figures(reference, cand_logits, targets), chunking)

@@ -113,14 +113,11 @@ def tokenizer_check(ctx: Context) -> None:
 
 def kl_record(ref_logits, cand_logits, targets, o):
     """llama.cpp's figures of the candidate against the reference (``records.KlFigures``)."""
-    from ds4quant.records import KlFigures
     from ds4quant.runtime import kl_figures as K
 
-    s = K.kl_summary(ref_logits, cand_logits, targets)
     how = (f"llama.cpp chunks of {o.ctx_size}, second halves" if o.ctx_size is not None
            else "every next token of each document")
-    return KlFigures(s.tokens, s.kld_mean, s.kld_median, s.kld_p99, s.kld_max, s.same_top1, s.rms_dp, s.ppl_ref,
-                     s.ppl_cand, how)
+    return K.kl_summary(ref_logits, cand_logits, targets, how)
 
 
 def approx_requested(o) -> bool:

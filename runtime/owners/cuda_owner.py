@@ -287,6 +287,25 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
         return out
 
     # -- decode steps (gemv_triton) --------------------------------------
+    def one_stack_each(self, layer: int):
+        """(gate, up, down planes, expert ids, loc host int64 (max id + 1,)) when every
+        projection of ``layer`` has one kernel-layout stack here, all over the same
+        experts (loc: the stack row of each expert id, -1 where absent), else None:
+        the condition of the decode-step, prefill and plane-layout exact kernels."""
+        stacks = []
+        for proj in PROJS:
+            owners = {v[0].tensor for v in self._where.get((layer, proj), {}).values()}
+            if len(owners) != 1 or next(iter(owners)) not in self._planes:
+                return None
+            stacks.append(self._planes[next(iter(owners))])
+        pg, pu, pd = stacks
+        ids = pg["stack"].expert_ids
+        if pu["stack"].expert_ids != ids or pd["stack"].expert_ids != ids:
+            return None
+        loc = np.full(max(ids) + 1, -1, np.int64)
+        loc[list(ids)] = np.arange(len(ids))
+        return pg, pu, pd, ids, loc
+
     def gemv_set(self, layer: int):
         """(gate, up, down linear planes, loc int64 device (max id + 1,), loc host)
         when ``layer`` can run the decode-step kernels, else None."""
@@ -295,19 +314,10 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
         import torch
 
         got = None
-        stacks = []
-        for proj in PROJS:
-            owners = {v[0].tensor for v in self._where.get((layer, proj), {}).values()}
-            if len(owners) != 1 or next(iter(owners)) not in self._planes:
-                break
-            stacks.append(self._planes[next(iter(owners))])
-        else:
-            pg, pu, pd = stacks
-            ids = pg["stack"].expert_ids
-            if ("lin" in pg and "lin" in pu and "lin" in pd and pg["stack"].qtype == pu["stack"].qtype
-                    and pu["stack"].expert_ids == ids and pd["stack"].expert_ids == ids):
-                loc = np.full(max(ids) + 1, -1, np.int64)
-                loc[list(ids)] = np.arange(len(ids))
+        one = self.one_stack_each(layer)
+        if one is not None:
+            pg, pu, pd, ids, loc = one
+            if "lin" in pg and "lin" in pu and "lin" in pd and pg["stack"].qtype == pu["stack"].qtype:
                 got = (pg["lin"], pu["lin"], pd["lin"], torch.from_numpy(loc).to(self.device), loc)
         self._gemv[layer] = got
         return got

@@ -13,10 +13,6 @@ the float32 ``tl.dot`` kernels of ``moe_triton`` (``CudaOwner.fast_device``).
 
 from __future__ import annotations
 
-import numpy as np
-
-PROJS = ("gate", "up", "down")
-
 
 class PrefillMixin:
     """Tensor-core prefill on the plane layout; needs CudaOwner's residency."""
@@ -44,19 +40,10 @@ class PrefillMixin:
         import torch
 
         got = None
-        stacks = []
-        for proj in PROJS:
-            owners = {v[0].tensor for v in self._where.get((layer, proj), {}).values()}
-            if len(owners) != 1 or next(iter(owners)) not in self._planes:
-                break
-            stacks.append(self._planes[next(iter(owners))])
-        else:
-            pg, pu, pd = stacks
-            ids = pg["stack"].expert_ids
-            if pu["stack"].expert_ids == ids and pd["stack"].expert_ids == ids:
-                loc = np.full(max(ids) + 1, -1, np.int64)
-                loc[list(ids)] = np.arange(len(ids))
-                got = (pg, pu, pd, torch.from_numpy(loc).to(self.device), loc, len(ids))
+        one = self.one_stack_each(layer)
+        if one is not None:
+            pg, pu, pd, ids, loc = one
+            got = (pg, pu, pd, torch.from_numpy(loc).to(self.device), loc, len(ids))
         self._prefill[layer] = got
         return got
 
