@@ -2,7 +2,7 @@
 
 The model is a DS4-Flash-shaped synthetic checkpoint (samples/make_synthetic.py
 --preset ds4-flash-mini, 6 layers of 64 experts); the run happens in a child process so its
-peak RSS (VmHWM) is this run's alone. Its logits are the same bits as an
+peak RSS (VmHWM) above its footprint before the run is this run's alone. Its logits are the same bits as an
 unbounded run in this process. A budget below one layer's need is refused
 before anything runs, naming the layer and the bytes.
 """
@@ -49,14 +49,7 @@ def _float_bytes(w) -> int:
 def test_runs_within_a_budget_its_float_weights_exceed(flash_mini, tmp_path):
     with SourceWeights(flash_mini) as w:
         assert _float_bytes(w) > BUDGET * 1.15
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, str(CHILD), str(flash_mini), str(BUDGET), str(tmp_path / "work")],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["peak_rss"] <= BUDGET, got
-    assert got["plan"]["peak_bytes"] <= BUDGET
-    # the same logits as an unbounded run here (the budget changes where things live, never bits)
+    # an unbounded run here gives the same logits (the budget changes where things live, never bits)
     rng = np.random.default_rng(1)
     sums = []
 
@@ -68,6 +61,16 @@ def test_runs_within_a_budget_its_float_weights_exceed(flash_mini, tmp_path):
         sm = StreamedModel(w)
         seqs = [[int(t) for t in rng.integers(3, w.config.vocab_size, 64)] for _ in range(4)]
         stream_forward(sm, sm.batches(seqs), observer=Keep(), keep_logits=False)
+    # the unbounded run came first: numba's kernels are compiled and cached on disk by
+    # now, so the child's peak is the streamed run's, not a first compile's (a fresh
+    # checkout compiles them once, in whichever process runs first)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, str(CHILD), str(flash_mini), str(BUDGET), str(tmp_path / "work")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["peak_rss"] - got["base_rss"] <= BUDGET, got
+    assert got["plan"]["peak_bytes"] <= BUDGET
     assert sums == got["sums"]
 
 
