@@ -21,7 +21,9 @@ from ds4quant.cli.output import emit_json
 @click.option("--owner", "owners", multiple=True, metavar="NAME",
               help="Local owner(s) of each rank, {local_rank} substituted (default: the placement's).")
 @click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True)
-@click.option("--launcher", type=click.Choice(["torchrun", "spawn"]), default="torchrun", show_default=True)
+@click.option("--launcher", type=click.Choice(["spawn", "torchrun"]), default="spawn", show_default=True,
+              help="spawn: one child per rank, nothing listens beyond loopback; torchrun: torch's agent "
+                   "store also listens on every interface while the run lasts (docs/cluster-security.md).")
 @click.option("--timeout", type=float, default=120.0, show_default=True,
               help="Seconds a collective may wait for a peer before every rank fails.")
 @click.option("--no-verify-payloads", "no_verify", is_flag=True,
