@@ -31,3 +31,14 @@ def test_row_rule():
     assert row_rule_problem("rocmfp2_mix", 256) is None and row_rule_problem("rocmfp3", 32) is None
     assert "multiple of 32" in row_rule_problem("rocmfp3", 48)
     assert row_rule_problem("q4_k", 7) is None  # standard ggml types: the reader holds them to their block
+
+
+def test_no_engine_claims_a_tensor_whose_rows_break_its_rule():
+    from ds4quant.artifact.runtimes import Tensor, decide
+
+    good = decide({}, {"t": Tensor("rocmfp3", (64, 2))})
+    assert "ds4quant" in good.runtimes
+    bad = decide({}, {"t": Tensor("rocmfp3", (48, 2)), "u": Tensor("rocmfp3", (64, 2))})
+    assert bad.runtimes == ()
+    assert all(why[0].startswith("tensor t: ne[0] = 48") for why in bad.excluded.values())
+    assert "ds4quant" in bad.excluded

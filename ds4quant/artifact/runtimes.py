@@ -157,6 +157,19 @@ def _qtype_problems(tensors: Mapping[str, Tensor], ok: Callable[[object], bool],
     return [f"{len(ns)} tensor(s) of type {q} (e.g. {ns[0]}): {who} has no such type" for q, ns in sorted(bad.items())]
 
 
+def _row_problems(tensors: Mapping[str, Tensor]) -> list[str]:
+    """Tensors whose row length breaks their qtype's row rule: their byte size cannot
+    match what the codec decodes, so no engine (ds4quant's included) loads them."""
+    from ds4quant.artifact.qtypes import row_rule_problem
+
+    out = []
+    for n, t in tensors.items():
+        why = row_rule_problem(t.qtype, t.shape[0]) if t.shape else None
+        if why:
+            out.append(f"tensor {n}: {why}")
+    return out
+
+
 def _compact_problems(tensors: Mapping[str, Tensor]) -> list[str]:
     n = [k for k, t in tensors.items() if t.compact]
     return [f"{len(n)} compact per-expert stack(s) (e.g. {n[0]}): ds4quant's own layout"] if n else []
@@ -225,8 +238,11 @@ def decide(kv: Mapping, tensors: Mapping[str, "Tensor | tuple"], books: Optional
     books = books or LuceboxBooks()
     runtimes: list[str] = []
     excluded: dict[str, tuple[str, ...]] = {}
+    rows = tuple(_row_problems(ts))
     for name, rule in ENGINES.items():
         got, why = rule(kv, ts, books)
+        if rows:
+            got, why = (), rows + tuple(why)
         runtimes += got
         if not got:
             excluded[name] = why or ("no tensors",)
