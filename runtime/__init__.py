@@ -57,7 +57,7 @@ def __dir__() -> list[str]:
 
 def load(artifact, placement: Any = None, mode: "Mode | str" = Mode.EXACT,
          owners: Optional[Mapping[str, object]] = None, recorder=None, overlap: bool = False,
-         cluster: "Optional[ClusterOptions]" = None, verify_payloads: bool = True) -> "Executor":
+         cluster: "Optional[ClusterOptions]" = None, verify_payloads: bool = True, progress=None) -> "Executor":
     """Load ``artifact`` (folder, .gguf, first split, or an open view) onto ``placement``.
 
     placement: None (one CPU owner, ``cpu:0``), a placement file path, a
@@ -70,8 +70,9 @@ def load(artifact, placement: Any = None, mode: "Mode | str" = Mode.EXACT,
     every file the runtime may read (expert, router, shared-expert and other
     dense payloads, codebook tables) against ``manifest.json`` first and refuse
     a mismatch naming the tensor (``runtime.integrity``); False only for a
-    folder the caller has checked itself (``ds4quant verify``). Returns an
-    ``Executor`` (a context manager).
+    folder the caller has checked itself (``ds4quant verify``); progress: a
+    ProgressFn for that check (``ds4quant.progress``). Returns an ``Executor``
+    (a context manager).
     """
     mode = Mode.parse(mode)
     own_view = not hasattr(artifact, "expert_data")
@@ -88,7 +89,7 @@ def load(artifact, placement: Any = None, mode: "Mode | str" = Mode.EXACT,
         check_structure(view)  # before anything sizes a table from the keys
         plc = as_placement(placement, view)
         if verify_payloads:
-            check_payloads(view)
+            check_payloads(view, progress=progress)
         if plc.ranks is None:
             if cluster is not None:
                 raise BadInputError("cluster options need a placement that records ranks (ds4quant place --ranks N)",

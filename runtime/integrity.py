@@ -124,11 +124,14 @@ def _damaged_tensors(view, path: Path, want_t: Mapping[str, str], pool: ThreadPo
     return [n for (n, _), sha in zip(todo, got) if sha != want_t[n]]
 
 
-def check_payloads(view, threads: Optional[int] = None, files: Optional[Sequence[Path]] = None) -> None:
+def check_payloads(view, threads: Optional[int] = None, files: Optional[Sequence[Path]] = None,
+                   progress=None) -> None:
     """Refuse (IntegrityError, one line naming the damaged tensors, or the file
     and the codebook tables of its header) unless every file of ``view`` the
     runtime may read hashes to the recorded sha256. threads: default
-    min(files, cores); files: a subset (default all)."""
+    min(files, cores); files: a subset (default all); progress: a ProgressFn
+    told of each hashed file (stage "payload check", its bytes the work), since
+    a DS4 Flash artifact takes tens of seconds."""
     source, want_f, want_t = expected_hashes(view)
     paths = list(files) if files is not None else _files(view)
     unlisted = [view.rel(p) for p in paths if view.rel(p) not in want_f]
@@ -137,7 +140,10 @@ def check_payloads(view, threads: Optional[int] = None, files: Optional[Sequence
                              where=unlisted[0], hint=f"verify the folder yourself, then load it unchecked: {OPT_OUT}")
     n = max(1, min(len(paths), threads or (os.cpu_count() or 1)))
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="ds4q-hash") as pool:
-        have = list(pool.map(hash_file, paths))
+        if progress is None:
+            have = list(pool.map(hash_file, paths))
+        else:
+            have = _hash_with_progress(pool, paths, view, progress)
         bad = [p for p, sha in zip(paths, have) if sha != want_f[view.rel(p)]]
         if not bad:
             return
@@ -156,6 +162,25 @@ def check_payloads(view, threads: Optional[int] = None, files: Optional[Sequence
             else "its header (metadata keys)" if split is not None else "the codebook sidecar")
     raise IntegrityError(f"sha256 differs from {source}'s while every tensor payload matches: {what} is damaged, "
                          "nothing was loaded", where=where, hint="fetch or convert it again")
+
+
+def _hash_with_progress(pool: ThreadPoolExecutor, paths: Sequence[Path], view, progress) -> list[str]:
+    """``hash_file`` of every path on the pool, in path order, one STEP event per
+    finished file (in the order they finish)."""
+    from concurrent.futures import as_completed
+
+    from ds4quant.progress import Meter
+
+    sizes = [os.path.getsize(p) for p in paths]
+    meter = Meter("payload check", total=len(paths), unit="file", total_work=float(sum(sizes)) or 1.0)
+    futures = {pool.submit(hash_file, p): k for k, p in enumerate(paths)}
+    have: list[str] = [""] * len(paths)
+    for f in as_completed(futures):
+        k = futures[f]
+        have[k] = f.result()
+        progress(meter.step(view.rel(paths[k]), work=float(sizes[k]), bytes=sizes[k]))
+    progress(meter.finish())
+    return have
 
 
 def check_structure(view) -> None:

@@ -6,7 +6,7 @@ import click
 
 from ds4quant.cli.group import cli
 from ds4quant.cli.options import PATH, json_option, mode_option
-from ds4quant.cli.output import emit_json
+from ds4quant.cli.output import command_progress, emit_json
 
 
 @cli.command("run")
@@ -43,7 +43,7 @@ def run_cmd(artifact, ranks, placement, tokens, seed, layers, mode, owners, back
             raise click.BadParameter("must be comma-separated layer numbers", param_hint="--layers") from None
     run = run_cluster_layers(artifact, placement, tokens=tokens, n_ranks=ranks, mode=mode, timeout_s=timeout,
                              layers=lay, owners=list(owners) or None, backend=backend, launcher=launcher, seed=seed,
-                             verify_payloads=not no_verify)
+                             verify_payloads=not no_verify, progress=command_progress(as_json))
     j = run.to_json()
     if out:
         from ds4quant.artifact.atomic import atomic_write_bytes, json_bytes

@@ -89,11 +89,13 @@ def _np32(x) -> np.ndarray:
 def run_cluster_jobs(jobs: Sequence[Mapping[str, Any]], n_ranks: int, hidden_by_layer=None, tokens=None, *,
                      token_ids=None, routing=None, seed: int = 0, timeout_s: float = 60, backend: str = "gloo",
                      launcher: str = "spawn", env: Optional[Mapping[str, str]] = None,
-                     threads: Optional[int] = None, rank_jobs=None, verify_payloads: bool = True) -> list[ClusterRun]:
+                     threads: Optional[int] = None, rank_jobs=None, verify_payloads: bool = True,
+                     progress=None) -> list[ClusterRun]:
     """Several jobs ({artifact, placement, mode, layers, owners, holdings}) in
     one process group (one start-up for many placements); see run_cluster_layers.
     verify_payloads: hash each artifact's files against its manifest here, once,
-    before any rank starts (``runtime.integrity``); False: the caller checked them."""
+    before any rank starts (``runtime.integrity``; ``progress`` is told of each file);
+    False: the caller checked them."""
     if backend not in ("gloo", "nccl"):
         raise BadInputError(f"must be gloo or nccl, got {backend!r}", where="--backend")
     clean = []
@@ -110,7 +112,7 @@ def run_cluster_jobs(jobs: Sequence[Mapping[str, Any]], n_ranks: int, hidden_by_
 
         for art in dict.fromkeys(j["artifact"] for j in clean):
             with open_artifact(art) as v:
-                check_payloads(v)
+                check_payloads(v, progress=progress)
     fields, arrays = _inputs(hidden_by_layer, tokens, token_ids, routing, seed)
     t0 = time.perf_counter()
     res = launch({"jobs": clean, "backend": backend, **fields}, n_ranks, inputs=arrays, timeout_s=timeout_s,

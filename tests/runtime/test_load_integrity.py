@@ -167,3 +167,18 @@ def test_ds4quant_run_refuses_a_damaged_artifact_in_one_line_before_any_rank_sta
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     last = res.output.strip().splitlines()
     assert len(last) == 1 and RESIDENT[3] in last[0], res.output
+
+
+def test_the_payload_check_reports_each_file_it_hashes(mix_art):
+    from ds4quant.progress import EventKind
+
+    events = []
+    with runtime.load(mix_art, progress=events.append) as rt:
+        assert rt is not None
+    steps = [e for e in events if e.kind is EventKind.STEP]
+    with open_artifact(mix_art) as v:
+        n_files = len(v.gguf.splits) + len(list(Path(mix_art).glob("*.bin")))
+    assert {e.stage for e in events} == {"payload check"}
+    assert len(steps) == steps[-1].total >= len(v.gguf.splits) and n_files >= len(v.gguf.splits)
+    assert sum(e.detail["bytes"] for e in steps) > 0
+    assert events[-1].kind is EventKind.DONE
