@@ -229,10 +229,38 @@ def _try_lock_dir(folder: Path) -> Optional[int]:
     return fd
 
 
-def clear_stale_partials(out: PathLike) -> tuple[StalePartial, ...]:
+def _settle_old(out: Path, old: Path, pid: int, may_remove_old) -> StalePartial:
+    if old.is_symlink() or not old.is_dir():
+        return StalePartial(old, False, "not a folder a replace moved aside; not removed")
+    if pid != os.getpid() and _pid_alive(pid):
+        return StalePartial(old, False, f"pid {pid} is still replacing {out.name}")
+    if not os.path.lexists(out):
+        try:
+            os.rename(old, out)
+        except OSError as e:
+            return StalePartial(old, False, f"cannot move it back to {out.name} ({e.strerror})")
+        return StalePartial(old, False, f"moved back to {out.name}: the replace by pid {pid} was killed before "
+                                        "the new folder came in")
+    why = may_remove_old(old) if may_remove_old is not None else "no rule says it may be removed"
+    if why:
+        return StalePartial(old, False, f"the folder an interrupted replace moved aside; not removed: {why}")
+    try:
+        shutil.rmtree(old)
+    except OSError as e:
+        return StalePartial(old, False, f"cannot remove it ({e.strerror})")
+    return StalePartial(old, True, f"the earlier folder a finished replace by pid {pid} (gone) left aside")
+
+
+def clear_stale_partials(out: PathLike,
+                         may_remove_old: Optional[Callable[[Path], Optional[str]]] = None) -> tuple[StalePartial, ...]:
     """Find ``OUT.partial-<pid>`` folders beside ``out``: remove each one a build marked as its
-    own whose pid is dead and whose lock is free; report every other one (in use, or not ours),
-    and any ``OUT.old-<pid>`` a replace killed between its renames left (a whole earlier folder)."""
+    own whose pid is dead and whose lock is free; report every other one (in use, or not ours).
+
+    An ``OUT.old-<pid>`` is the whole earlier folder a replace killed between its two renames
+    had moved aside (``publish_dir``). With its pid gone: when ``OUT`` is missing (killed before
+    the new folder came in) it is renamed back to ``OUT``; when ``OUT`` is there (the new folder
+    came in) it is removed if ``may_remove_old(old)`` gives no reason against it (the caller's
+    rule for what it may replace), else reported."""
     out = Path(out)
     found = []
     if not out.parent.is_dir():
@@ -240,8 +268,7 @@ def clear_stale_partials(out: PathLike) -> tuple[StalePartial, ...]:
     prefix = f"{out.name}.partial-"
     for p in sorted(out.parent.iterdir()):
         if p.name.startswith(f"{out.name}.old-") and p.name[len(out.name) + 5:].isdigit():
-            # the earlier folder a run killed between its two renames had moved aside: whole, so kept
-            found.append(StalePartial(p, False, "the folder an interrupted replace moved aside; not removed"))
+            found.append(_settle_old(out, p, int(p.name[len(out.name) + 5:]), may_remove_old))
             continue
         if not p.name.startswith(prefix):
             continue

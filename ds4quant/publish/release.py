@@ -112,7 +112,7 @@ def publish(
         raise BadInputError("publish takes an artifact folder (GGUF + manifest.json)", where=str(art),
                             hint="convert writes one: ds4quant convert SRC OUTDIR")
     out = check_release_folder(outdir, art, source=source, imatrix=imatrix, overwrite=overwrite)
-    stale = clear_stale_partials(out)
+    stale = clear_stale_partials(out, may_remove_old=lambda o: _not_replaceable(o, (art, source, imatrix)))
     rep = verify(art, source=source, imatrix=imatrix, threshold_db=threshold_db, fidelity=fidelity,
                  protocol=protocol, mode=mode, progress=progress, reference=reference)
     if not rep.ok:

@@ -202,8 +202,33 @@ def test_a_partial_in_use_or_not_marked_is_left_and_reported(tmp_path):
         live.kill()
         live.wait()
     # the pid gone, its marked partial is a killed build's leftover
-    (tmp_path / "rel.old-77").mkdir()  # what a replace killed between its two renames leaves
+    old = tmp_path / f"rel.old-{_dead_pid()}"  # what a replace killed between its two renames leaves
+    old.mkdir()
     found = {p.path.name: p for p in clear_stale_partials(out)}
     assert found[alive.name].removed and not alive.exists()
     assert not found["rel.partial-1"].removed and unmarked.is_dir()
-    assert not found["rel.old-77"].removed and "moved aside" in found["rel.old-77"].why
+    assert not found[old.name].removed and "moved aside" in found[old.name].why and old.is_dir()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_replace_killed_between_its_renames_is_settled(tmp_path):
+    out = tmp_path / "rel"
+    # killed before the new folder came in: the earlier release goes back in place
+    old = tmp_path / f"rel.old-{_dead_pid()}"
+    old.mkdir()
+    (old / "card").write_text("earlier release")
+    found = clear_stale_partials(out, may_remove_old=lambda o: None)
+    assert (out / "card").read_text() == "earlier release" and not old.exists()
+    assert "moved back" in found[0].why
+    # killed after it came in: the earlier one is removed only when the caller's rule allows it
+    old.mkdir()
+    (old / "card").write_text("earlier release")
+    kept = clear_stale_partials(out, may_remove_old=lambda o: "holds files publish did not write")
+    assert old.is_dir() and not kept[0].removed and "did not write" in kept[0].why
+    gone = clear_stale_partials(out, may_remove_old=lambda o: None)
+    assert gone[0].removed and not old.exists() and (out / "card").is_file()
