@@ -312,65 +312,74 @@ def calibrate(
                "device": stream.device, "sensitivity_method": method.value if sensitivity_seqs else None,
                "sensitivity_seqs": sensitivity_seqs}
     out.mkdir(exist_ok=True)
-    work = out / WORK_DIR_NAME
-    journal = Journal.resume(work, options) if resume else Journal.start(work, options)
-    resumed_at = journal.finished + 1
+    # one calibrate at a time per OUT, as convert: flock locks that die with their holder
+    from ds4quant.convert.outdir import OutLock
 
-    n_layer, n_expert, k = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok
-    hash_layers = tuple(i for i, t in enumerate(cfg.mlp_layer_types) if t == HASH_MOE)
-    sens = make_pass(method, n_layer, sensitivity_seqs) if sensitivity_seqs else None
-    t0 = time.monotonic()
-    meter = meter_for(n_layer, journal, seqs)
-    with stream.open() as sm:
-        res = walk(sm, seqs, journal, sens, stream, meter=meter, progress=progress)
-    if progress is not None:
-        progress(meter.phase("writing files"))
-    tot = Totals(res.layers, res.head, sum(len(s) for s in seqs))
+    lock = OutLock(out, command="calibrate").acquire()
+    finished = False
+    try:
+        work = out / WORK_DIR_NAME
+        journal = Journal.resume(work, options) if resume else Journal.start(work, options)
+        resumed_at = journal.finished + 1
 
-    # Every token fills k slots in every layer; anything else means the hooks missed a call.
-    totals = tot.slots.sum(axis=1)
-    if not np.all(totals == tot.tokens * k) or not np.array_equal(tot.slots, tot.rows):
-        raise RuntimeError(f"calibration bookkeeping failed: slots per layer {totals.tolist()}, "
-                           f"expected {tot.tokens * k}")  # a bug, not user input
+        n_layer, n_expert, k = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok
+        hash_layers = tuple(i for i, t in enumerate(cfg.mlp_layer_types) if t == HASH_MOE)
+        sens = make_pass(method, n_layer, sensitivity_seqs) if sensitivity_seqs else None
+        t0 = time.monotonic()
+        meter = meter_for(n_layer, journal, seqs)
+        with stream.open() as sm:
+            res = walk(sm, seqs, journal, sens, stream, meter=meter, progress=progress)
+        if progress is not None:
+            progress(meter.phase("writing files"))
+        tot = Totals(res.layers, res.head, sum(len(s) for s in seqs))
 
-    im = tot.imatrix([len(s) for s in seqs], tokens_file)
-    profile = RoutingProfile(
-        n_layer, n_expert, k, tot.slots.astype(np.uint64), tokens=tot.tokens,
-        source={"model": src_path.name, "fingerprint": fingerprint, "tokens_file": tokens_file,
-                "tokens_sha256": tokens_sha, "sequences": len(seqs), "hash_layers": list(hash_layers),
-                "reference": "transformers DeepseekV4ForCausalLM fp32 eager, batch 1"},
-    )
-    write_imatrix_gguf(out / IMATRIX_FILE, im)
-    write_imatrix_lucebox(out / IMATRIX_LUCEBOX_FILE, im)
-    write_routing_json(out / ROUTING_JSON, profile)
-    write_routing_csv(out / ROUTING_CSV, profile)
-    files = {"imatrix": IMATRIX_FILE, "imatrix_lucebox": IMATRIX_LUCEBOX_FILE, "routing_csv": ROUTING_CSV,
-             "routing_json": ROUTING_JSON}
-    if sens is not None:
-        from ds4quant.calib.sensitivity import SENSITIVITY_FILE, write_sensitivity
+        # Every token fills k slots in every layer; anything else means the hooks missed a call.
+        totals = tot.slots.sum(axis=1)
+        if not np.all(totals == tot.tokens * k) or not np.array_equal(tot.slots, tot.rows):
+            raise RuntimeError(f"calibration bookkeeping failed: slots per layer {totals.tolist()}, "
+                               f"expected {tot.tokens * k}")  # a bug, not user input
 
-        write_sensitivity(out / SENSITIVITY_FILE,
-                          sens.finish(res.pieces, res.kl_sums, res.sens_tokens, fingerprint, tokens_sha))
-        files["sensitivity"] = SENSITIVITY_FILE
-    seconds = time.monotonic() - t0
+        im = tot.imatrix([len(s) for s in seqs], tokens_file)
+        profile = RoutingProfile(
+            n_layer, n_expert, k, tot.slots.astype(np.uint64), tokens=tot.tokens,
+            source={"model": src_path.name, "fingerprint": fingerprint, "tokens_file": tokens_file,
+                    "tokens_sha256": tokens_sha, "sequences": len(seqs), "hash_layers": list(hash_layers),
+                    "reference": "transformers DeepseekV4ForCausalLM fp32 eager, batch 1"},
+        )
+        write_imatrix_gguf(out / IMATRIX_FILE, im)
+        write_imatrix_lucebox(out / IMATRIX_LUCEBOX_FILE, im)
+        write_routing_json(out / ROUTING_JSON, profile)
+        write_routing_csv(out / ROUTING_CSV, profile)
+        files = {"imatrix": IMATRIX_FILE, "imatrix_lucebox": IMATRIX_LUCEBOX_FILE, "routing_csv": ROUTING_CSV,
+                 "routing_json": ROUTING_JSON}
+        if sens is not None:
+            from ds4quant.calib.sensitivity import SENSITIVITY_FILE, write_sensitivity
 
-    unreached = {}
-    for layer in range(n_layer):
-        never = tuple(int(e) for e in np.nonzero(tot.rows[layer] == 0)[0])
-        for s in SURFACES:
-            unreached[stack_name(layer, s)] = never
-    sha = {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in files.values()}
-    report = CalibrationReport(
-        out_dir=str(out), source=src_path.name, fingerprint=fingerprint, tokens_file=tokens_file,
-        tokens_sha256=tokens_sha, sequences=len(seqs), tokens=tot.tokens, n_layer=n_layer, n_expert=n_expert,
-        n_expert_used=k, hash_layers=hash_layers, unreached=MappingProxyType(unreached),
-        dense_tensors=tuple(sorted(tot.dense)),
-        files=MappingProxyType({**files, "report": REPORT_FILE}),
-        sha256=MappingProxyType(sha), versions=MappingProxyType(versions), seconds=seconds,
-        device=stream.device, resumed_at=resumed_at,
-    )
-    atomic_write_json(out / REPORT_FILE, report.to_json())
-    shutil.rmtree(work, ignore_errors=True)
-    if progress is not None:
-        progress(meter.finish())
-    return report
+            write_sensitivity(out / SENSITIVITY_FILE,
+                              sens.finish(res.pieces, res.kl_sums, res.sens_tokens, fingerprint, tokens_sha))
+            files["sensitivity"] = SENSITIVITY_FILE
+        seconds = time.monotonic() - t0
+
+        unreached = {}
+        for layer in range(n_layer):
+            never = tuple(int(e) for e in np.nonzero(tot.rows[layer] == 0)[0])
+            for s in SURFACES:
+                unreached[stack_name(layer, s)] = never
+        sha = {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in files.values()}
+        report = CalibrationReport(
+            out_dir=str(out), source=src_path.name, fingerprint=fingerprint, tokens_file=tokens_file,
+            tokens_sha256=tokens_sha, sequences=len(seqs), tokens=tot.tokens, n_layer=n_layer, n_expert=n_expert,
+            n_expert_used=k, hash_layers=hash_layers, unreached=MappingProxyType(unreached),
+            dense_tensors=tuple(sorted(tot.dense)),
+            files=MappingProxyType({**files, "report": REPORT_FILE}),
+            sha256=MappingProxyType(sha), versions=MappingProxyType(versions), seconds=seconds,
+            device=stream.device, resumed_at=resumed_at,
+        )
+        atomic_write_json(out / REPORT_FILE, report.to_json())
+        shutil.rmtree(work, ignore_errors=True)
+        if progress is not None:
+            progress(meter.finish())
+        finished = True
+        return report
+    finally:
+        lock.release(remove=finished, remove_created=True)

@@ -117,8 +117,9 @@ class OutLock:
     its pid into a file outside OUTDIR.
     """
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, command: str = "convert"):
         self.out = Path(out)
+        self.command = command  # who holds it, in the messages (calibrate locks its OUT the same way)
         self.path = self.out / LOCK_NAME
         self._fd: Optional[int] = None
         self._dir_fd: Optional[int] = None
@@ -138,14 +139,14 @@ class OutLock:
         return f"pid {pid}" if pid.isdigit() else "another process"
 
     def _busy(self) -> OutputLockedError:
-        return OutputLockedError(f"another convert ({self._holder()}) is writing this folder", where=str(self.out),
+        return OutputLockedError(f"another {self.command} ({self._holder()}) is writing this folder", where=str(self.out),
                                  hint="wait for it to finish, or stop it and rerun with --resume")
 
     def _open_file(self) -> int:
         import stat
 
         if self.path.is_symlink():
-            raise OutputError("the lock file is a symbolic link; convert never follows one (it would write "
+            raise OutputError(f"the lock file is a symbolic link; {self.command} never follows one (it would write "
                               "outside the output folder)", where=str(self.path),
                               hint="remove the link, or choose another output folder")
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -157,7 +158,7 @@ class OutLock:
                 fd = os.open(self.path, flags)
         except OSError as e:
             if e.errno == errno.ELOOP:  # became a link between the check and the open
-                raise OutputError("the lock file is a symbolic link; convert never follows one",
+                raise OutputError(f"the lock file is a symbolic link; {self.command} never follows one",
                                   where=str(self.path)) from None
             raise OutputError(f"cannot create the lock file ({e.strerror})", where=str(self.path)) from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -275,3 +275,15 @@ def test_calibrate_on_cuda_writes_the_files(tiny, tmp_path):
         assert (tmp_path / "g" / f).is_file(), f
     assert (tmp_path / "g" / "routing.csv").read_text().count("\n") > 0
     assert not (tmp_path / "g" / WORK).exists()
+
+
+def test_a_second_calibrate_on_the_same_folder_is_refused_while_one_runs(tmp_path):
+    from ds4quant.convert.outdir import OutLock
+    from ds4quant.errors import OutputLockedError
+
+    out = tmp_path / "calib"
+    out.mkdir()
+    with OutLock(out, command="calibrate"):  # what a running calibrate holds
+        with pytest.raises(OutputLockedError, match="another calibrate"):
+            calibrate(SAMPLES / "ds4-tiny", _tokens(tmp_path, "ds4-tiny"), out)
+    assert not (out / WORK).exists()  # refused before it wrote anything
