@@ -71,7 +71,7 @@ def test_llama_cpp_loads_and_runs_the_artifact(shaped, dense):
 def test_verify_reports_the_engine_beside_the_runtime(shaped, dense):
     src, arts = shaped
     rep = verify(arts[dense], source=src, fidelity=True, engines=("llama.cpp",))
-    f = rep.fidelity
+    f = rep.fidelity.to_json()
     e = f["engines"]["llama.cpp"]
     assert e["engine"] == "llama.cpp" and np.isfinite(e["kl_mean"]) and len(e["response_sha256"]) == 64
     assert e["top1"] >= 0.5, e  # a broken load agrees on ~1/264 of the tokens
@@ -88,8 +88,9 @@ def test_the_copy_sample_runs_in_llama_cpp_as_in_the_reference(tmp_path, dense):
         pytest.skip("samples/ds4-copy is not in llama.cpp's shape (" + "; ".join(v.runtimes_excluded["llama.cpp"])
                     + "): retrain it in DeepSeek-V4's proportions first")
     rep = verify(out, source=COPY, fidelity=True, protocol="exact-copy", engines=("llama.cpp",))
-    e = rep.fidelity["engines"]["llama.cpp"]
+    f = rep.fidelity.to_json()
+    e = f["engines"]["llama.cpp"]
     assert e["top1"] >= 0.95, e
     ec = e["exact_copy"]
     assert ec["passes"] >= ec["reference_passes"] - 1, ec
-    _record(f"copy-{dense}", rep.fidelity)
+    _record(f"copy-{dense}", f)
