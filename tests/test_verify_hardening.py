@@ -183,7 +183,7 @@ def test_runtimes_say_which_lucebox_build_an_artifact_needs():
         kv = {k.key: make_kv(k.value, k.type, k.sub_type) for k in deepseek4_kvs(s.config)}
 
     def rts(*qs, books=LuceboxBooks(), compact=False, header=kv):
-        return decide(header, {f"t{i}": (q, (32,), compact) for i, q in enumerate(qs)}, books)
+        return decide(header, {f"t{i}": (q, (128,), compact) for i, q in enumerate(qs)}, books)
 
     assert rts("rocmfp2", "rocmfp3").runtimes == ("ds4quant", "lucebox")
     # no type 107: builds with and without ROCMFP2_AFFINE both load it
