@@ -332,7 +332,7 @@ def test_a_rank_error_is_named_on_every_rank(arts, inputs, tmp_path):
     assert "rank(s) [1] failed computing their slots" in msg, msg
 
 
-def test_cli_run_starts_torchrun_and_writes_the_result(arts, inputs, tmp_path):
+def test_cli_run_writes_the_result_a_torchrun_command_line_also_gives(arts, inputs, tmp_path):
     from click.testing import CliRunner
 
     from ds4quant.cli import cli
@@ -347,7 +347,7 @@ def test_cli_run_starts_torchrun_and_writes_the_result(arts, inputs, tmp_path):
     j = json.loads(out.read_text())
     assert j["n_ranks"] == 2 and [lay["layer"] for lay in j["layers"]] == [2]
     assert len(j["layers"][0]["sha256"]) == 64 and "sha256" in r.output
-    # the same run as the documented torchrun command line: the same bytes
+    # the same run as the documented torchrun command line (a torchrun the user starts): the same bytes
     import subprocess
     import sys
 

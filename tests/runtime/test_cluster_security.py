@@ -8,7 +8,9 @@
 - no pickled object crosses between ranks: the object collectives are made to
   raise in every rank (a sitecustomize on the ranks' path) and runs still pass;
 - a failure on rank 0 itself is reported (its own status row is read), and a
-  rank's failure under torchrun names the rank and its error.
+  rank's failure under torchrun names the rank and its error;
+- ``ds4quant run`` spawns its ranks unless asked for torchrun, whose agent store
+  listens on every interface: nothing of a default run listens beyond loopback.
 """
 
 from __future__ import annotations
@@ -232,6 +234,57 @@ def test_killing_the_caller_takes_the_ranks_and_the_folder_within_the_timeout(ar
                 os.kill(pid, signal.SIGKILL)  # only what this test started (found by its own folder)
             except ProcessLookupError:
                 pass
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (by parent pid)."""
+    kids: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(p.name))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += kids.get(out[-1], [])
+    return out
+
+
+def test_ds4quant_run_by_default_listens_on_loopback_only(art, placement, own_tmp):
+    """The command line's default launcher is spawn: no process of the run (the command,
+    its ranks, or a torchrun between them) listens beyond loopback. Under ``--launcher
+    torchrun`` torch's agent store would (docs/cluster-security.md)."""
+    env = {**os.environ, "TMPDIR": str(own_tmp), "OMP_NUM_THREADS": "1", FAULT_ENV: "1:2:hang"}
+    cmd = [sys.executable, "-m", "ds4quant", "run", str(art), "--ranks", "2", "--placement", str(placement),
+           "--layers", "2", "--timeout", str(TIMEOUT), "--no-verify-payloads"]
+    home = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        # rank 1 hangs on layer 2, so the run holds its sockets until it is killed
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(_rank_pids(own_tmp)) < 2:
+            time.sleep(0.2)
+        assert len(_rank_pids(own_tmp)) == 2
+        time.sleep(1.0)  # past the rendezvous: the store and gloo's listeners are up
+        pids = _tree(home.pid)
+        socks = _listening(pids)
+        assert socks and all(is_loopback(a) for _, a in socks), socks
+        assert not any(b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes() for p in pids
+                       if Path(f"/proc/{p}").exists())
+    finally:
+        home.kill()
+        home.wait(timeout=10)
+        until = time.monotonic() + TIMEOUT
+        while time.monotonic() < until and _mine(own_tmp) != ([], []):
+            time.sleep(0.2)
+        for pid in _mine(own_tmp)[0]:
+            try:
+                os.kill(pid, signal.SIGKILL)  # only what this test started (found by its own folder)
+            except ProcessLookupError:
+                pass
+    assert _mine(own_tmp) == ([], [])
 
 
 def test_the_worker_channel_is_anonymous_and_only_the_parent_holds_its_other_end():
