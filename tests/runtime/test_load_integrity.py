@@ -152,7 +152,8 @@ def test_a_foreign_placement_is_refused_by_load_and_by_place_check(mix_art, tmp_
     assert res.exit_code == 2 and by_load.value.one_line() in res.output, res.output
 
 
-def test_ds4quant_run_refuses_a_damaged_artifact_in_one_line_before_any_rank_starts(mix_art, tmp_path):
+def _damaged_run(mix_art: Path, tmp_path: Path) -> list[str]:
+    """``ds4quant run`` arguments for a copy of ``mix_art`` with a flipped router byte."""
     from ds4quant.calib.routing import read_routing
     from ds4quant.runtime.planning import plan_ranks
 
@@ -163,7 +164,11 @@ def test_ds4quant_run_refuses_a_damaged_artifact_in_one_line_before_any_rank_sta
         read_routing(ROOT / "samples" / "ds4-tiny-calib" / "routing.csv"), 2, "uniform", 0, owner="torch-cpu:0",
         artifact=fp))
     _flip(_gguf(art), _tensor_offset(art, RESIDENT[3]))
-    res = CliRunner().invoke(cli, ["run", str(art), "--ranks", "2", "--placement", str(plc), "--launcher", "spawn"])
+    return ["run", str(art), "--ranks", "2", "--placement", str(plc)]
+
+
+def test_ds4quant_run_refuses_a_damaged_artifact_in_one_line_before_any_rank_starts(mix_art, tmp_path):
+    res = CliRunner().invoke(cli, _damaged_run(mix_art, tmp_path))
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     last = res.output.strip().splitlines()
     assert len(last) == 1 and RESIDENT[3] in last[0], res.output
@@ -182,3 +187,21 @@ def test_the_payload_check_reports_each_file_it_hashes(mix_art):
     assert len(steps) == steps[-1].total >= len(v.gguf.splits) and n_files >= len(v.gguf.splits)
     assert sum(e.detail["bytes"] for e in steps) > 0
     assert events[-1].kind is EventKind.DONE
+
+
+def test_ds4quant_run_shows_the_payload_check_on_a_terminal_and_nothing_under_json(mix_art, tmp_path, monkeypatch):
+    from ds4quant.cli import output
+
+    args = _damaged_run(mix_art, tmp_path)  # refused after the check, before any rank starts
+    with open_artifact(Path(args[1])) as v:
+        n = len(v.gguf.splits) + len(list(Path(args[1]).glob("*.bin")))
+    monkeypatch.setattr(output, "stderr_is_tty", lambda: True)
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    err = res.stderr.splitlines()
+    steps = [ln for ln in err if ln.startswith("[payload check ")]
+    assert len(steps) == n and steps[-1].startswith(f"[payload check {n}/{n} file]"), err
+    assert all("ETA" in ln for ln in steps), err
+    assert "[payload check] done" in res.stderr and RESIDENT[3] in err[-1]
+    res = CliRunner().invoke(cli, [*args, "--json"])
+    assert res.exit_code == 2 and "payload check" not in res.output, res.output
