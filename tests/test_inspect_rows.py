@@ -7,6 +7,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from ds4quant.artifact.qtypes import row_rule_problem
+from ds4quant.artifact.view import open_artifact
 from ds4quant.cli import cli
 from ds4quant.verify import verify
 from tests.artifact.hostile import ROCMFP2_MIX, RawTensor, _with_tensors
@@ -22,6 +23,9 @@ def test_inspect_refuses_a_row_its_qtype_cannot_hold_and_verify_agrees(tmp_path)
     assert "128" in lines[0] and "rocmfp2_mix" in lines[0]
     shapes = [c for c in verify(bad).failed if c.name == "shapes"]
     assert [c.detail for c in shapes] == [row_rule_problem("rocmfp2_mix", 32)]
+    # nor does the view list an engine that could load it: ds4quant is excluded with the reason
+    with open_artifact(bad) as v:
+        assert v.runtimes == () and v.runtimes_excluded["ds4quant"][0].startswith("tensor t: ne[0] = 32")
     good = tmp_path / "good.gguf"
     good.write_bytes(_with_tensors(RawTensor("t", [128, 2], ROCMFP2_MIX, 0)))
     assert CliRunner().invoke(cli, ["inspect", str(good)]).exit_code == 0
