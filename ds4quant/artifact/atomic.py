@@ -309,6 +309,11 @@ def clear_stale_partials(out: PathLike,
     return tuple(found)
 
 
+def _unmark(partial: Path) -> None:
+    os.unlink(partial / PARTIAL_MARK)
+    fsync_dir(partial)  # a crash must not bring the mark back inside the finished folder
+
+
 @contextlib.contextmanager
 def publish_dir(out: PathLike, *, overwrite: bool = False,
                 may_replace: Optional[Callable[[Path], Optional[str]]] = None) -> Iterator[Path]:
@@ -345,22 +350,27 @@ def publish_dir(out: PathLike, *, overwrite: bool = False,
         with os.fdopen(fd, "w", encoding="ascii") as f:
             f.write(f"{os.getpid()}\n")
         yield partial
-        os.unlink(partial / PARTIAL_MARK)
         _fsync_tree(partial)
         _check_target(out, overwrite, may_replace)
+        # The mark leaves the partial only just before its own rename: a run killed after
+        # moving OUT aside leaves a marked partial the next run removes (and OUT.old-<pid>,
+        # which it moves back), not a finished but unmarked folder nobody may remove.
         if out.exists():
             if any(out.iterdir()):
                 old = out.with_name(f"{out.name}.old-{os.getpid()}")
                 if old.exists():
                     shutil.rmtree(old)
                 os.replace(out, old)
+                _unmark(partial)
                 os.replace(partial, out)
                 fsync_dir(out.parent)
                 shutil.rmtree(old)
             else:
                 out.rmdir()
+                _unmark(partial)
                 os.replace(partial, out)
         else:
+            _unmark(partial)
             os.replace(partial, out)
         fsync_dir(out.parent)
     except BaseException:

@@ -3,7 +3,9 @@ wrote, and a killed publish's half-made folder is cleaned up (or reported) by th
 
 Each test fails on the code before the fix: ``--force`` deleted the artifact when OUT held it and
 the checkpoint when OUT was ``--source``; ``publish ART . --force`` was a traceback; a foreign
-folder was emptied by ``--force``; ``OUT.partial-<pid>`` of a killed run stayed forever.
+folder was emptied by ``--force``; ``OUT.partial-<pid>`` of a killed run stayed forever; a
+``--force`` replace killed between its renames left ``OUT.old-<pid>`` (reported, never removed)
+and a finished but unmarked partial.
 """
 
 from __future__ import annotations
@@ -232,3 +234,69 @@ def test_a_replace_killed_between_its_renames_is_settled(tmp_path):
     assert old.is_dir() and not kept[0].removed and "did not write" in kept[0].why
     gone = clear_stale_partials(out, may_remove_old=lambda o: None)
     assert gone[0].removed and not old.exists() and (out / "card").is_file()
+
+
+_KILLED_REPLACE = """
+import os, shutil, signal, sys
+from ds4quant.publish import publish
+art, out, when = sys.argv[1:]
+publish(art, out)  # the earlier release
+real_replace, real_rmtree = os.replace, shutil.rmtree
+def replace(src, dst):
+    real_replace(src, dst)
+    if when == "aside" and ".old-" in os.fspath(dst):
+        os.kill(os.getpid(), signal.SIGKILL)  # the earlier release moved aside, the new one not in yet
+def rmtree(path, *a, **k):
+    if when == "came-in" and ".old-" in os.fspath(path) and os.path.exists(path):
+        os.kill(os.getpid(), signal.SIGKILL)  # the new release in, the earlier one not yet removed
+    real_rmtree(path, *a, **k)
+os.replace, shutil.rmtree = replace, rmtree
+publish(art, out, overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["aside", "came-in"])
+def test_a_publish_killed_mid_replace_is_settled_by_the_next_run(world, tmp_path, when):
+    art, out = world / "art", tmp_path / "rel"
+    res = subprocess.run([sys.executable, "-c", _KILLED_REPLACE, str(art), str(out), when], cwd=REPO,
+                         capture_output=True, timeout=300)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    old = [p for p in tmp_path.iterdir() if p.name.startswith("rel.old-")]
+    assert len(old) == 1 and (old[0] / SUMS_NAME).is_file() and out.is_dir() == (when == "came-in")
+    rep = publish(art, out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rel"]
+    if when == "aside":
+        # the earlier release went back in place (then this run replaced it); the new one,
+        # still marked as the killed run's partial, was removed
+        partial = old[0].with_name(old[0].name.replace(".old-", ".partial-"))
+        assert len(rep.stale) == 2 and rep.stale[0].startswith(f"left {old[0]}: moved back to rel"), rep.stale
+        assert rep.stale[1].startswith(f"removed {partial}: a killed build's leftover"), rep.stale
+    else:  # its pid is gone and it is a release publish wrote: removed
+        assert len(rep.stale) == 1 and rep.stale[0].startswith(f"removed {old[0]}"), rep.stale
+    (tmp_path / "fresh").mkdir()
+    publish(art, tmp_path / "fresh" / "rel")  # the release names its folder: the same name
+    assert _tree(out) == _tree(tmp_path / "fresh" / "rel")
+
+
+def test_an_old_folder_publish_did_not_write_or_whose_pid_runs_is_reported_not_removed(world, tmp_path):
+    art, out = world / "art", tmp_path / "rel"
+    publish(art, out)
+    foreign = tmp_path / f"rel.old-{_dead_pid()}"  # the name, but not a release publish wrote
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy = tmp_path / f"rel.old-{live.pid}"  # a release publish wrote, but its pid still runs
+        shutil.copytree(out, busy)
+        rep = publish(art, out, overwrite=True)
+        why = {line.split(": ", 1)[0]: line for line in rep.stale}
+        assert why[f"left {foreign}"].endswith("not removed: it has no SHA256SUMS, so it is no release publish wrote")
+        assert why[f"left {busy}"].endswith(f"pid {live.pid} is still replacing rel")
+        assert (foreign / "notes.txt").read_text() == "mine" and (busy / SUMS_NAME).is_file()
+    finally:
+        live.kill()
+        live.wait()
+    # its pid gone, the release beside OUT is removed by the next publish; the foreign folder stays
+    rep = publish(art, out, overwrite=True)
+    assert not busy.exists() and any(line.startswith(f"removed {busy}") for line in rep.stale)
+    assert (foreign / "notes.txt").read_text() == "mine"
