@@ -6,6 +6,8 @@
 # local disk, then the streamed reference pass (calibrate-like observer) and the streamed candidate
 # pass with --device cuda, uniform convert and adaptive convert --device cuda, each in its own child:
 # seconds per layer, peak host RSS, peak GPU memory, and the projection to 43 layers.
+# SKIP=adaptive (steps to skip), EXPERTS=N (fewer routed experts), SOURCE=DIR (an existing slice), KEEP=1 (keep
+# /tmp/scaleN for a next call on the same warm machine).
 # Everything that comes back is under $OUT (one JSON and one text file per N, device.txt).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -16,11 +18,13 @@ for p in formats codebooks runtime; do [ -e "ds4quant/$p" ] || ln -s "../$p" "ds
   python3 -c "import torch, sys, os; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'cores', os.cpu_count())"
   grep -m1 "model name" /proc/cpuinfo; git log -1 --format=%h 2>/dev/null; df -h /tmp | tail -1; free -g | head -2; } > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
+CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -E 'H100|H200|MI300X' | tr A-Z a-z)}
 for N in ${LAYERS:-2 4}; do
   t0=$(date +%s)
   timeout "${T_EACH:-3000}" python3 benchmarks/scale.py --layers "$N" --seqs "${SEQS:-64}" --tokens "${TOKENS:-2048}" \
       --device "${DEVICE:-cuda}" --max-memory "${MAXMEM:-32G}" --adaptive-candidates "${CANDIDATES:-default}" \
-      --work "/tmp/scale$N" --json-out "$OUT/scale_flash${N}_h200.json" > "$OUT/scale_flash${N}_h200.txt" 2>&1
-  echo "N=$N rc=$? $(( $(date +%s) - t0 )) s"; tail -12 "$OUT/scale_flash${N}_h200.txt"
-  rm -rf "/tmp/scale$N"
+      ${SKIP:+--skip "$SKIP"} ${EXPERTS:+--experts "$EXPERTS"} ${SOURCE:+--source "$SOURCE"} \
+      --work "/tmp/scale$N" --json-out "$OUT/scale_flash${N}_${CARD:-gpu}.json" > "$OUT/scale_flash${N}_${CARD:-gpu}.txt" 2>&1
+  echo "N=$N rc=$? $(( $(date +%s) - t0 )) s"; tail -40 "$OUT/scale_flash${N}_${CARD:-gpu}.txt"
+  [ "${KEEP:-0}" = 1 ] || rm -rf "/tmp/scale$N"
 done

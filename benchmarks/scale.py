@@ -242,6 +242,12 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     me = [sys.executable, str(Path(__file__).resolve())]
     skip = {s for s in a.skip.split(",") if s}
+
+    def save_partial() -> None:
+        # a run cut off by its time limit still leaves every finished step's figures behind
+        if a.json_out:
+            Path(a.json_out).write_text(json.dumps(dict(res, partial=True), indent=2) + "\n")
+
     res: dict = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
                  "settings": {k: v for k, v in vars(a).items() if k not in ("child", "artifact", "out", "extra")}}
     try:
@@ -255,6 +261,7 @@ def main(argv=None) -> int:
                             "--force"] + (["--experts", str(a.experts)] if a.experts else []),
                            check=True, env=env, stdout=subprocess.DEVNULL)
             res["generate_seconds"] = time.perf_counter() - t0
+            save_partial()
         res["source_bytes"] = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
         common = ["--source", str(src), "--seqs", str(a.seqs), "--tokens", str(a.tokens), "--device", a.device,
@@ -266,11 +273,14 @@ def main(argv=None) -> int:
         uni = work / "uniform"
         if "reference" not in skip:
             res["reference"] = _run(me + ["--child", "stream"] + common, env)
+            save_partial()
         if "uniform" not in skip:
             res["uniform_convert"] = _run(me + ["--child", "convert", "--source", str(src), "--out", str(uni),
                                                 "--recipe", a.recipe], env)
+            save_partial()
         if "candidate" not in skip and (uni / "..").exists() and any(uni.glob("*.gguf")):
             res["candidate"] = _run(me + ["--child", "stream", "--artifact", str(uni)] + common, env)
+            save_partial()
         if "adaptive" not in skip:
             extra = ["--target-bpw", a.target_bpw]
             if a.adaptive_candidates != "default":
