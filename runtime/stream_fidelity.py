@@ -31,13 +31,19 @@ class _Hooks(Observer):
     """Per layer: stable indexer ties, the routing shortcut, the routed-output hash,
     and the logits kept at the wanted positions."""
 
-    def __init__(self, want: Mapping[int, list], experts_per_token=None, drop=None):
+    def __init__(self, want: Mapping[int, list], experts_per_token=None, drop=None, moe=None):
         self.want = want  # batch index -> [(row, position)]
         self.kept: dict = {}
         self.routed = hashlib.sha256()
         self.k, self.drop = experts_per_token, drop
+        self.moe = moe  # a MoeTrace: record the MoE blocks (reference) or compare with them (candidate)
+        self._batch = 0
+        self._quiet = False  # set while the MoE trace re-runs a block: its calls are no part of the pass
         self._open: list = []
         self._handles: list = []
+
+    def on_batch_start(self, layer: int, index: int, batch, hidden) -> None:
+        self._batch = index
 
     def on_layer_start(self, layer: int, module) -> None:
         from ds4quant.runtime.indexer_ties import stable_indexer
@@ -55,10 +61,25 @@ class _Hooks(Observer):
         def hook(mod, args, out, layer=layer):
             import torch
 
+            if self._quiet:
+                return
             self.routed.update(int(layer).to_bytes(4, "little"))
             self.routed.update(np.ascontiguousarray(out.detach().to("cpu", torch.float32).numpy()).tobytes())
 
         self._handles.append(module.mlp.experts.register_forward_hook(hook))
+        if self.moe is not None:
+            def block_hook(mod, args, kwargs, out, layer=layer):
+                if self._quiet:
+                    return
+                h = args[0] if args else kwargs["hidden_states"]
+                ids = kwargs.get("input_ids", args[1] if len(args) > 1 else None)
+                self._quiet = True
+                try:
+                    self.moe.block(layer, self._batch, mod, h, ids, out)
+                finally:
+                    self._quiet = False
+
+            self._handles.append(module.mlp.register_forward_hook(block_hook, with_kwargs=True))
 
     def on_layer_end(self, layer: int, module) -> None:
         for h in self._handles:
@@ -75,6 +96,54 @@ class _Hooks(Observer):
             self.kept[index] = logits[r, c].detach().to("cpu").float().clone()
 
 
+class MoeTrace:
+    """Per-layer MoE errors through the streamed forward, as the whole-model
+    stage defines them (docs/fidelity-figures.md, layer-streamed): ``local``, the candidate's
+    block fed the reference's own block input; ``propagated``, the candidate's
+    block output in its own run; each ``||cand - ref|| / ||ref||`` over every
+    token of the evaluation.
+
+    The reference pass (``record``) writes each block's input, token ids and
+    output to ``folder``, one file per layer and batch, so host memory holds
+    one batch's; the candidate pass (``compare``) reads them back layer by
+    layer. ``folder`` needs 2 x tokens x hidden x 4 bytes per MoE layer.
+    """
+
+    def __init__(self, folder, *, compare: bool = False):
+        from pathlib import Path
+
+        self.folder = Path(folder)
+        self.compare = compare
+        self.sums: dict = {}  # layer -> [local num^2, propagated num^2, den^2] (float64)
+
+    def _file(self, layer: int, batch: int):
+        return self.folder / f"moe-{layer}-{batch}.pt"
+
+    def block(self, layer: int, batch: int, mod, hidden, ids, out) -> None:
+        import torch
+
+        if not self.compare:
+            torch.save({"h": hidden.detach().to("cpu"), "ids": None if ids is None else ids.detach().to("cpu"),
+                        "out": out.detach().to("cpu", torch.float32)}, self._file(layer, batch))
+            return
+        ref = torch.load(self._file(layer, batch), weights_only=True)
+        dev = hidden.device
+        with torch.no_grad():
+            local = mod(ref["h"].to(dev), input_ids=None if ref["ids"] is None else ref["ids"].to(dev))
+        r = ref["out"].double()
+        acc = self.sums.setdefault(layer, [0.0, 0.0, 0.0])
+        acc[0] += float(((local.detach().to("cpu").double() - r) ** 2).sum())
+        acc[1] += float(((out.detach().to("cpu").double() - r) ** 2).sum())
+        acc[2] += float((r ** 2).sum())
+
+    def errors(self) -> dict:
+        """{layer: (local, propagated)} relative errors of the compared pass."""
+        def rel(num2: float, den2: float) -> float:
+            return (num2 ** 0.5) / (den2 ** 0.5) if den2 > 0 else (0.0 if num2 == 0 else float("inf"))
+
+        return {L: (rel(a[0], a[2]), rel(a[1], a[2])) for L, a in sorted(self.sums.items())}
+
+
 @dataclass
 class StreamedPass:
     logits: Any  # float32 [N, V] at the wanted positions, in order
@@ -83,8 +152,9 @@ class StreamedPass:
 
 
 def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, experts_per_token=None,
-                    drop=None, batch_size: Optional[int] = None) -> StreamedPass:
-    """Logits at ``positions`` [(row, position)] of ``seqs`` through ``sm``."""
+                    drop=None, batch_size: Optional[int] = None, moe: Optional[MoeTrace] = None) -> StreamedPass:
+    """Logits at ``positions`` [(row, position)] of ``seqs`` through ``sm``
+    (with ``moe``: its MoE blocks recorded or compared, see ``MoeTrace``)."""
     import torch
 
     from ds4quant.runtime.stream.model import stream_forward
@@ -96,7 +166,7 @@ def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, e
         b, row = divmod(r, bs)
         want.setdefault(b, []).append((row, c))
         order.append(b)
-    obs = _Hooks(want, experts_per_token, drop)
+    obs = _Hooks(want, experts_per_token, drop, moe)
     stream_forward(sm, sm.batches(seqs, batch_size=bs, pad_id=pad), observer=obs, keep_logits=False)
     parts = [obs.kept[b] for b in sorted(obs.kept)]
     logits = torch.cat(parts) if parts else torch.zeros((0, int(sm.config.vocab_size)))

@@ -6,18 +6,21 @@ CPU owner, worker owners, cluster ranks alike) run one layer at a time
 (``runtime/stream_fidelity.py``). What streams is measured as in the
 whole-model stage: llama.cpp's figures and today's KL/top-1/PPL ratio, the
 routed-experts output sha256 (identical across placements in exact mode), the
-exact-copy sets teacher-forced, and a routing shortcut. What needs every layer
-per token is not: the greedy response (its hashes are empty strings) and the
-per-layer MoE errors.
+exact-copy sets teacher-forced, a routing shortcut, and (when the reference
+runs, not from a base) the per-layer MoE errors: the reference pass writes its
+MoE blocks' inputs and outputs to a temporary folder that the first
+placement's pass reads back. What needs every layer per token is not: the
+greedy response (its hashes are empty strings).
 """
 
 from __future__ import annotations
 
 import importlib
+import tempfile
 import time
 
 from ds4quant.errors import BadInputError
-from ds4quant.records import ExactCopyScore, FidelityReport, LogitFigures, PlacementRun
+from ds4quant.records import ExactCopyScore, FidelityReport, LogitFigures, MoeLayerError, PlacementRun
 from ds4quant.verify._run import Context
 
 
@@ -27,7 +30,7 @@ def measure_streamed(ctx: Context) -> FidelityReport:
     from ds4quant.runtime import fidelity as fd
     from ds4quant.runtime.copy_sets import METHOD
     from ds4quant.runtime.stream import ArtifactWeights, SourceWeights, StreamedModel, reference_config
-    from ds4quant.runtime.stream_fidelity import streamed_copy_sets, streamed_logits
+    from ds4quant.runtime.stream_fidelity import MoeTrace, streamed_copy_sets, streamed_logits
     F = importlib.import_module("ds4quant.verify.fidelity")  # the package's `fidelity` is the stage function
     from ds4quant.verify._candidate import one_thread
     from ds4quant.verify.reference_side import ReferenceSide, from_base
@@ -49,24 +52,28 @@ def measure_streamed(ctx: Context) -> FidelityReport:
         from ds4quant.runtime.routing_approx import read_drop_file
 
         drop = read_drop_file(o.drop_experts)
-    with one_thread():
+    with one_thread(), tempfile.TemporaryDirectory(prefix="ds4quant-moe-") as moe_dir:
+        moe = None
         if o.reference is not None:
             side = from_base(o, seqs, cfg)
         else:
             with SourceWeights(o.source) as w:
                 sm = StreamedModel(w, threads=1)
-                sp = streamed_logits(sm, seqs, pos, pad)
+                sp = streamed_logits(sm, seqs, pos, pad, moe=MoeTrace(moe_dir))
                 sets = streamed_copy_sets(sm, tok, task, o.copy_sets)[0] if proto else None
             side = ReferenceSide(sp.logits, sp.logits, None, "", sets, None if sets is None else sets.passes[0])
+            moe = MoeTrace(moe_dir, compare=True)
         runs, first = [], {}
         for label, plc in o.placements:
             with ArtifactWeights(ctx.view, plc, o.mode, source_dir=o.source) as w:
                 sm = StreamedModel(w, threads=1)
-                sp = streamed_logits(sm, seqs, pos, pad)
+                sp = streamed_logits(sm, seqs, pos, pad, moe=None if first else moe)
                 runs.append(PlacementRun(label, sp.routed_sha256, ""))
                 if first:
                     continue
                 first["logits"] = sp.logits
+                first["layers"] = tuple(MoeLayerError(L, loc, prop)
+                                        for L, (loc, prop) in (moe.errors() if moe else {}).items())
                 if proto:
                     first["sets"], first["copy"] = streamed_copy_sets(sm, tok, task, o.copy_sets)
                 if F.approx_requested(o):
@@ -84,7 +91,8 @@ def measure_streamed(ctx: Context) -> FidelityReport:
     rep = FidelityReport(
         requested=True, measured=True, mode=o.mode.value, tokenizer=tok_kind,
         eval=eval_what + " (layer-streamed)", eval_tokens=len(pos), runs=tuple(runs),
-        logits=LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio), layers=(), response_token_ids=(),
+        logits=LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio), layers=first["layers"],
+        response_token_ids=(),
         reference_response_sha256=side.response_sha256, exact_copy=ec,
         kl=F.kl_record(side.kl_base, first["logits"], targets, o), approximation=first.get("approx"))
     F.report_checks(ctx, rep)

@@ -35,13 +35,21 @@ def test_streamed_equals_whole_model_on_two_placements(mx, tmp_path):
     assert streamed.exact_copy.sets == whole.exact_copy.sets
     assert streamed.exact_copy.reference_sets == whole.exact_copy.reference_sets
     assert streamed.exact_copy.failed == whole.exact_copy.failed
-    assert streamed.layers == () and streamed.response_sha256 == "" and not streamed.response_matches_reference
+    # the per-layer MoE errors stream too: the same figures (norms summed per batch, not over one
+    # concatenation: equal to a few ulps), every MoE layer, local and propagated
+    assert [e.layer for e in streamed.layers] == [e.layer for e in whole.layers] and len(whole.layers) == 4
+    for s_, w_ in zip(streamed.layers, whole.layers):
+        assert s_.local == pytest.approx(w_.local, rel=1e-9, abs=1e-15)
+        assert s_.propagated == pytest.approx(w_.propagated, rel=1e-9, abs=1e-15)
+        assert 0 < s_.local < 1 and 0 < s_.propagated < 1
+    assert streamed.response_sha256 == "" and not streamed.response_matches_reference
     base = tmp_path / "s.base"
     make_reference_base(COPY, base, protocol="exact-copy", copy_sets=2, stream=True)
     both = verify(mx, stream=True, reference=base, **kw).fidelity
     assert both.kl.same_top1 == whole.kl.same_top1 and abs(both.kl.kld_mean - whole.kl.kld_mean) < 1e-4
     assert both.moe_output_sha256 == whole.moe_output_sha256
     assert both.exact_copy.reference_sets == whole.exact_copy.reference_sets
+    assert both.layers == ()  # a base keeps no MoE block inputs
 
 
 def test_streamed_candidate_on_cluster_ranks_gives_the_single_process_bits(mx, tmp_path, monkeypatch):
