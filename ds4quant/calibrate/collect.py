@@ -30,7 +30,7 @@ import numpy as np
 
 from ds4quant.names import stack_name
 
-__all__ = ["DENSE_MODULES", "HEAD_MODULE", "HeadSums", "LayerSums", "Totals", "sum_sq"]
+__all__ = ["DENSE_MODULES", "HEAD_MODULE", "HeadSums", "LayerSums", "Totals", "statistics_bytes", "sum_sq"]
 
 # transformers module (inside a decoder layer) -> GGUF tensor stem (blk.L.<stem>.weight);
 # names from docs/reference-model.md#names (official <-> transformers) and docs/formats.md#ds4-gguf.
@@ -92,6 +92,16 @@ def _fold_dense(into: dict, seq: dict) -> None:
         slot = into.setdefault(name, [0, np.zeros_like(s)])
         slot[0] += rows
         slot[1] += s
+
+
+def statistics_bytes(config) -> int:
+    """Host bytes calibrate's sums hold at most (a transformers DeepSeek-V4 config):
+    every layer's float64 sums of each routed expert's inputs and down-projection
+    inputs, twice while ``Totals`` stacks them for the files, plus the dense
+    projections' input sums (bounded by 1 MiB a layer)."""
+    layers, n_exp = int(config.num_hidden_layers), int(config.n_routed_experts)
+    h, inter = int(config.hidden_size), int(config.moe_intermediate_size)
+    return 2 * layers * (n_exp * (h + inter) * 8 + 2 * n_exp * 8) + layers * (1 << 20)
 
 
 class LayerSums:

@@ -69,8 +69,11 @@ def open_stream(source: Path, cfg, seq_lens: Sequence[int], device: str = "cpu",
 
     check_dependencies(cfg.expert_dtype is not None or cfg.fp8_block is not None, needed_by="calibrate")
     name = _check_device(device)
+    from ds4quant.calibrate.collect import statistics_bytes
+
     with SourceWeights(source) as weights:
-        plan = plan_memory(weights, [(1, n) for n in seq_lens], max_memory, name)
+        plan = plan_memory(weights, [(1, n) for n in seq_lens], max_memory, name,
+                           reserved=statistics_bytes(weights.config))
     return Stream(Path(source), name, plan)
 
 

@@ -57,6 +57,7 @@ class MemoryPlan:
     store_kind: str  # "ram" | "memmap"
     expert_cache: Optional[int]  # decoded routed experts a layer may keep; None: all
     layer_devices: tuple[str, ...]
+    reserved_bytes: int = 0  # what the caller holds beside the stream (calibrate's statistics)
 
     @property
     def largest_layer(self) -> int:
@@ -68,7 +69,7 @@ class MemoryPlan:
         hidden = self.hidden_bytes if self.store_kind == "ram" else 2 * self.batch_hidden_bytes
         cache = self.expert_cache if self.expert_cache is not None else max(self.all_experts_bytes, default=0)
         piece = max(max(self.layer_bytes, default=0) + cache, self.global_bytes)
-        return PROCESS_BYTES + piece + self.working_bytes + hidden
+        return PROCESS_BYTES + self.reserved_bytes + piece + self.working_bytes + hidden
 
     def make_store(self, work_dir=None):
         """The hidden-state store the plan chose (a memmap needs ``work_dir``)."""
@@ -87,7 +88,7 @@ class MemoryPlan:
                 "all_experts_bytes": list(self.all_experts_bytes), "global_bytes": self.global_bytes,
                 "hidden_bytes": self.hidden_bytes, "working_bytes": self.working_bytes,
                 "store": self.store_kind, "expert_cache": self.expert_cache, "peak_bytes": self.peak_bytes,
-                "layer_devices": list(self.layer_devices)}
+                "layer_devices": list(self.layer_devices), "reserved_bytes": self.reserved_bytes}
 
 
 def working_bytes(config, batch: int, seq: int) -> int:
@@ -114,14 +115,16 @@ def _free_gpu(device: str) -> int:
 
 
 def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: Any = None, device: str = "cpu",
-                *, gpu_free: Optional[int] = None) -> MemoryPlan:
+                *, gpu_free: Optional[int] = None, reserved: int = 0) -> MemoryPlan:
     """Fit a run of ``batch_shapes`` ([(B, S)] per batch, e.g. ``[b.shape for b in
     sm.batches(...)]``) over ``weights`` into ``max_memory`` (bytes, a size text
     such as "6G", or None for no bound) on ``device``.
 
     Refuses (BudgetError) a layer, embedding or head that cannot fit even with
     the hidden states in a memmap, naming it and the bytes it needs.
-    gpu_free: the free bytes of the CUDA device (default: asked of torch)."""
+    gpu_free: the free bytes of the CUDA device (default: asked of torch).
+    reserved: host bytes the caller holds beside the stream for the whole run
+    (calibrate's per-expert statistics), counted like the process's own."""
     from ds4quant.runtime.stream.model import parse_device
 
     device = parse_device(device)
@@ -140,20 +143,21 @@ def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: An
     all_experts = tuple(e * n_exp for e in one_expert)
     glob = max(int(weights.global_bytes("embed")), int(weights.global_bytes("head")))
     store, cache = "ram", None
+    base = PROCESS_BYTES + int(reserved)
     if budget is not None:
-        floor = PROCESS_BYTES + work + 2 * batch_max
+        floor = base + work + 2 * batch_max
         for L, need in enumerate(layer_min):
             if floor + need > budget:
                 raise BudgetError(f"layer {L} needs {_gib(floor + need)} ({_gib(need)} of weights with one decoded "
                                   f"expert, {_gib(work)} working set, {_gib(2 * batch_max)} of one batch's hidden "
-                                  f"states, {_gib(PROCESS_BYTES)} for the process), more than --max-memory "
+                                  f"states, {_gib(base)} for the process and what it keeps), more than --max-memory "
                                   f"{_gib(budget)}", where="--max-memory")
         if floor + glob > budget:
             raise BudgetError(f"the embedding/head needs {_gib(floor + glob)} ({_gib(glob)} of weights), more than "
                               f"--max-memory {_gib(budget)}", where="--max-memory")
         piece = max(max(layer_min, default=0), glob)
-        if PROCESS_BYTES + piece + work + hidden_total <= budget:
-            left = budget - (PROCESS_BYTES + work + hidden_total + max(layer_min, default=0))
+        if base + piece + work + hidden_total <= budget:
+            left = budget - (base + work + hidden_total + max(layer_min, default=0))
         else:
             store = "memmap"
             left = budget - (floor + max(layer_min, default=0))
@@ -168,4 +172,4 @@ def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: An
         free = gpu_free if gpu_free is not None else _free_gpu(device)
         devices = tuple(device if need + work + 2 * batch_max <= free else "cpu" for need in layer_min)
     return MemoryPlan(budget, device, layer_min, all_experts, glob, hidden_total, batch_max, work, store, cache,
-                      devices)
+                      devices, int(reserved))

@@ -89,3 +89,30 @@ def test_budget_below_one_layer_is_refused(flash_mini):
         assert tight.expert_cache is not None and tight.expert_cache < tight.all_experts_bytes[0]
         with pytest.raises(BadInputError, match="size must be positive"):
             plan_memory(w, [(1, 64)], "-1G")
+
+
+def test_what_the_caller_keeps_is_counted(flash_mini):
+    """calibrate's statistics live beside the stream for the whole run: a budget that fits
+    the stream alone is refused once they are counted, and the plan's peak includes them."""
+    from ds4quant.calibrate.collect import statistics_bytes
+    from ds4quant.calibrate.model import open_stream
+
+    with SourceWeights(flash_mini) as w:
+        stats = statistics_bytes(w.config)
+        c = w.config
+        assert stats >= 2 * c.num_hidden_layers * c.n_routed_experts * (c.hidden_size + c.moe_intermediate_size) * 8
+        alone = plan_memory(w, [(1, 64)] * 4, "1G")
+        kept = plan_memory(w, [(1, 64)] * 4, "1G", reserved=stats)
+        assert kept.peak_bytes == alone.peak_bytes + stats or kept.expert_cache != alone.expert_cache
+        assert kept.reserved_bytes == stats and kept.to_json()["reserved_bytes"] == stats
+        fits = alone.peak_bytes + (8 << 20)
+        with pytest.raises(BudgetError, match="layer 0 needs"):
+            plan_memory(w, [(1, 64)] * 4, fits, reserved=fits)
+    from ds4quant.sources import open_official_source
+
+    src = open_official_source(flash_mini, "test")
+    try:
+        cfg = src.config
+    finally:
+        src.close()
+    assert open_stream(flash_mini, cfg, [64] * 4, "cpu", "1G").plan.reserved_bytes == stats
