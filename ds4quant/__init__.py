@@ -4,7 +4,7 @@ Kept light on purpose: importing ``ds4quant`` or ``ds4quant.formats`` must not
 import torch or transformers.
 """
 
-__version__ = "0.1.0"
+from ds4quant.version import VERSION as __version__
 
 from ds4quant.errors import Ds4quantError  # noqa: E402
 

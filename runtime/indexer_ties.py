@@ -53,8 +53,8 @@ def _topk(counter: TieCount, x, k, dim=-1, largest=True, sorted=True):
 
     with torch._C.DisableTorchFunctionSubclass():
         x = x.as_subclass(torch.Tensor)
-        if not largest:
-            raise NotImplementedError("the indexer takes the largest scores")
+        if not largest:  # not the indexer's call: torch's own smallest-k, untouched
+            return torch.topk(x, k, dim=dim, largest=False, sorted=sorted)
         s = torch.sort(x, dim=dim, descending=True, stable=True)
         values, indices = s.values.narrow(dim, 0, k), s.indices.narrow(dim, 0, k)
         n = x.shape[dim]

@@ -221,9 +221,9 @@ def _versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from ds4quant import __version__
+    from ds4quant.version import VERSION
 
-    return {"ds4quant": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    return {"ds4quant": VERSION, "torch": torch.VERSION, "transformers": transformers.VERSION}
 
 
 

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import click
 
-from ds4quant import __version__
+from ds4quant.version import VERSION
 from ds4quant.errors import Ds4quantError
 
 # exception type -> its exit code; the first row the exception is an instance of wins.
@@ -74,7 +74,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", "-V", prog_name="ds4quant")
+@click.version_option(VERSION, "--version", "-V", prog_name="ds4quant")
 def cli() -> None:
     """Convert DeepSeek-V4 MoE checkpoints to ROCmFPX expert artifacts,
     verify them, and publish them.

@@ -34,7 +34,7 @@ from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
-from ds4quant import __version__
+from ds4quant.version import VERSION as __version__  # the package's own attribute: the journal reads it at call time
 from ds4quant.plan import AdaptiveOptions, Books, Override, Recipe, get_recipe, plan_tensors
 from ds4quant.artifact import sha256_file, write_manifest
 from ds4quant.convert.assemble import assemble, codebook_table, manifest

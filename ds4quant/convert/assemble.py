@@ -19,7 +19,7 @@ from typing import Iterator, Mapping, Optional
 
 import numpy as np
 
-from ds4quant import __version__
+from ds4quant.version import VERSION
 from ds4quant.plan import Books, PlanSummary, Recipe
 from ds4quant.artifact import FileEntry, GGUFWriter, Manifest, TensorEntry, atomic_write_bytes
 from ds4quant.artifact.runtimes import Decision, LuceboxBooks, Tensor, decide
@@ -100,7 +100,7 @@ def assemble(out: Path, art_name: str, rec: Recipe, plan, kvs, pieces: Path, spl
         w.add_kv(kv.key, kv.value, kv.type, kv.sub_type)
     w.add_string("general.name", art_name)
     w.add_uint32("general.quantization_version", 2)
-    w.add_string(KEY_TOOL_VERSION, __version__)
+    w.add_string(KEY_TOOL_VERSION, VERSION)
     w.add_string(KEY_RECIPE, json.dumps(rec.to_json(), sort_keys=True))
     w.add_string(KEY_SOURCE_FINGERPRINT, source_fp)
     if adaptive_info is not None:
@@ -189,7 +189,7 @@ def manifest(out: Path, files, src: Source, rec: Recipe, plan, results, override
         recipe["allocation"] = adaptive_info.artifact_json()
     recipe["plan"] = [c.to_json() for c in plan]
     return Manifest(
-        tool_version=__version__,
+        tool_version=VERSION,
         command=portable_command(normalized_command(command if command is not None else sys.argv)),
         source={"path": portable_path(src.path), "fingerprint": source_fp, "format": src.format},
         recipe=recipe,

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ds4quant import __version__
+from ds4quant.version import VERSION
 from ds4quant.plan import Books, Recipe, TensorChoice, TensorSpec
 from ds4quant.errors import BadInputError
 from ds4quant.formats import QTYPES, get_qtype
@@ -53,7 +53,7 @@ def plan_fingerprint(recipe: Recipe, plan: Sequence[TensorChoice], imatrix_sha: 
     """sha256 over everything that decides tensor bytes (the journal's last guard)."""
     blob = json.dumps(
         {
-            "tool_version": __version__,
+            "tool_version": VERSION,
             "recipe": recipe.to_json(),
             "plan": [c.to_json() for c in plan],
             "imatrix": imatrix_sha,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
-from ds4quant import __version__
+from ds4quant.version import VERSION
 from ds4quant.errors import BadInputError
 from ds4quant.formats import get_qtype
 from ds4quant.formats.search import Backend
@@ -62,7 +62,7 @@ def measure(src: "Source", expert_tensors: Sequence[tuple], opts: AdaptiveOption
     from ds4quant.calib.imatrix import importance_for
 
     t0 = time.perf_counter()
-    key_obj = {"v": CACHE_VERSION, "tool": __version__, "source": src.fingerprint(), "imatrix": imatrix_sha,
+    key_obj = {"v": CACHE_VERSION, "tool": VERSION, "source": src.fingerprint(), "imatrix": imatrix_sha,
                "opts": opts.key()}
     key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()
     root = check_cache_dir(opts.cache_dir) if opts.cache_dir else check_cache_dir(default_cache_dir(),

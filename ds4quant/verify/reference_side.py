@@ -54,14 +54,14 @@ def run_reference(ref, seqs, pad, rows, cols, prompt, tok, task, o, fp=None) -> 
 
 
 def _expect(o, seqs, cfg) -> dict:
-    import ds4quant
+    from ds4quant.version import VERSION
     from ds4quant.runtime import reference_base as B
     from ds4quant.sources import open_official_source
 
     with open_official_source(o.source, "the reference base") as src:
         fp = src.fingerprint()
     return {"source_fingerprint": fp, "tokens_sha": B.tokens_sha256(seqs), "protocol": o.protocol,
-            "config": B.model_config(cfg), "tool_version": ds4quant.__version__, "ctx_size": o.ctx_size}
+            "config": B.model_config(cfg), "tool_version": VERSION, "ctx_size": o.ctx_size}
 
 
 def from_base(o, seqs, cfg) -> ReferenceSide:
