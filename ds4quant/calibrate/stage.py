@@ -223,7 +223,7 @@ def _versions() -> dict[str, str]:
 
     from ds4quant.version import VERSION
 
-    return {"ds4quant": VERSION, "torch": torch.VERSION, "transformers": transformers.VERSION}
+    return {"ds4quant": VERSION, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 
