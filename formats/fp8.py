@@ -129,6 +129,32 @@ def dequant_e2m1_blocks(packed: np.ndarray, scale_e8m0: np.ndarray, *, where: st
     return out
 
 
+def dequant_e2m1_torch(packed, scale_e8m0):
+    """``dequant_e2m1_blocks`` on torch tensors of any device (uint8/int8 codes
+    (out, in/2), uint8 E8M0 scales (out, in/32)) -> float32 (out, in) there.
+
+    The same one float32 product per weight as the numpy decode, so the same
+    bits; every product is also exact in bfloat16 (a level has at most two
+    significant bits and the scale is a power of two in float32's exponent
+    range). Scales are not checked here: the caller refuses byte 255 first.
+    """
+    import torch
+
+    codes = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
+    rows, half = int(codes.shape[0]), int(codes.shape[1])
+    cols = 2 * half
+    if codes.dim() != 2 or tuple(scale_e8m0.shape) != (rows, cols // FP4_BLOCK) or cols % FP4_BLOCK:
+        raise ShapeError(f"FP4 codes {tuple(codes.shape)} need scales ({rows}, {cols // FP4_BLOCK}), got "
+                         f"{tuple(scale_e8m0.shape)}", where="dequant_e2m1_torch")
+    dev = codes.device
+    levels = torch.from_numpy(E2M1.copy()).to(dev)
+    scales = torch.from_numpy(E8M0.copy()).to(dev)
+    c = codes.to(torch.int32)
+    vals = torch.stack((levels[c & 15], levels[c >> 4]), dim=-1).reshape(rows, cols // FP4_BLOCK, FP4_BLOCK)
+    vals.mul_(scales[scale_e8m0.view(torch.uint8).to(torch.int32)].unsqueeze(-1))
+    return vals.reshape(rows, cols)
+
+
 @numba.njit(cache=True, nogil=True)
 def _dequant_e2m1_nb(codes, sc, levels, scales, out):
     """out[r, c] = levels[code] * scales[sc[r, c // 32]], the reference's one float32 product."""

@@ -146,7 +146,7 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
                 calls.append((hidden.detach().clone(), idx.detach().clone(), weights.detach().clone()))
 
         states.device = stream.layer_device(L)
-        with sm.layer(L, states.device, stream.plan.expert_cache) as layer:
+        with sm.layer(L, states.device, stream.plan.expert_cache_for(states.device)) as layer:
             experts = layer.mlp.experts
             sums.attach(layer)
             try:

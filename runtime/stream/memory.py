@@ -14,7 +14,10 @@ hidden states. ``plan_memory`` adds these up against ``max_memory``:
   (``expert_cache``; None: no bound).
 
 On a CUDA device a layer whose weights and working set exceed the GPU's free
-memory runs on the CPU (``layer_devices``).
+memory runs on the CPU (``layer_devices``). A layer on the GPU keeps its
+decoded experts there (as bfloat16 when they are FP4: exact), so their bound
+is what the GPU has left beside the layer (``gpu_expert_cache``), and the host
+holds only the expert in transit.
 
 The working set is an estimate from the shapes (eager attention's score
 matrices dominate: heads x S x (S + compressed entries) floats, a few
@@ -58,6 +61,17 @@ class MemoryPlan:
     expert_cache: Optional[int]  # decoded routed experts a layer may keep; None: all
     layer_devices: tuple[str, ...]
     reserved_bytes: int = 0  # what the caller holds beside the stream (calibrate's statistics)
+    gpu_expert_cache: Optional[int] = None  # decoded experts a layer on the GPU keeps there; None: all
+
+    def expert_cache_for(self, device: Any) -> Optional[int]:
+        """The expert cache bound of a layer run on ``device``."""
+        return self.expert_cache if str(device) == "cpu" else self.gpu_expert_cache
+
+    @property
+    def _host_cache(self) -> int:
+        if all(d != "cpu" for d in self.layer_devices) and self.layer_devices:
+            return 0
+        return self.expert_cache if self.expert_cache is not None else max(self.all_experts_bytes, default=0)
 
     @property
     def largest_layer(self) -> int:
@@ -67,8 +81,7 @@ class MemoryPlan:
     def peak_bytes(self) -> int:
         """Host bytes the plan expects at most."""
         hidden = self.hidden_bytes if self.store_kind == "ram" else 2 * self.batch_hidden_bytes
-        cache = self.expert_cache if self.expert_cache is not None else max(self.all_experts_bytes, default=0)
-        piece = max(max(self.layer_bytes, default=0) + cache, self.global_bytes)
+        piece = max(max(self.layer_bytes, default=0) + self._host_cache, self.global_bytes)
         return PROCESS_BYTES + self.reserved_bytes + piece + self.working_bytes + hidden
 
     def make_store(self, work_dir=None):
@@ -88,7 +101,8 @@ class MemoryPlan:
                 "all_experts_bytes": list(self.all_experts_bytes), "global_bytes": self.global_bytes,
                 "hidden_bytes": self.hidden_bytes, "working_bytes": self.working_bytes,
                 "store": self.store_kind, "expert_cache": self.expert_cache, "peak_bytes": self.peak_bytes,
-                "layer_devices": list(self.layer_devices), "reserved_bytes": self.reserved_bytes}
+                "layer_devices": list(self.layer_devices), "reserved_bytes": self.reserved_bytes,
+                "gpu_expert_cache": self.gpu_expert_cache}
 
 
 def working_bytes(config, batch: int, seq: int) -> int:
@@ -168,8 +182,18 @@ def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: An
         need_all = max(all_experts, default=0)
         cache = None if left >= need_all else max(0, left)
     devices = tuple(device for _ in layer_min)
+    gpu_cache = None
     if device.startswith("cuda"):
         free = gpu_free if gpu_free is not None else _free_gpu(device)
         devices = tuple(device if need + work + 2 * batch_max <= free else "cpu" for need in layer_min)
+        on_gpu = [L for L, d in enumerate(devices) if d != "cpu"]
+        if on_gpu:
+            # FP4 experts are kept as bfloat16 there (half their float32 bytes); the
+            # same slack as the host's for the decode's temporaries and the allocator.
+            narrow = all(getattr(weights, "experts_fp4", lambda L: False)(L) for L in on_gpu)
+            need_all = max(all_experts[L] for L in on_gpu) // (2 if narrow else 1)
+            left = free - (max(layer_min[L] for L in on_gpu) + work + 2 * batch_max)
+            left -= 3 * max(one_expert, default=0) + free // 16
+            gpu_cache = None if left >= need_all else max(0, left)
     return MemoryPlan(budget, device, layer_min, all_experts, glob, hidden_total, batch_max, work, store, cache,
-                      devices, int(reserved))
+                      devices, int(reserved), gpu_cache)

@@ -323,7 +323,7 @@ def stream_forward(sm: StreamedModel, batches: Sequence[Batch], *, observer: Opt
     sm.release_embed()
     for L in order:
         dev = sm.device if plan is None else plan.layer_devices[L]
-        cache = "keep" if plan is None else plan.expert_cache
+        cache = "keep" if plan is None else plan.expert_cache_for(dev)
         with sm.layer(L, dev, cache) as mod:
             obs.on_layer_start(L, mod)
             current = {"index": -1}

@@ -131,9 +131,12 @@ class SourceWeights:
     def experts_module(self, layer: int) -> "SourceExperts":
         return SourceExperts(self, layer, cache_bytes=self.expert_cache)
 
-    def expert_weights(self, layer: int, e: int):
+    def expert_weights(self, layer: int, e: int, device=None):
         """(gate_up [2I, H], down [H, I]) float32 of expert ``e``: w1 rows then w3 rows,
-        the layout of transformers' ``gate_up_proj[e]``."""
+        the layout of transformers' ``gate_up_proj[e]``. device: where the values
+        are wanted (default the host); on a GPU an FP4 expert's codes and scales
+        travel encoded (an eighth of the float bytes) and are decoded there, to
+        the same bits as the host decode."""
         import torch
 
         names = self._experts.get(layer, {})
@@ -141,8 +144,36 @@ class SourceWeights:
             w1, w3, w2 = (names[(e, p)] for p in ("gate", "up", "down"))
         except KeyError:
             raise CorruptDataError(f"layer {layer} has no routed expert {e}", where=self.where) from None
+        if device is not None and torch.device(device).type != "cpu":
+            gate_up = torch.cat([self._read_on(w1, device), self._read_on(w3, device)], dim=0)
+            return gate_up, self._read_on(w2, device)
         gate_up = torch.cat([self._read(w1), self._read(w3)], dim=0)
         return gate_up, self._read(w2)
+
+    def experts_fp4(self, layer: int) -> bool:
+        """Whether every routed expert tensor of ``layer`` is FP4 with E8M0 scales
+        (then every decoded value is exact in bfloat16 as well)."""
+        from ds4quant.sources.official import ENC_FP4
+
+        names = self._experts.get(layer, {})
+        return bool(names) and all(self.src.info(n).encoding == ENC_FP4 for n in names.values())
+
+    def _read_on(self, name: str, device):
+        """float32 values of ``name`` on ``device``: FP4 decoded there, anything else on the host."""
+        import torch
+
+        from ds4quant.formats.fp8 import check_e8m0_finite, dequant_e2m1_torch
+        from ds4quant.sources.official import ENC_FP4
+
+        info = self.src.info(name)
+        if info.encoding != ENC_FP4:
+            return self._read(name).to(device)
+        scale = self.src.read(info.scale)
+        check_e8m0_finite(scale, where=f"{self.where}: tensor {info.scale!r}")
+        codes = torch.from_numpy(np.array(self.src.read(name)).view(np.uint8)).to(device)
+        out = dequant_e2m1_torch(codes, torch.from_numpy(np.array(scale).view(np.uint8)).to(device))
+        self.src.release(name)
+        return out
 
     def layer_bytes(self, layer: int) -> int:
         """float32 bytes of the layer's dense tensors plus all its decoded routed experts."""
@@ -245,26 +276,40 @@ class SourceExperts(_ExpertsLoop):
         self._cache: dict[int, tuple] = {}
         self._cached = 0
         self.decoded = 0  # experts decoded so far (a cache miss each)
+        self._is_fp4: Optional[bool] = None
 
     def expert_weights(self, e: int):
         """(gate_up [2I,H], down [H,I]) float32 of expert ``e`` on this module's device.
-        The tensors are the cache's: clone before changing them."""
+        The tensors may be the cache's: clone before changing them."""
+        import torch
+
         hit = self._cache.get(e)
         if hit is not None:
-            return hit
-        gate_up, down = self.weights.expert_weights(self.layer, e)
+            return hit if hit[0].dtype == torch.float32 else (hit[0].float(), hit[1].float())
         dev = getattr(self, "device", None)
+        gate_up, down = self.weights.expert_weights(self.layer, e, dev)
         if dev is not None:
             gate_up, down = gate_up.to(dev), down.to(dev)
         self.decoded += 1
-        size = 4 * (gate_up.numel() + down.numel())
+        # On a GPU an FP4 layer's experts are kept as bfloat16, which holds every
+        # FP4 x E8M0 value exactly (formats.fp8.dequant_e2m1_torch): twice the
+        # experts in the same memory, widened back to the same float32 on use.
+        # The host keeps float32: widening costs a CPU more than the cache saves.
+        narrow = gate_up.device.type != "cpu" and self._fp4()
+        size = (2 if narrow else 4) * (gate_up.numel() + down.numel())
         # Once the budget is full nothing is evicted: every batch visits the experts
         # in ascending order, a cyclic scan that least-recently-used eviction would
         # turn into a miss on every call; keeping the first ones makes them hits.
         if self.cache_bytes is None or self._cached + size <= self.cache_bytes:
-            self._cache[e] = (gate_up, down)
+            self._cache[e] = (gate_up.bfloat16(), down.bfloat16()) if narrow else (gate_up, down)
             self._cached += size
         return gate_up, down
+
+    def _fp4(self) -> bool:
+        if self._is_fp4 is None:
+            probe = getattr(self.weights, "experts_fp4", None)
+            self._is_fp4 = bool(probe(self.layer)) if probe is not None else False
+        return self._is_fp4
 
     def release(self) -> None:
         self._cache.clear()

@@ -154,3 +154,28 @@ def test_bounded_expert_cache_changes_nothing_but_decodes():
         assert all(torch.equal(a, b) for c in (0, 3 * one) for a, b in zip(out[None], out[c]))
         reached = decoded[None]  # each reached expert decoded once
         assert 4 < reached <= 16 and reached < decoded[3 * one] < decoded[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
+def test_a_gpu_layer_decodes_its_experts_there_to_the_same_bits(sample):
+    """On a GPU, FP4 experts travel encoded and are decoded there to the host decode's
+    bits; kept as bfloat16 they widen back to the same float32, so a layer gives the same
+    output whether its experts are kept or decoded again on every call."""
+    with SourceWeights(sample) as w:
+        sm = StreamedModel(w, device="cuda")
+        L = w.n_layers - 1
+        for e in (0, int(w.config.n_routed_experts) - 1):
+            host, dev = w.expert_weights(L, e), w.expert_weights(L, e, "cuda")
+            assert all(torch.equal(a, b.cpu()) for a, b in zip(host, dev))
+        bs = sm.batches(_seqs(int(w.config.vocab_size))[:2])
+        out = {}
+        for cache in (None, 0):
+            with sm.layer(L, expert_cache=cache) as layer:
+                out[cache] = [sm.run_layer(layer, b, sm.embed(b)) for b in bs]
+                kept = list(layer.mlp.experts._cache.values())
+                if cache is None:
+                    assert kept and all(t.dtype == (torch.bfloat16 if w.experts_fp4(L) else torch.float32)
+                                        and t.device.type == "cuda" for pair in kept for t in pair)
+        assert all(torch.equal(a, b) for a, b in zip(out[None], out[0]))

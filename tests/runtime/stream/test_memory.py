@@ -116,3 +116,26 @@ def test_what_the_caller_keeps_is_counted(flash_mini):
     finally:
         src.close()
     assert open_stream(flash_mini, cfg, [64] * 4, "cpu", "1G").plan.reserved_bytes == stats
+
+
+def test_a_gpu_layer_keeps_its_experts_on_the_gpu(flash_mini):
+    """On a CUDA device the decoded experts live in GPU memory (FP4 ones as bfloat16):
+    their bound comes from the GPU's free bytes, the host budget no longer pays for
+    them, and a layer the GPU cannot hold falls back to the CPU with the host's bound.
+    (The plan needs no GPU: it is handed the free bytes.)"""
+    with SourceWeights(flash_mini) as w:
+        assert all(w.experts_fp4(L) for L in range(w.n_layers))
+        shapes = [(1, 64)] * 4
+        host = plan_memory(w, shapes, "600M")
+        assert host.expert_cache is not None  # the host alone cannot keep a layer's experts
+        roomy = plan_memory(w, shapes, "600M", device="cuda:0", gpu_free=8 << 30)
+        assert set(roomy.layer_devices) == {"cuda:0"} and roomy.gpu_expert_cache is None
+        assert roomy.expert_cache_for("cuda:0") is None and roomy.expert_cache_for("cpu") == host.expert_cache
+        assert roomy.peak_bytes < host.peak_bytes  # the host holds one expert in transit, not a cache
+        all_bf16 = roomy.all_experts_bytes[0] // 2
+        small = max(roomy.layer_bytes) + roomy.working_bytes + 2 * roomy.batch_hidden_bytes
+        tight = plan_memory(w, shapes, "600M", device="cuda:0", gpu_free=small + all_bf16)
+        assert tight.gpu_expert_cache is not None and 0 < tight.gpu_expert_cache < all_bf16
+        assert tight.to_json()["gpu_expert_cache"] == tight.gpu_expert_cache
+        none = plan_memory(w, shapes, "600M", device="cuda:0", gpu_free=small // 2)
+        assert set(none.layer_devices) == {"cpu"} and none.peak_bytes == host.peak_bytes
