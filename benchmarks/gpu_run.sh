@@ -34,9 +34,11 @@ GPU_TESTS="tests/runtime/test_prefill_exact_cuda.py tests/runtime/test_exact_cud
   tests/calibrate/test_streamed.py::test_calibrate_on_cuda_writes_the_files tests/runtime/test_cuda_owner.py tests/runtime/test_identity.py tests/runtime/test_worker_cuda.py
   tests/runtime/test_execute.py tests/formats/test_torch_cuda.py tests/formats/search/test_triton_scale.py
   tests/formats/search/test_triton_mix.py tests/formats/search/test_triton_sums.py tests/plan/test_device.py"
+GPU_TESTS=${TESTS:-$GPU_TESTS}  # TESTS="file[::test] ...": run these instead
 if [ "${T_TESTS:-300}" != 0 ]; then
-  DS4Q_GPU_RECORD="$OUT/hashes.jsonl" timeout "${T_TESTS:-300}" python3 -m pytest -q -p no:cacheprovider -rfEs \
-    ${TESTS_K:+-k "$TESTS_K"} $GPU_TESTS > "$OUT/tests.txt" 2>&1
+  # -v: a step cut by its budget still names every test that finished, and failures show as they happen
+  DS4Q_GPU_RECORD="$OUT/hashes.jsonl" timeout "${T_TESTS:-300}" python3 -m pytest -v --tb=short -p no:cacheprovider \
+    -rfEs ${TESTS_K:+-k "$TESTS_K"} $GPU_TESTS > "$OUT/tests.txt" 2>&1
   echo "tests rc=$?"; grep -E "FAIL|ERROR|passed|failed|skipped" "$OUT/tests.txt" | tail -30
 fi
 if [ "${T_TABLE:-220}" != 0 ]; then
