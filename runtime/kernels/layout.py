@@ -67,8 +67,11 @@ def dot_prec() -> str:
     return DOT_PREC["hip" if getattr(torch.version, "hip", None) else "cuda"]
 
 
-# level arithmetic the kernel may do instead of a table gather (LV_CODE: level = code)
-LV_GATHER, LV_FP2, LV_FP3, LV_CODE = 0, 1, 2, 3
+# level arithmetic the kernel may do instead of a table gather (LV_CODE: level = code;
+# LV_E2M1: twice the e2m1 value, {0, 1, 2, 3, 4, 6, 8, 12} with a sign bit; LV_FP4: the
+# same with 10 for 12, rocmfp4's table). A gather per weight from a table in memory costs
+# the tensor-core prefill most of its time; shifts and selects cost a few integer ops.
+LV_GATHER, LV_FP2, LV_FP3, LV_CODE, LV_E2M1, LV_FP4 = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,13 @@ def kernel_format(qtype: str) -> Optional[Format]:
     """The kernel format of a qtype, or None when the qtype falls back."""
     if qtype in _SCALE:
         fmt, bits = _SCALE[qtype]
-        lv = {"rocmfp2": LV_FP2, "rocmfp3": LV_FP3}.get(qtype, LV_GATHER)
+        lv = {"rocmfp2": LV_FP2, "rocmfp3": LV_FP3, "rocmfp4": LV_FP4, "rocmfp4_fast": LV_FP4}.get(qtype, LV_GATHER)
         return Format(qtype, *_SPLIT[bits], _GROUPS.get(qtype, 16), False, 1 << bits, lv)
     if qtype in _MIX:
         bits = _MIX[qtype]
         return Format(qtype, *_SPLIT[bits], 16, True, 1 << bits, LV_GATHER)
     if qtype == "mxfp4":
-        return Format(qtype, 4, 0, 32, False, 16, LV_GATHER)
+        return Format(qtype, 4, 0, 32, False, 16, LV_E2M1)
     if qtype == AFFINE:
         return Format(qtype, 2, 0, 32, False, 4, LV_CODE, affine=True)
     return None

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ds4quant.runtime.kernels.layout import LV_CODE, LV_FP2, LV_FP3
+from ds4quant.runtime.kernels.layout import LV_CODE, LV_E2M1, LV_FP2, LV_FP3, LV_FP4
 
 
 @triton.jit
@@ -77,6 +77,13 @@ def _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_
         m = c3 & 3
         mag = (m + (m == 3).to(tl.int32)).to(tl.float32)
         lv = tl.where((c3 & 4) != 0, -mag, mag)
+    elif LV == 4 or LV == 5:  # e2m1 x 2 (mxfp4), or rocmfp4 (7 -> 10): sign bit 3
+        m = c3 & 7
+        ex = m >> 1
+        mag = tl.where(ex == 0, m & 1, (2 + (m & 1)) << tl.maximum(ex - 1, 0))
+        if LV == 5:
+            mag = mag - 2 * (m == 7).to(tl.int32)
+        lv = tl.where((c3 & 8) != 0, -mag, mag).to(tl.float32)
     elif MIX:
         tab = tab_base + (sb >> 7)
         lv = tl.load(llut_ptr + (tab * NLEV)[:, :, None] + c3)
@@ -235,4 +242,4 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
     return out
 
 
-assert LV_FP2 == 1 and LV_FP3 == 2 and LV_CODE == 3  # the kernel's constexpr branches
+assert (LV_FP2, LV_FP3, LV_CODE, LV_E2M1, LV_FP4) == (1, 2, 3, 4, 5)  # the kernel's constexpr branches
