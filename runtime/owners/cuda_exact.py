@@ -191,7 +191,7 @@ class ExactKernelsMixin:
 
         n, H = x.shape
         pin_x = self._pin("x", n * H, torch.float32).view(n, H)
-        pin_x.numpy()[...] = x
+        self._stage_in(pin_x, x)
         pin_i = self._pin("ids", n, torch.int64)
         pin_i.numpy()[...] = ids
         copy, comp = self._stream_pair()
@@ -224,7 +224,7 @@ class ExactKernelsMixin:
         done.synchronize()  # this owner's work only
         if not int(pin_b.numpy()[0]):
             self.exact_stats["kernel"] += 1
-            return pin_y.numpy().copy()
+            return self._stage_out(pin_y)
         with torch.cuda.stream(comp):  # some pairs need the limbs (or a value is not finite)
             y = self.exact_patched(layer, dx, di)
             if y is None:
@@ -234,7 +234,7 @@ class ExactKernelsMixin:
             done.record(comp)
         done.synchronize()
         self.exact_stats["patched"] += 1
-        return pin_y.numpy().copy()
+        return self._stage_out(pin_y)
 
     def exact_kernels_call(self, layer: int, x, ids: np.ndarray, ready):
         """float32 (n, H) numpy through the exact kernels, or None (the caller takes the
