@@ -206,7 +206,7 @@ def decode_torch(
     books_np = check_codebooks(
         qt, codebooks.detach().cpu().numpy() if isinstance(codebooks, torch.Tensor) else codebooks
     )
-    books = torch.from_numpy(books_np).to(t.device)
+    books = torch.from_numpy(np.array(books_np, copy=True)).to(t.device)  # torch warns on a read-only array
     if books_np.ndim == 2:
         m = check_modes(modes, 1)
         return codec.decode_torch(t, cols, books, int(m[0]))
