@@ -124,8 +124,12 @@ def _child_stream(a) -> int:
         plan = plan_memory(w, [b.shape for b in batches], a.max_memory, a.device)
         calib = _CalibLike()
         logit_sum = [0.0]
+        decoded: list = []  # experts decoded per layer: reached experts once each when the cache holds them
 
         class Obs(Observer):
+            def on_layer_end(self, layer, module):
+                decoded.append(int(getattr(module.mlp.experts, "decoded", -1)))
+
             def on_experts(self, *args):
                 if not a.artifact:
                     calib.on_experts(*args)
@@ -150,7 +154,7 @@ def _child_stream(a) -> int:
                       "seconds_per_layer": per_layer, "head_seconds": steps[-1]["seconds"] if steps else 0.0,
                       "plan": plan.to_json(), "peak_rss_bytes": _status().get("VmHWM", 0),
                       "peak_gpu_bytes": _gpu_peak(), "cpu_seconds": _cpu_seconds(), "logit_sum": logit_sum[0],
-                      "experts_reached": len(calib.sums)}))
+                      "experts_reached": len(calib.sums), "experts_decoded": decoded}))
     return 0
 
 
