@@ -152,11 +152,17 @@ class StreamedPass:
 
 
 def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, experts_per_token=None,
-                    drop=None, batch_size: Optional[int] = None, moe: Optional[MoeTrace] = None) -> StreamedPass:
+                    drop=None, batch_size: Optional[int] = None, moe: Optional[MoeTrace] = None,
+                    max_memory=None) -> StreamedPass:
     """Logits at ``positions`` [(row, position)] of ``seqs`` through ``sm``
-    (with ``moe``: its MoE blocks recorded or compared, see ``MoeTrace``)."""
+    (with ``moe``: its MoE blocks recorded or compared, see ``MoeTrace``), within
+    the host budget ``max_memory`` (``plan_memory``: on a GPU the decoded experts
+    are kept there; hidden states past the budget go to a temporary memmap)."""
+    import tempfile
+
     import torch
 
+    from ds4quant.runtime.stream.memory import plan_memory
     from ds4quant.runtime.stream.model import stream_forward
 
     bs = batch_size or len(seqs)
@@ -167,13 +173,17 @@ def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, e
         want.setdefault(b, []).append((row, c))
         order.append(b)
     obs = _Hooks(want, experts_per_token, drop, moe)
-    stream_forward(sm, sm.batches(seqs, batch_size=bs, pad_id=pad), observer=obs, keep_logits=False)
+    batches = sm.batches(seqs, batch_size=bs, pad_id=pad)
+    plan = plan_memory(sm.weights, [b.shape for b in batches], max_memory, str(sm.device))
+    with tempfile.TemporaryDirectory(prefix="ds4quant-stream-") as work:
+        stream_forward(sm, batches, observer=obs, keep_logits=False, plan=plan, work_dir=work)
     parts = [obs.kept[b] for b in sorted(obs.kept)]
     logits = torch.cat(parts) if parts else torch.zeros((0, int(sm.config.vocab_size)))
     return StreamedPass(logits, obs.routed.hexdigest())
 
 
-def streamed_copy_sets(sm, tok, task, n_sets: int, *, experts_per_token=None, drop=None, batch: int = 64):
+def streamed_copy_sets(sm, tok, task, n_sets: int, *, experts_per_token=None, drop=None, batch: int = 64,
+                       max_memory=None):
     """The exact-copy protocol over ``n_sets`` seeded identifier sets, teacher-forced
     through ``sm`` (``copy_sets.CopySets``; the protocol's own set's ExactCopyResult)."""
     from ds4quant.runtime import fidelity as fd
@@ -187,7 +197,7 @@ def streamed_copy_sets(sm, tok, task, n_sets: int, *, experts_per_token=None, dr
     seqs = [p + a for p, a in pairs]
     positions = [(i, len(p) - 1 + k) for i, (p, a) in enumerate(pairs) for k in range(len(a))]
     got = streamed_logits(sm, seqs, positions, t.eos_token_id or 0, experts_per_token=experts_per_token,
-                          drop=drop, batch_size=batch).logits.argmax(-1).tolist()
+                          drop=drop, batch_size=batch, max_memory=max_memory).logits.argmax(-1).tolist()
     checks, at = [], 0
     for p, a in pairs:
         g = got[at:at + len(a)]

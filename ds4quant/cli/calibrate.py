@@ -7,7 +7,7 @@ import os
 import click
 
 from ds4quant.cli.group import cli
-from ds4quant.cli.options import PATH, json_option, size_option
+from ds4quant.cli.options import PATH, device_option, json_option, size_option
 from ds4quant.cli.output import command_progress, emit_json
 
 METHODS = ("streamed", "per-tensor")
@@ -19,8 +19,7 @@ METHODS = ("streamed", "per-tensor")
               help="Token ids: one sequence per line (whitespace-separated; '#' lines skipped), or a JSON list of lists.")
 @click.option("--out", "out_dir", required=True, type=PATH,
               help="Output folder (created if its parent exists).")
-@click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",
-              help="Where each layer and the hidden streams run (one layer in memory at a time).")
+@device_option()
 @size_option("--max-memory", help="Refuse up front a layer whose weights and working set exceed SIZE (e.g. 6G).")
 @click.option("--resume", is_flag=True, help="Continue the interrupted run in OUT from its first unfinished layer "
                                              "(refused when the source, tokens or options changed).")

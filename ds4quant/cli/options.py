@@ -109,3 +109,7 @@ def protocol_option(help: str):
 
 def size_option(*decls: str, help: str):
     return click.option(*decls, type=SIZE, default=None, metavar="SIZE", help=help)
+
+
+def device_option(help: str = "Where each layer and the hidden streams run (one layer in memory at a time)."):
+    return click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]", help=help)

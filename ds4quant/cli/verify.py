@@ -9,11 +9,13 @@ import click
 from ds4quant.cli.group import cli
 from ds4quant.cli.options import (
     PATH,
+    device_option,
     fidelity_option,
     imatrix_option,
     json_option,
     mode_option,
     protocol_option,
+    size_option,
     source_option,
     variant_107_option,
 )
@@ -59,12 +61,15 @@ from ds4quant.cli.output import command_progress, emit_json
 @click.option("--stream", is_flag=True,
               help="With --fidelity: run the reference (or read --reference) and the candidate layer by layer "
                    "(DeepSeek-V4-Flash size); no greedy response or per-layer MoE errors then.")
+@device_option(help="With --stream: where each layer of both sides runs (the candidate's routed experts run on "
+                    "their placement's owners).")
+@size_option("--max-memory", help="With --stream: host budget; a layer that cannot fit is refused up front.")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["llama.cpp"]),
               help="With --fidelity: also run the artifact through this engine (llama.cpp via llama-cpp-python, "
                    "which scripts/interop.sh installs) and report the same figures for it.")
 @json_option(help="Print one JSON object {ok, checks, tensors, summary[, fidelity]}.")
 def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107, fidelity, placements, mode,
-               tokens_file, text_file, ctx_size, protocol, copy_sets, experts_per_token, drop_experts, reference, stream, engines, as_json):
+               tokens_file, text_file, ctx_size, protocol, copy_sets, experts_per_token, drop_experts, reference, stream, device, max_memory, engines, as_json):
     """Check that an artifact (or release folder, or bare .gguf) is sound:
     types and tags, sizes and offsets, DS4 keys, codebook coverage, tensor and
     file hashes against manifest.json (and SHA256SUMS). With --source, decode
@@ -95,7 +100,7 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
                  progress=progress, fidelity=fidelity, placements=tuple(placements), mode=mode, tokens=tokens_file,
                  text=text_file, protocol=protocol, engines=tuple(engines), ctx_size=ctx_size,
                  copy_sets=copy_sets, experts_per_token=experts_per_token, drop_experts=drop_experts,
-                 reference=reference, stream=stream)
+                 reference=reference, stream=stream, device=device, max_memory=max_memory)
     report_path = None
     if report_dir is not None:
         from ds4quant.publish.report import write_report

@@ -110,6 +110,8 @@ def verify(
     drop_experts: "str | os.PathLike | None" = None,
     reference: "str | os.PathLike | None" = None,
     stream: bool = False,
+    device: str = "cpu",
+    max_memory: Any = None,
 ) -> VerifyReport:
     """Check an artifact folder, release folder or bare GGUF (see module doc).
 
@@ -131,7 +133,8 @@ def verify(
     measure the artifact with that routing shortcut (``rep.fidelity.approximation``).
     ``reference``: a reference base (``ds4quant reference``) read instead of running the reference.
     ``stream``: run both sides through the layer-streamed forward (no whole model in memory; no
-    greedy response or per-layer MoE errors then).
+    greedy response or per-layer MoE errors then). ``device`` ("cpu", "cuda", "cuda:N") and
+    ``max_memory`` (a host budget, e.g. "64G"): where and within what a streamed pass runs.
     Figures go to ``rep.fidelity``, a ``records.FidelityReport``.
     Raises Ds4quantError for unusable input; a failed check is ``ok=False``.
     """
@@ -165,6 +168,16 @@ def verify(
         raise BadInputError("--placement, --tokens, --text, --ctx, --protocol, --engine, --experts-per-token, "
                             "--drop-experts, --reference and --stream belong to the fidelity "
                             "measurement", where="verify", hint="add --fidelity")
+    if not stream and (device != "cpu" or max_memory is not None):
+        raise BadInputError("--device and --max-memory place the layer-streamed passes", where="verify",
+                            hint="add --stream")
+    if stream:
+        from ds4quant.runtime.stream.model import parse_device
+        from ds4quant.sizes import parse_size
+
+        device = parse_device(device)
+        if max_memory is not None:
+            max_memory = parse_size(max_memory, "--max-memory", positive=True)
     lay = locate(artifact)
     if lay.kind != "gguf" and lay.manifest is None:
         raise BadInputError(f"no {MANIFEST} in the folder", where=str(lay.path),
@@ -180,7 +193,8 @@ def verify(
                                 None if tokens is None else Path(tokens), None if text is None else Path(text),
                                 protocol, tuple(engines), ctx_size, copy_sets, experts_per_token,
                                 None if drop_experts is None else Path(drop_experts),
-                                None if reference is None else Path(reference), bool(stream)))
+                                None if reference is None else Path(reference), bool(stream), device,
+                                max_memory))
     if fidelity and (experts_per_token is not None or drop_experts is not None):
         # a routing shortcut the model cannot take is refused before anything runs
         from ds4quant.runtime.routing_approx import check, moe_layers_of, read_drop_file

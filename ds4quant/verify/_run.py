@@ -48,6 +48,8 @@ class Options:
     drop_experts: Optional[Path] = None  # JSON {layer: [expert, ...]} never selected
     reference: Optional[Path] = None  # a reference base (runtime/reference_base.py) instead of running it
     stream: bool = False  # both sides through the layer-streamed forward (verify/streamed.py)
+    device: str = "cpu"  # where a streamed pass runs each layer (runtime/stream/model.py: parse_device)
+    max_memory: Any = None  # a streamed pass's host budget (runtime/stream/memory.py: plan_memory)
 
 
 @dataclass

@@ -92,18 +92,21 @@ def _streamed_side(o, seqs, pos, pad, tok, task) -> ReferenceSide:
     import ds4quant.verify._candidate as C
 
     with C.one_thread(), SourceWeights(o.source) as w:
-        sm = StreamedModel(w, threads=1)
-        logits = streamed_logits(sm, seqs, pos, pad).logits
-        sets = streamed_copy_sets(sm, tok, task, o.copy_sets)[0] if o.protocol == "exact-copy" else None
+        sm = StreamedModel(w, device=o.device, threads=1)
+        logits = streamed_logits(sm, seqs, pos, pad, max_memory=o.max_memory).logits
+        sets = (streamed_copy_sets(sm, tok, task, o.copy_sets, max_memory=o.max_memory)[0]
+                if o.protocol == "exact-copy" else None)
     return ReferenceSide(logits, logits, None, "", sets, None if sets is None else sets.passes[0])
 
 
 def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Optional[int] = None,
-                        protocol: Optional[str] = None, copy_sets: int = 5, stream: bool = False) -> dict:
+                        protocol: Optional[str] = None, copy_sets: int = 5, stream: bool = False,
+                        device: str = "cpu", max_memory=None) -> dict:
     """Run the reference once and write its base to ``out``; returns a summary
     (tokens scored, bytes, seconds, the storage error bound). ``stream``: through
     the layer-streamed forward (the whole model is never held; no greedy
-    response then, its hash stored empty)."""
+    response then, its hash stored empty), each layer on ``device`` within the
+    host budget ``max_memory``."""
     import numpy as np
     import torch
 
@@ -122,8 +125,18 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     if protocol is not None and protocol not in PROTOCOLS:
         raise BadInputError(f"unknown protocol {protocol!r}", where="--protocol")
     check_sets(copy_sets)
+    if not stream and (device != "cpu" or max_memory is not None):
+        raise BadInputError("--device and --max-memory place the layer-streamed pass", where="reference",
+                            hint="add --stream")
+    if stream:
+        from ds4quant.runtime.stream.model import parse_device
+        from ds4quant.sizes import parse_size
+
+        device = parse_device(device)
+        max_memory = None if max_memory is None else parse_size(max_memory, "--max-memory", positive=True)
     o = Options(source=Path(source), tokens=None if tokens is None else Path(tokens),
-                text=None if text is None else Path(text), protocol=protocol, ctx_size=ctx_size, copy_sets=copy_sets)
+                text=None if text is None else Path(text), protocol=protocol, ctx_size=ctx_size, copy_sets=copy_sets,
+                device=device, max_memory=max_memory)
     tok, _ = tokenizer_for(o.source)
     if stream:
         from ds4quant.runtime.stream import reference_config

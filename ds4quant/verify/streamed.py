@@ -58,16 +58,16 @@ def measure_streamed(ctx: Context) -> FidelityReport:
             side = from_base(o, seqs, cfg)
         else:
             with SourceWeights(o.source) as w:
-                sm = StreamedModel(w, threads=1)
-                sp = streamed_logits(sm, seqs, pos, pad, moe=MoeTrace(moe_dir))
-                sets = streamed_copy_sets(sm, tok, task, o.copy_sets)[0] if proto else None
+                sm = StreamedModel(w, device=o.device, threads=1)
+                sp = streamed_logits(sm, seqs, pos, pad, moe=MoeTrace(moe_dir), max_memory=o.max_memory)
+                sets = streamed_copy_sets(sm, tok, task, o.copy_sets, max_memory=o.max_memory)[0] if proto else None
             side = ReferenceSide(sp.logits, sp.logits, None, "", sets, None if sets is None else sets.passes[0])
             moe = MoeTrace(moe_dir, compare=True)
         runs, first = [], {}
         for label, plc in o.placements:
             with ArtifactWeights(ctx.view, plc, o.mode, source_dir=o.source) as w:
-                sm = StreamedModel(w, threads=1)
-                sp = streamed_logits(sm, seqs, pos, pad, moe=None if first else moe)
+                sm = StreamedModel(w, device=o.device, threads=1)
+                sp = streamed_logits(sm, seqs, pos, pad, moe=None if first else moe, max_memory=o.max_memory)
                 runs.append(PlacementRun(label, sp.routed_sha256, ""))
                 if first:
                     continue
@@ -75,7 +75,8 @@ def measure_streamed(ctx: Context) -> FidelityReport:
                 first["layers"] = tuple(MoeLayerError(L, loc, prop)
                                         for L, (loc, prop) in (moe.errors() if moe else {}).items())
                 if proto:
-                    first["sets"], first["copy"] = streamed_copy_sets(sm, tok, task, o.copy_sets)
+                    first["sets"], first["copy"] = streamed_copy_sets(sm, tok, task, o.copy_sets,
+                                                                      max_memory=o.max_memory)
                 if F.approx_requested(o):
                     first["approx"] = _approx(sm, o, seqs, pos, pad, side, targets, tok, task, drop, cfg)
     ctx.ok("fidelity.dense", "every dense tensor of the model taken from the artifact (streamed)", ctx.first)
@@ -113,9 +114,10 @@ def _approx(sm, o, seqs, pos, pad, side, targets, tok, task, drop, cfg):
     d = drop or MappingProxyType({})
     a = check(cfg, moe_layers_of(cfg), o.experts_per_token, d,
               str(o.drop_experts) if o.drop_experts is not None else "--experts-per-token")
-    logits = streamed_logits(sm, seqs, pos, pad, experts_per_token=o.experts_per_token, drop=d).logits
-    sets = streamed_copy_sets(sm, tok, task, o.copy_sets, experts_per_token=o.experts_per_token, drop=d)[0] \
-        if o.protocol == "exact-copy" else None
+    logits = streamed_logits(sm, seqs, pos, pad, experts_per_token=o.experts_per_token, drop=d,
+                             max_memory=o.max_memory).logits
+    sets = streamed_copy_sets(sm, tok, task, o.copy_sets, experts_per_token=o.experts_per_token, drop=d,
+                              max_memory=o.max_memory)[0] if o.protocol == "exact-copy" else None
     m = fd.logit_metrics(side.logits, logits, targets)
     from ds4quant.records import LogitFigures
 

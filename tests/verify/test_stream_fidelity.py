@@ -74,3 +74,53 @@ def test_streamed_candidate_on_cluster_ranks_gives_the_single_process_bits(mx, t
                                      owner="cpu", artifact=fp))
     f = verify(mx, source=COPY, fidelity=True, mode="exact", stream=True, placements=(None, plc)).fidelity
     assert f.identical and "gloo ranks" in f.placements[1]
+
+
+def test_a_budget_and_an_explicit_device_change_no_figure(mx, tmp_path):
+    """--max-memory and --device cpu only decide where the streamed passes keep things:
+    the same figures and hashes as the unplaced run; a budget below one layer is refused
+    up front, naming the layer, and so are --device/--max-memory without --stream."""
+    from ds4quant.errors import BadInputError, BudgetError
+    from ds4quant.verify import verify
+    from ds4quant.verify.reference_side import make_reference_base
+
+    kw = dict(source=COPY, fidelity=True, mode="exact", stream=True)
+    plain = verify(mx, **kw).fidelity
+    placed = verify(mx, device="cpu", max_memory="2G", **kw).fidelity
+    assert placed.kl == plain.kl and placed.logits == plain.logits
+    assert placed.moe_output_sha256 == plain.moe_output_sha256
+    with pytest.raises(BudgetError, match="layer 0 needs"):
+        verify(mx, max_memory="100M", **kw)
+    with pytest.raises(BadInputError, match="add --stream"):
+        verify(mx, source=COPY, fidelity=True, device="cuda")
+    with pytest.raises(BadInputError, match="device must be cpu, cuda or cuda:N"):
+        verify(mx, device="tpu", **kw)
+    with pytest.raises(BadInputError, match="add --stream"):
+        make_reference_base(COPY, tmp_path / "r.base", max_memory="2G")
+    a, b = tmp_path / "a.base", tmp_path / "b.base"
+    make_reference_base(COPY, a, stream=True)
+    make_reference_base(COPY, b, stream=True, device="cpu", max_memory="2G")
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_reference_cli_refuses_a_device_without_stream(tmp_path):
+    from click.testing import CliRunner
+
+    from ds4quant.cli import cli
+
+    res = CliRunner().invoke(cli, ["reference", str(COPY), "--device", "cuda", "--out", str(tmp_path / "x.base")])
+    assert res.exit_code == 2 and "add --stream" in res.output
+    assert not (tmp_path / "x.base").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_streamed_passes_on_the_gpu(mx):
+    """Both sides' layers on the GPU (the candidate's experts on its CPU owner): the figures
+    are the GPU's own numbers, close to the CPU run's, and the artifact still matches."""
+    from ds4quant.verify import verify
+
+    kw = dict(source=COPY, fidelity=True, mode="exact", stream=True)
+    cpu = verify(mx, **kw).fidelity
+    gpu = verify(mx, device="cuda", **kw).fidelity
+    assert abs(gpu.kl.kld_mean - cpu.kl.kld_mean) < 0.01 and abs(gpu.kl.same_top1 - cpu.kl.same_top1) < 5
