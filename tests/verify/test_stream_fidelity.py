@@ -123,4 +123,4 @@ def test_streamed_passes_on_the_gpu(mx):
     kw = dict(source=COPY, fidelity=True, mode="exact", stream=True)
     cpu = verify(mx, **kw).fidelity
     gpu = verify(mx, device="cuda", **kw).fidelity
-    assert abs(gpu.kl.kld_mean - cpu.kl.kld_mean) < 0.01 and abs(gpu.kl.same_top1 - cpu.kl.same_top1) < 5
+    assert abs(gpu.kl.kld_mean - cpu.kl.kld_mean) < 0.01 and abs(gpu.kl.same_top1 - cpu.kl.same_top1) < 0.05
