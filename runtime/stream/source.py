@@ -230,8 +230,8 @@ class _ExpertsLoop(_experts_base()):  # type: ignore[misc]
         for e in torch.unique(top_k_index).tolist():  # ascending: eager's order over hit experts
             if e >= self.num_experts:
                 continue  # eager skips the expert-parallel placeholder id
-            pos, tok, _x, act = expert_rows(self, hidden_states, idx_t, e)
-            down = self.expert_weights(e)[1]
+            gate_up, down = self.expert_weights(e)  # once: a bounded cache's miss decodes all three
+            pos, tok, _x, act = expert_rows(self, hidden_states, idx_t, e, gate_up=gate_up)
             y = torch.nn.functional.linear(act, down) * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
@@ -316,22 +316,21 @@ class SourceExperts(_ExpertsLoop):
         self._cached = 0
 
 
-def expert_rows(experts, hidden, idx_t, e: int):
+def expert_rows(experts, hidden, idx_t, e: int, gate_up=None):
     """The rows routed to expert ``e`` and its down-projection input, exactly as the
     eager experts forward computes them, for a ``SourceExperts`` or an eager
     ``DeepseekV4Experts``.
 
     hidden: float32 [T, H]; idx_t: int64 [k, T] (top_k_index transposed). Returns
     (top_k_pos [n], token_idx [n], x = hidden[token_idx] [n, H], act [n, I]),
-    act = silu(clamp(gate, max=limit)) * clamp(up, -limit, limit).
+    act = silu(clamp(gate, max=limit)) * clamp(up, -limit, limit). gate_up: the
+    expert's [2I, H] weights when the caller holds them already.
     """
     import torch
     import torch.nn.functional as F
 
-    if hasattr(experts, "expert_weights"):
-        gate_up = experts.expert_weights(e)[0]
-    else:
-        gate_up = experts.gate_up_proj[e]
+    if gate_up is None:
+        gate_up = experts.expert_weights(e)[0] if hasattr(experts, "expert_weights") else experts.gate_up_proj[e]
     pos, tok = torch.where(idx_t == e)
     x = hidden[tok]
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
