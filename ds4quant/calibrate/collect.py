@@ -55,9 +55,23 @@ HEAD_MODULE = ("lm_head", "output.weight")
 
 def sum_sq(x) -> np.ndarray:
     """float64 (cols,): sum over rows of x^2 (x: float32 torch [rows, cols], any device).
-    Squares of float32 are exact in float64; numpy adds rows in order."""
+    Squares of float32 are exact in float64; numpy adds rows in order. On a GPU the
+    same sums in the same order run there (``formats.search.column_square_sums_on_device``)
+    and only the totals cross the link, not the rows."""
+    if x.device.type != "cpu" and _device_sums():
+        from ds4quant.formats.search import column_square_sums_on_device
+
+        return column_square_sums_on_device(x).cpu().numpy()
     a = x.detach().cpu().numpy().astype(np.float64)
     return np.square(a).sum(axis=0)
+
+
+def _device_sums() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # a GPU host without Triton: the rows come to the host
+        return False
+    return True
 
 
 class _DenseHooks:

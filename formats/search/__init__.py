@@ -71,7 +71,7 @@ __all__ = [
     "choose_mix", "encode_mix", "check_status", "decode_mix_choices", "book_tables", "evaluate_books",
     "one_pass", "terms_stats", "mix_error_on_device", "FIXED_105", "FIXED_106", "fixed_levels",
     "SCALE_SEARCHES", "scale_covers", "scale_inputs", "search_scale", "encode_scale", "measure_scale",
-    "row_energies", "pairwise_sum", "pairwise_total", "error_sums_on_device",
+    "row_energies", "pairwise_sum", "pairwise_total", "error_sums_on_device", "column_square_sums_on_device",
 ]
 
 
@@ -255,3 +255,11 @@ def error_sums_on_device(X, Y, w=None):
     from ds4quant.formats.search import triton_sums
 
     return triton_sums.error_sums_device(X, Y, w)
+
+
+def column_square_sums_on_device(X):
+    """``np.square(x.astype(np.float64)).sum(axis=0)`` of a float32 device tensor X
+    (rows, cols) as float64 (cols,) on its device, bit for bit (Triton)."""
+    from ds4quant.formats.search import triton_sums
+
+    return triton_sums.column_square_sums(X)

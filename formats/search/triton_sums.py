@@ -13,6 +13,11 @@ reduction would not keep:
   added). ``pairwise_total`` sums the leaves here, one lane a leaf, and
   ``numba_fit.pairwise_combine_nb`` adds them on the host in the
   tree's order.
+* ``np.square(x.astype(float64)).sum(axis=0)``: calibrate's importance sums of
+  a layer's inputs (``calibrate.collect.sum_sq``). numpy reduces axis 0 of a
+  C-ordered array row by row, each column's total growing in row order;
+  ``column_square_sums`` walks the rows in that order, one lane a column, and
+  only the (cols,) totals come back instead of the rows.
 
 So a matrix's decoded values and the fitter's terms never cross the link:
 4 (rows, cols) float32 copies a candidate and 8 bytes a weight per
@@ -125,6 +130,25 @@ def _leaves_kernel(t_ptr, lo_ptr, n_ptr, out_ptr, K, BLOCK: tl.constexpr):
     tl.store(out_ptr + k, res, mask=m)
 
 
+@triton.jit
+def _column_sq_kernel(x_ptr, out_ptr, R, C, BLOCK: tl.constexpr):
+    """out[c] = sum over rows r in order of float64(x[r, c])^2 for float32 x (R, C):
+    one lane a column (the square of a float32 is exact in float64, so a fused
+    multiply-add would round the same; fusion is off all the same)."""
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = c < C
+    acc = tl.zeros([BLOCK], tl.float64)
+    p = x_ptr + c
+    for _r in range(0, R):
+        v = tl.load(p, mask=m, other=0.0).to(tl.float64)
+        acc = acc + v * v
+        p += C  # pointer arithmetic: 64-bit past 2^31 elements
+    tl.store(out_ptr + c, acc, mask=m)
+
+
+COLUMNS_PER_PROGRAM = 128
+
+
 def _launch(kernel, grid, *args, **meta):
     kernel[grid](*args, num_warps=1 if INTERPRETED else 2, enable_fp_fusion=False, **meta)
 
@@ -178,3 +202,17 @@ def pairwise_total(t) -> float:
     blk = triton.next_power_of_2(k) if INTERPRETED else LEAVES_PER_PROGRAM
     _launch(_leaves_kernel, (triton.cdiv(k, blk),), flat, lo, ln, out, k, BLOCK=blk)
     return float(0.0 + pairwise_combine_nb(to_host(out), n))
+
+
+def column_square_sums(x):
+    """float64 (cols,) on x's device: ``np.square(x.astype(np.float64)).sum(axis=0)``
+    of a float32 device tensor x (rows, cols), bit for bit."""
+    import torch
+
+    x = x.detach().to(torch.float32).contiguous()
+    rows, cols = x.shape
+    out = torch.zeros(cols, dtype=torch.float64, device=x.device)
+    if rows and cols:
+        blk = triton.next_power_of_2(cols) if INTERPRETED else COLUMNS_PER_PROGRAM
+        _launch(_column_sq_kernel, (triton.cdiv(cols, blk),), x, out, rows, cols, BLOCK=blk)
+    return out

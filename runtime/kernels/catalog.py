@@ -346,7 +346,8 @@ def scenario_search_mix():
 
 
 def scenario_sums():
-    """The measure stage's float64 sums (``error_sums_on_device``, ``pairwise_total``)."""
+    """The measure stage's float64 sums (``error_sums_on_device``, ``pairwise_total``) and
+    calibrate's column sums of squares (``column_square_sums``)."""
     torch = _torch()
     from ds4quant.formats.search import triton_sums
 
@@ -360,6 +361,7 @@ def scenario_sums():
     lo = torch.zeros(8, dtype=torch.int64)
     out = torch.zeros(8, dtype=torch.float64)
     triton_sums._launch(triton_sums._leaves_kernel, (1,), t, lo, lo, out, 8, BLOCK=triton_sums.LEAVES_PER_PROGRAM)
+    triton_sums._launch(triton_sums._column_sq_kernel, (1,), x, t, 4, 64, BLOCK=triton_sums.COLUMNS_PER_PROGRAM)
 
 
 SCENARIOS: dict[str, Callable[[], None]] = {
@@ -391,6 +393,7 @@ CATALOG = (
     Entry(_S + "triton_mix", "_terms_kernel", BITS, ("search_mix",)),
     Entry(_S + "triton_sums", "_row_sums_kernel", BITS, ("sums",)),
     Entry(_S + "triton_sums", "_leaves_kernel", BITS, ("sums",)),
+    Entry(_S + "triton_sums", "_column_sq_kernel", BITS, ("sums",)),
 )
 
 

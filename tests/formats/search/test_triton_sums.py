@@ -85,3 +85,16 @@ def test_ds4_sized_figures_on_cuda(md):
     assert md.error_sums_device(_t(x), _t(y), _t(w)) == error_sums(x, y, w)
     t = ((x - y).astype(np.float64) ** 2).reshape(-1)
     assert md.pairwise_total(_t(t)) == float(np.sum(t))
+
+
+@pytest.mark.parametrize("rows,cols", [(0, 64), (1, 4096), (48, 4096), (130, 2048), (7, 33)])
+def test_column_square_sums_are_numpys(md, rows, cols):
+    """calibrate's importance sums: np.square(x.astype(float64)).sum(axis=0), rows in order,
+    bit for bit, over values spanning 40 octaves (any other order changes low bits)."""
+    x = _wide(np.random.default_rng(rows * 7 + cols), (rows, cols))
+    want = np.square(x.astype(np.float64)).sum(axis=0)
+    got = md.column_square_sums(_t(x)).cpu().numpy()
+    assert got.dtype == np.float64 and np.array_equal(got.view(np.uint64), want.view(np.uint64))
+    if rows > 2:  # the check can fail: another order gives other bits here
+        other = np.square(x[::-1].astype(np.float64)).sum(axis=0)
+        assert not np.array_equal(other, want)
