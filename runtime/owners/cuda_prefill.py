@@ -66,14 +66,17 @@ class PrefillMixin:
 
     def prefill_device(self, layer: int, x, ids):
         """The prefill kernels on device tensors: x float32 (n, H) in slot order, ids int64
-        (n,) global experts (all resident) -> float32 (n, H) in slot order, or None when a
-        stack's weights have no exact bf16 form."""
+        (n,) global experts (all resident) -> float32 (n, H) in slot order, or None when the
+        layer has no single stack per projection or a stack's weights have no exact bf16 form."""
         import torch
 
         from ds4quant.runtime.kernels import prefill_triton as pk
         from ds4quant.runtime.swiglu import swiglu_fast
 
-        pg, pu, pd, loc, _, E = self._prefill[layer]
+        got = self.single_stacks(layer)  # cached: a CUDA graph captures no host-to-device copy of it
+        if got is None:
+            return None
+        pg, pu, pd, loc, _, E = got
         splits = [self._bf16_split(p) for p in (pg, pu, pd)]
         if any(s is None for s in splits):
             return None

@@ -126,3 +126,17 @@ def test_prefill_falls_back_on_books_without_an_exact_bf16_form(pk, monkeypatch)
     x = S.tokens(len(ids), seed=2)
     y = o.run_slots(LAYER, x, ids, "fast")  # the float32 tl.dot path
     S.assert_rows_close(y, S.moe_ref64(stacks, x, ids), ids, 2e-5, "fallback")
+
+
+def test_prefill_device_on_a_fresh_owner(pk):
+    """``prefill_device`` called first (as a CUDA-graph capture's warm-up does, with no
+    ``prefill_set`` before it) finds its stacks itself and gives the owner's own result;
+    a layer without single stacks answers None instead of raising."""
+    o, _stacks = _owner("rocmfp4")
+    ids = LOADS["uneven"]
+    x = S.tokens(len(ids), seed=5)
+    got = o.prefill_device(LAYER, torch.from_numpy(x), torch.from_numpy(ids))
+    assert got is not None
+    want = o.run_slots(LAYER, x, ids, "fast")
+    assert np.array_equal(got.numpy(), want)
+    assert o.prefill_device(LAYER + 1, torch.from_numpy(x), torch.from_numpy(ids)) is None
