@@ -141,9 +141,10 @@ def dequant_e2m1_torch(packed, scale_e8m0):
     import torch
 
     codes = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
-    rows, half = int(codes.shape[0]), int(codes.shape[1])
-    cols = 2 * half
-    if codes.dim() != 2 or tuple(scale_e8m0.shape) != (rows, cols // FP4_BLOCK) or cols % FP4_BLOCK:
+    if codes.dim() != 2:
+        raise ShapeError(f"FP4 codes must be 2-D, got {tuple(codes.shape)}", where="dequant_e2m1_torch")
+    rows, cols = int(codes.shape[0]), 2 * int(codes.shape[1])
+    if tuple(scale_e8m0.shape) != (rows, cols // FP4_BLOCK) or cols % FP4_BLOCK:
         raise ShapeError(f"FP4 codes {tuple(codes.shape)} need scales ({rows}, {cols // FP4_BLOCK}), got "
                          f"{tuple(scale_e8m0.shape)}", where="dequant_e2m1_torch")
     dev = codes.device

@@ -158,6 +158,7 @@ def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, e
     (with ``moe``: its MoE blocks recorded or compared, see ``MoeTrace``), within
     the host budget ``max_memory`` (``plan_memory``: on a GPU the decoded experts
     are kept there; hidden states past the budget go to a temporary memmap)."""
+    import contextlib
     import tempfile
 
     import torch
@@ -175,7 +176,8 @@ def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, e
     obs = _Hooks(want, experts_per_token, drop, moe)
     batches = sm.batches(seqs, batch_size=bs, pad_id=pad)
     plan = plan_memory(sm.weights, [b.shape for b in batches], max_memory, str(sm.device))
-    with tempfile.TemporaryDirectory(prefix="ds4quant-stream-") as work:
+    spill = plan.store_kind == "memmap"
+    with tempfile.TemporaryDirectory(prefix="ds4quant-stream-") if spill else contextlib.nullcontext() as work:
         stream_forward(sm, batches, observer=obs, keep_logits=False, plan=plan, work_dir=work)
     parts = [obs.kept[b] for b in sorted(obs.kept)]
     logits = torch.cat(parts) if parts else torch.zeros((0, int(sm.config.vocab_size)))

@@ -23,6 +23,7 @@ run) or devices' transfers. ``LayerSums`` saves to and loads from one ``.npz``
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Optional
 
@@ -66,6 +67,7 @@ def sum_sq(x) -> np.ndarray:
     return np.square(a).sum(axis=0)
 
 
+@functools.cache
 def _device_sums() -> bool:
     try:
         import triton  # noqa: F401

@@ -68,7 +68,7 @@ from ds4quant.records import (
     VerifyReport,
     group_records,
 )
-from ds4quant.verify._run import Context, Options
+from ds4quant.verify._run import Context, Options, stream_options
 from ds4quant.verify.codebooks import codebooks
 from ds4quant.verify.fidelity import fidelity
 from ds4quant.verify.manifest import hashes, manifest_and_sums
@@ -168,16 +168,7 @@ def verify(
         raise BadInputError("--placement, --tokens, --text, --ctx, --protocol, --engine, --experts-per-token, "
                             "--drop-experts, --reference and --stream belong to the fidelity "
                             "measurement", where="verify", hint="add --fidelity")
-    if not stream and (device != "cpu" or max_memory is not None):
-        raise BadInputError("--device and --max-memory place the layer-streamed passes", where="verify",
-                            hint="add --stream")
-    if stream:
-        from ds4quant.runtime.stream.model import parse_device
-        from ds4quant.sizes import parse_size
-
-        device = parse_device(device)
-        if max_memory is not None:
-            max_memory = parse_size(max_memory, "--max-memory", positive=True)
+    device, max_memory = stream_options(stream, device, max_memory, "verify")
     lay = locate(artifact)
     if lay.kind != "gguf" and lay.manifest is None:
         raise BadInputError(f"no {MANIFEST} in the folder", where=str(lay.path),

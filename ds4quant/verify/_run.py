@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ds4quant.artifact.view import ArtifactView, Problem
+from ds4quant.errors import BadInputError
 from ds4quant.progress import ProgressFn
 from ds4quant.records import Check, FidelityReport
 
@@ -50,6 +51,20 @@ class Options:
     stream: bool = False  # both sides through the layer-streamed forward (verify/streamed.py)
     device: str = "cpu"  # where a streamed pass runs each layer (runtime/stream/model.py: parse_device)
     max_memory: Any = None  # a streamed pass's host budget (runtime/stream/memory.py: plan_memory)
+
+
+def stream_options(stream: bool, device: str, max_memory: Any, where: str) -> tuple[str, Any]:
+    """(device, max_memory bytes or None) for the layer-streamed passes; refused without ``stream``."""
+    if not stream:
+        if device != "cpu" or max_memory is not None:
+            raise BadInputError("--device and --max-memory place the layer-streamed passes", where=where,
+                                hint="add --stream")
+        return device, None
+    from ds4quant.runtime.stream.model import parse_device
+    from ds4quant.sizes import parse_size
+
+    return parse_device(device), (None if max_memory is None else parse_size(max_memory, "--max-memory",
+                                                                              positive=True))
 
 
 @dataclass

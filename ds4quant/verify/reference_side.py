@@ -116,7 +116,7 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     from ds4quant.runtime.copy_sets import check_sets
     from ds4quant.runtime.reference import load_reference
     import ds4quant.verify._candidate as C
-    from ds4quant.verify._run import Options
+    from ds4quant.verify._run import Options, stream_options
     from ds4quant.verify.eval_inputs import PROTOCOLS, copy_task, eval_tokens, scored_positions, tokenizer_for
 
     t0 = time.perf_counter()
@@ -125,15 +125,7 @@ def make_reference_base(source, out, *, tokens=None, text=None, ctx_size: Option
     if protocol is not None and protocol not in PROTOCOLS:
         raise BadInputError(f"unknown protocol {protocol!r}", where="--protocol")
     check_sets(copy_sets)
-    if not stream and (device != "cpu" or max_memory is not None):
-        raise BadInputError("--device and --max-memory place the layer-streamed pass", where="reference",
-                            hint="add --stream")
-    if stream:
-        from ds4quant.runtime.stream.model import parse_device
-        from ds4quant.sizes import parse_size
-
-        device = parse_device(device)
-        max_memory = None if max_memory is None else parse_size(max_memory, "--max-memory", positive=True)
+    device, max_memory = stream_options(stream, device, max_memory, "reference")
     o = Options(source=Path(source), tokens=None if tokens is None else Path(tokens),
                 text=None if text is None else Path(text), protocol=protocol, ctx_size=ctx_size, copy_sets=copy_sets,
                 device=device, max_memory=max_memory)

@@ -146,6 +146,9 @@ class ArtifactWeights:
     def expert_bytes(self, layer: int) -> int:
         return 0  # resident on the owners for the whole run, counted by the executor
 
+    def experts_fp4(self, layer: int) -> bool:
+        return False  # no decoded experts here: the owners run them
+
     def global_bytes(self, part: str) -> int:
         from ds4quant.runtime.stream.source import GLOBAL_PARTS
 

@@ -190,7 +190,7 @@ def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: An
         if on_gpu:
             # FP4 experts are kept as bfloat16 there (half their float32 bytes); the
             # same slack as the host's for the decode's temporaries and the allocator.
-            narrow = all(getattr(weights, "experts_fp4", lambda L: False)(L) for L in on_gpu)
+            narrow = all(weights.experts_fp4(L) for L in on_gpu)
             need_all = max(all_experts[L] for L in on_gpu) // (2 if narrow else 1)
             left = free - (max(layer_min[L] for L in on_gpu) + work + 2 * batch_max)
             left -= 3 * max(one_expert, default=0) + free // 16

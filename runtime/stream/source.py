@@ -50,6 +50,8 @@ class WeightProvider(Protocol):
 
     def layer_bytes(self, layer: int) -> int: ...
 
+    def experts_fp4(self, layer: int) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -276,7 +278,7 @@ class SourceExperts(_ExpertsLoop):
         self._cache: dict[int, tuple] = {}
         self._cached = 0
         self.decoded = 0  # experts decoded so far (a cache miss each)
-        self._is_fp4: Optional[bool] = None
+        self.fp4 = weights.experts_fp4(layer)  # every decoded value exact in bfloat16
 
     def expert_weights(self, e: int):
         """(gate_up [2I,H], down [H,I]) float32 of expert ``e`` on this module's device.
@@ -295,7 +297,7 @@ class SourceExperts(_ExpertsLoop):
         # FP4 x E8M0 value exactly (formats.fp8.dequant_e2m1_torch): twice the
         # experts in the same memory, widened back to the same float32 on use.
         # The host keeps float32: widening costs a CPU more than the cache saves.
-        narrow = gate_up.device.type != "cpu" and self._fp4()
+        narrow = gate_up.device.type != "cpu" and self.fp4
         size = (2 if narrow else 4) * (gate_up.numel() + down.numel())
         # Once the budget is full nothing is evicted: every batch visits the experts
         # in ascending order, a cyclic scan that least-recently-used eviction would
@@ -304,12 +306,6 @@ class SourceExperts(_ExpertsLoop):
             self._cache[e] = (gate_up.bfloat16(), down.bfloat16()) if narrow else (gate_up, down)
             self._cached += size
         return gate_up, down
-
-    def _fp4(self) -> bool:
-        if self._is_fp4 is None:
-            probe = getattr(self.weights, "experts_fp4", None)
-            self._is_fp4 = bool(probe(self.layer)) if probe is not None else False
-        return self._is_fp4
 
     def release(self) -> None:
         self._cache.clear()
