@@ -16,9 +16,9 @@ Rows per (recipe, batch):
   for that call (decode-step graph / grouped matrix-vector / tensor-core
   prefill / the float32 tl.dot kernels), graphed where the path is graphable;
 * ``fast run_slots``: the owner end to end (host staging, copies, kernels);
-* ``exact kernel`` / ``exact run_slots``: exact mode the same way (the
-  definition's path where the kernels do not apply: batches above
-  ``exact_max_slots``);
+* ``exact kernel`` / ``exact run_slots``: exact mode the same way (per-slot
+  kernels at decode sizes, the grouped kernels of ``exact_grouped`` at prefill
+  sizes; the definition's path where no kernel applies);
 * ``bf16 grouped_mm``: ``torch._grouped_mm`` over the same experts decoded
   to bf16, graphed;
 * ``dense bf16``: one bf16 GEMV/GEMM per selected expert and projection
@@ -208,6 +208,7 @@ def main(argv=None) -> int:
         if not cuda:  # the interpreter's cost is per program: whole-matrix blocks
             owner.prefill_tile = {"gu": (max(H, I), 64, 4, 1), "down": (max(H, I), 64, 4, 1)}
             owner.exact_planes_tile = (max(H, I), 128, 4)
+            owner.exact_grouped_tile = (max(H, I), 4, 1)
             big = {"gu": (I, 8, 1, 1, True, True), "down": (H, 4, 1, 1, True, True)}
             owner.gemv_tile, owner.group_tile = dict(big), dict(big)
             owner.exact_tile = {k: (v[0], v[1], 1, True) for k, v in big.items()}
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
             ex = owner.exact_set(0, ids)
             if ex is not None:
                 di = torch.from_numpy(ids).to(dev)
-                timed(f"ours exact kernel ({ex[0]})", lambda: owner.exact_device(0, x, di), qbytes)
+                timed(f"ours exact kernel ({ex[0]})", lambda: owner.exact_device(0, x, di, ex[0]), qbytes)
             timed("ours exact run_slots" + ("" if ex is not None else " (definition)"),
                   lambda: owner.run_slots(0, xn, ids, "exact"), qbytes, graph=False)
 

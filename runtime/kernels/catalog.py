@@ -312,6 +312,30 @@ def scenario_exact_planes():
                 xp.product(f, p, qx, sx, ids, ids, bad, flags=flags, bn=tile[0], bk=tile[1], num_warps=tile[2])
 
 
+def scenario_exact_grouped():
+    """``ExactKernelsMixin`` on prefill-sized calls (every kernel qtype, the owner's tile)."""
+    torch = _torch()
+    from ds4quant.runtime.kernels import exact_grouped as xg
+    from ds4quant.runtime.kernels import layout, prefill_triton as pk
+
+    E, H, inter, n = 2, 512, 256, 8
+    bad = torch.zeros(1, dtype=torch.int32)
+    ids = torch.zeros(n, dtype=torch.int64)
+    bn, nw, ns = _owner_defaults().exact_grouped_tile
+    for q in layout.KERNEL_QTYPES:
+        f = layout.kernel_format(q)
+        p = _fake_planes(f, E, inter, H)
+        p["ilut"] = torch.zeros((2 * E, f.nlev), dtype=torch.float32)
+        p["ishift"] = torch.zeros(2 * E, dtype=torch.int32)
+        qx = torch.zeros((n, H))
+        sx = torch.zeros((n, H // 32), dtype=torch.int32)
+        # the row tile of DS4's 2048-token prefill (48 slots an expert -> 64) for every qtype
+        for bm in pk.BM_CHOICES if q == "rocmfp2" else (64,):
+            plan = pk.sort_slots(ids, ids, E, n, bm=bm)
+            for flags in (False, True):
+                xg.product(f, p, qx, sx, plan, bad, flags=flags, bn=bn, num_warps=nw, num_stages=ns)
+
+
 def scenario_search_scale():
     """The measure stage's scale search (``formats.search.search_scale`` / ``measure_scale``)."""
     torch = _torch()
@@ -370,6 +394,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "exact_words": scenario_exact_words,
     "prefill": scenario_prefill,
     "exact_planes": scenario_exact_planes,
+    "exact_grouped": scenario_exact_grouped,
     "search_scale": scenario_search_scale,
     "search_mix": scenario_search_mix,
     "sums": scenario_sums,
@@ -387,6 +412,7 @@ CATALOG = (
     Entry(_R + "exact_triton", "_swiglu_quant_kernel", BITS, ("exact_words",)),
     Entry(_R + "prefill_triton", "_prefill_kernel", FAST, ("prefill",)),
     Entry(_R + "exact_planes", "_planes_exact_kernel", NO_APPROX, ("exact_planes",)),
+    Entry(_R + "exact_grouped", "_grouped_exact_kernel", NO_APPROX, ("exact_grouped",)),
     Entry(_S + "triton_scale", "_search_kernel", BITS, ("search_scale",)),
     Entry(_S + "triton_mix", "_books_kernel", BITS, ("search_mix",)),
     Entry(_S + "triton_mix", "_fixed_kernel", BITS, ("search_mix",)),

@@ -268,6 +268,12 @@ def _bf16_np(v: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(v), r, v).astype(np.float32)
 
 
+def bf16_exact(v: np.ndarray) -> bool:
+    """Whether every value of the float32 array v is a bf16 number."""
+    v = np.asarray(v, dtype=np.float32)
+    return bool(np.array_equal(_bf16_np(v), v))
+
+
 def bf16_terms(levels: np.ndarray, scales: np.ndarray, affine: bool = False) -> int:
     """How many bf16 parts carry every decoded weight exactly: 1, 2, or 0 (neither).
 

@@ -8,6 +8,10 @@ launch); every other kernel qtype (MIX, rocmfp4/6/8, s40, affine, mxfp4) uses
 ``exact_planes.product`` on the plane layout (gate and up apart), with the
 level tables as integers times a power of two (``exact_planes.integer_levels``;
 a MIX book pair it refuses keeps the layer on the definition's path).
+Prefill-sized calls (``exact_grouped_mean`` slots an expert or more, or past
+``exact_max_slots``) take ``exact_grouped.product`` instead: the prefill's
+device slot sort, each weight tile read once for all its slots, the same
+exact sums (eager launches: a prefill's slot count varies call to call).
 
 The bytes are the definition's (``owners/torch_exact``, the CPU owner's):
 the kernels compute the same exact sums and the same one-operation-at-a-time
@@ -20,7 +24,8 @@ stage reads it. A non-finite input or SwiGLU output sends the call through
 ``exact_stats`` counts the calls that took the kernels alone, the patched
 ones and the reruns.
 q8_0 / bf16 / f16 / f32, several stacks a projection and batches above
-``exact_max_slots`` take ``TorchOwner``'s exact path directly.
+``exact_max_slots`` that the grouped kernels cannot take run ``TorchOwner``'s
+exact path directly.
 """
 
 from __future__ import annotations
@@ -40,17 +45,30 @@ class ExactKernelsMixin:
         self.exact_stats = {"kernel": 0, "patched": 0, "rerun": 0}
         # (rows per program, columns per step, warps) of the plane-layout product
         self.exact_planes_tile = (16, 64, 4)
+        # slots per routed expert from which an exact call takes the grouped kernels
+        # (exact_grouped: each weight tile read once for all its slots); calls past
+        # exact_max_slots take them whatever the mean
+        self.exact_grouped_mean = 8
+        # (rows per program, warps, pipeline stages) of the grouped launches
+        self.exact_grouped_tile = (64, 4, 2)
 
     def exact_set(self, layer: int, ids: np.ndarray):
-        """``("words", gemv_set(layer))`` or ``("planes", (gate, up, down planes, loc device,
-        loc host))`` when this call can take the exact kernels, else None."""
+        """``("words", gemv_set(layer))``, ``("planes", (gate, up, down planes, loc device,
+        loc host, local experts))`` or ``("grouped", the same planes)`` when this call can
+        take the exact kernels, else None."""
         n = ids.shape[0]
-        if not self.exact_kernels or not 0 < n <= self.exact_max_slots:
+        if not self.exact_kernels or n == 0:
             return None
         try:
             from ds4quant.runtime.kernels import exact_triton  # noqa: F401
         except ImportError:  # exact mode stays usable without triton (the definition's path)
             return None
+        if n > self.exact_max_slots or n >= self.exact_grouped_mean * np.unique(ids).shape[0]:
+            ps = self._exact_planes_set(layer)
+            if ps is not None and self._grouped_levels(ps) and self._all_resident(ps[4], ids):
+                return ("grouped", ps)
+            if n > self.exact_max_slots:
+                return None
         gem = self.gemv_set(layer)
         got = ("words", gem) if gem is not None else None
         if got is None:
@@ -88,6 +106,20 @@ class ExactKernelsMixin:
         return pf
 
     @staticmethod
+    def _grouped_levels(ps) -> bool:
+        """Whether every stack of a plane set has integer levels the grouped kernels take
+        (``exact_grouped.tensor_core_levels``; checked once per stack and books)."""
+        from ds4quant.runtime.kernels import exact_grouped as xg
+
+        for p in ps[:3]:
+            if p.get("tc_key", -1) != p["ilut_key"]:
+                p["tc"] = xg.tensor_core_levels(p["ilut"].cpu().numpy(), p["wide"])
+                p["tc_key"] = p["ilut_key"]
+            if not p["tc"]:
+                return False
+        return True
+
+    @staticmethod
     def _finite_weights(p) -> bool:
         """Whether every decoded weight of the stack is finite: a scale byte whose value times
         the largest level overflows float32 (mxfp4's top E8M0 bytes) makes the definition raise,
@@ -102,15 +134,16 @@ class ExactKernelsMixin:
             return True
         return not bool(torch.isin(p["s"], torch.from_numpy(over).to(p["s"].device, torch.uint8)).any())
 
-    def exact_device(self, layer: int, x, ids):
+    def exact_device(self, layer: int, x, ids, kind: str | None = None):
         """The exact kernels on device tensors: x float32 (n, H), ids int64 (n,) global
         experts -> (y float32 (n, H), bad int32 (1,)); y holds the definition's bits when
-        bad is 0."""
+        bad is 0. kind: ``exact_set``'s first item (default: the layer's per-slot kernels)."""
         import torch
         from ds4quant.runtime.kernels import exact_triton as ek
 
-        if self._exact_kind(layer) == "planes":
-            return self._planes_device(layer, x, ids)
+        kind = kind or self._exact_kind(layer)
+        if kind != "words":
+            return self._planes_device(layer, x, ids, grouped=kind == "grouped")
         lg, lu, ld, loc, _ = self._gemv[layer]
         bad = torch.zeros((1,), dtype=torch.int32, device=x.device)
         qx, sx = ek.quantize(x, bad)
@@ -121,15 +154,16 @@ class ExactKernelsMixin:
         y = ek.gemv_exact(ld, qh, sh, ids, loc, bad, bn=bn, bw=bw, num_warps=nw, pre=pre)
         return y, bad
 
-    def exact_patched(self, layer: int, x, ids):
+    def exact_patched(self, layer: int, x, ids, kind: str | None = None):
         """Exact mode stage by stage, every flagged pair patched through the definition's limbs:
         x float32 (n, H), ids int64 (n,) device tensors -> y float32 (n, H), or None when an
         input or a SwiGLU output is not finite (the definition's path raises)."""
         import torch
         from ds4quant.runtime.kernels import exact_triton as ek
 
-        if self._exact_kind(layer) == "planes":
-            return self._planes_device(layer, x, ids, patch=True)
+        kind = kind or self._exact_kind(layer)
+        if kind != "words":
+            return self._planes_device(layer, x, ids, patch=True, grouped=kind == "grouped")
         lg, lu, ld, loc, _ = self._gemv[layer]
         host_ids = ids.cpu().numpy()
         bad = torch.zeros((1,), dtype=torch.int32, device=x.device)
@@ -184,9 +218,10 @@ class ExactKernelsMixin:
         self._graph_cache[key] = (graph, xs, ids, y, bad)
         return self._graph_cache[key]
 
-    def _exact_cuda(self, layer: int, x: np.ndarray, ids: np.ndarray, ready):
+    def _exact_cuda(self, layer: int, x: np.ndarray, ids: np.ndarray, ready, kind: str):
         """The exact kernels through the pinned buffers and the owner's two streams; ready.fire()
-        once the input copy is enqueued. None: the call needs the definition's path."""
+        once the input copy is enqueued. None: the call needs the definition's path. Grouped
+        calls (prefill: any slot count) run eager, the per-slot kernels from a graph."""
         import torch
 
         n, H = x.shape
@@ -196,7 +231,7 @@ class ExactKernelsMixin:
         pin_i.numpy()[...] = ids
         copy, comp = self._stream_pair()
         graph = None
-        if self.graphs:
+        if self.graphs and kind != "grouped":
             graph, dx, di, gy, gbad = self._exact_graph(layer, n, H)
         else:
             dx = torch.empty((n, H), dtype=torch.float32, device=self.device)
@@ -214,7 +249,7 @@ class ExactKernelsMixin:
                 graph.replay()
                 y, bad = gy, gbad
             else:
-                y, bad = self.exact_device(layer, dx, di)
+                y, bad = self.exact_device(layer, dx, di, kind)
             pin_y = self._pin("y", n * H, torch.float32).view(n, H)
             pin_y.copy_(y, non_blocking=True)
             pin_b = self._pin("bad", 1, torch.int32)
@@ -226,7 +261,7 @@ class ExactKernelsMixin:
             self.exact_stats["kernel"] += 1
             return self._stage_out(pin_y)
         with torch.cuda.stream(comp):  # some pairs need the limbs (or a value is not finite)
-            y = self.exact_patched(layer, dx, di)
+            y = self.exact_patched(layer, dx, di, kind)
             if y is None:
                 return None
             pin_y.copy_(y, non_blocking=True)
@@ -241,21 +276,23 @@ class ExactKernelsMixin:
         definition's path: a layer or batch the kernels do not cover, or a rerun)."""
         import torch
 
-        if self.exact_set(layer, ids) is None:
+        got = self.exact_set(layer, ids)
+        if got is None:
             return None
+        kind = got[0]
         xn = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
         xn = np.ascontiguousarray(xn, dtype=np.float32)
         if xn.ndim != 2 or xn.shape[0] != ids.shape[0]:
             return None  # the definition's path raises the shape error
         with self._lock:
             if self.device.type == "cuda":
-                y = self._exact_cuda(layer, xn, ids, ready)
+                y = self._exact_cuda(layer, xn, ids, ready, kind)
             else:  # the CPU device (interpreter tests): eager launches
                 ready.fire()
                 xt, it = torch.from_numpy(xn), torch.from_numpy(ids)
-                yt, bad = self.exact_device(layer, xt, it)
+                yt, bad = self.exact_device(layer, xt, it, kind)
                 if int(bad[0]):
-                    yt = self.exact_patched(layer, xt, it)
+                    yt = self.exact_patched(layer, xt, it, kind)
                     if yt is not None:
                         self.exact_stats["patched"] += 1
                 else:
@@ -268,24 +305,40 @@ class ExactKernelsMixin:
     def _exact_kind(self, layer: int) -> str:
         return "words" if self.gemv_set(layer) is not None else "planes"
 
-    def _planes_device(self, layer: int, x, ids, patch: bool = False):
+    def _planes_device(self, layer: int, x, ids, patch: bool = False, grouped: bool = False):
         """Exact mode on the plane layout: x float32 (n, H), ids int64 (n,) device tensors ->
         (y, bad) like ``exact_device``, or with ``patch`` y with every flagged pair replaced by
-        the definition's limbs (None when an input or a SwiGLU output is not finite)."""
+        the definition's limbs (None when an input or a SwiGLU output is not finite).
+        ``grouped``: the products of ``exact_grouped`` over the device slot sort, else
+        ``exact_planes``'s per slot; the same bytes either way."""
         import torch
         from ds4quant.runtime.kernels import exact_planes as xp
         from ds4quant.runtime.kernels import exact_triton as ek
 
-        pg, pu, pd, loc, _ = self._exact_planes_set(layer)[:5]
-        bn, bk, nw = self.exact_planes_tile
-        kw = dict(flags=patch, bn=bn, bk=bk, num_warps=nw)
+        pg, pu, pd, loc, _, E = self._exact_planes_set(layer)
         bad = torch.zeros((1,), dtype=torch.int32, device=x.device)
+        if grouped:
+            from ds4quant.runtime.kernels import exact_grouped as xg
+            from ds4quant.runtime.kernels import prefill_triton as pk
+
+            plan = pk.sort_slots(ids, loc, E, x.shape[0])
+            bn, nw, ns = self.exact_grouped_tile
+            kw = dict(flags=patch, native=not pk.INTERPRETED, bn=bn, num_warps=nw, num_stages=ns)
+
+            def prod(p, q, s):
+                return xg.product(p["fmt"], p, q, s, plan, bad, **kw)
+        else:
+            bn, bk, nw = self.exact_planes_tile
+            kw = dict(flags=patch, bn=bn, bk=bk, num_warps=nw)
+
+            def prod(p, q, s):
+                return xp.product(p["fmt"], p, q, s, ids, loc, bad, **kw)
         qx, sx = ek.quantize(x, bad)
         if patch and int(bad[0]):
             return None
         q = xp.plain(qx)
-        g = xp.product(pg["fmt"], pg, q, sx, ids, loc, bad, **kw)
-        u = xp.product(pu["fmt"], pu, q, sx, ids, loc, bad, **kw)
+        g = prod(pg, q, sx)
+        u = prod(pu, q, sx)
         host_ids = ids.cpu().numpy() if patch else None
         if patch:
             (g, fg), (u, fu) = g, u
@@ -296,7 +349,7 @@ class ExactKernelsMixin:
         qh, sh = ek.swiglu_quantize(g, u, self.swiglu_limit, bad, h=h)
         if patch and int(bad[0]):
             return None
-        y = xp.product(pd["fmt"], pd, xp.plain(qh), sh, ids, loc, bad, **kw)
+        y = prod(pd, xp.plain(qh), sh)
         if patch:
             y, fy = y
             self._patch(layer, "down", y, fy, host_ids, h)

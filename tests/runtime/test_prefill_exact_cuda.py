@@ -8,7 +8,8 @@ device (skipped without CUDA/HIP), at DS4 sizes (hidden 4096, expert 2048):
   to the eager result;
 * exact: the CUDA owner's bytes for every plane-layout qtype equal the
   definition's (``TorchOwner`` on the device, and ``torch-cpu`` at batch 1)
-  at 1 and 64 tokens and at 512 tokens. With ``DS4Q_GPU_RECORD=path`` the
+  at 1 and 64 tokens and at 512 tokens through the per-slot kernels, and at
+  64 and 2,048 tokens through the grouped kernels (every kernel qtype). With ``DS4Q_GPU_RECORD=path`` the
   hashes are appended there as JSON lines."""
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def test_exact_planes_give_the_definitions_bytes(qtype, tokens):
     stacks, entries = _layer(qtype, seed=7)
     o = _owner(CudaOwner, stacks, entries, DEV)
     o.exact_max_slots = 4096  # 512 tokens (3,072 slots) through the kernels too
+    o.exact_grouped_mean = 10 ** 9  # the per-slot kernels (the grouped ones: the next test)
     ids = _ids(tokens, 8)
     assert o.exact_set(0, ids) is not None and o.exact_set(0, ids)[0] == "planes"
     x = np.random.default_rng(9).standard_normal((ids.shape[0], H)).astype(np.float32)
@@ -162,6 +164,31 @@ def test_exact_planes_give_the_definitions_bytes(qtype, tokens):
         assert np.array_equal(y.view(np.uint32), cpu.run_slots(0, x, ids, "exact").view(np.uint32))
         cpu.close()
     record_gpu(test="exact_planes_ds4", qtype=qtype, tokens=tokens, sha256=sha32(y), stats=dict(o.exact_stats))
+    o.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("qtype", layout.KERNEL_QTYPES)
+@pytest.mark.parametrize("tokens", [64, 2048])
+def test_exact_grouped_gives_the_definitions_bytes(qtype, tokens):
+    """Prefill-sized exact calls (exact_grouped: bf16 integer dots on the tensor cores, float64
+    group terms): the definition's bytes, on the owner's default routing at 2,048 tokens."""
+    from ds4quant.runtime.owners.cuda_owner import CudaOwner
+    from ds4quant.runtime.owners.torch_owner import TorchOwner
+
+    stacks, entries = _layer(qtype, seed=8)
+    o = _owner(CudaOwner, stacks, entries, DEV)
+    if tokens < 512:
+        o.exact_grouped_mean = 1
+    ids = _ids(tokens, 8)
+    assert o.exact_set(0, ids)[0] == "grouped"
+    x = np.random.default_rng(10).standard_normal((ids.shape[0], H)).astype(np.float32)
+    y = o.run_slots(0, x, ids, "exact")
+    assert o.exact_stats["rerun"] == 0
+    ref = _owner(TorchOwner, stacks, entries, DEV)
+    want = ref.run_slots(0, x, ids, "exact")
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32)), qtype
+    record_gpu(test="exact_grouped_ds4", qtype=qtype, tokens=tokens, sha256=sha32(y), stats=dict(o.exact_stats))
     o.close()
     ref.close()
 

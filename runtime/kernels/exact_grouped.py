@@ -1,0 +1,161 @@
+"""Exact mode's product ``D(W, a)`` (``docs/exact-mode.md#product``) for calls
+whose experts see many slots each (prefill): the plane layout's grouped form.
+
+``exact_planes`` runs one program per (slot, row block), so every slot reads its
+expert's weights again; at 512 or 2,048 tokens a layer's experts see 12-48
+slots each and that re-reading is the cost. Here a program owns up to ``BM``
+slots of one expert (the device slot sort of ``prefill_triton.sort_slots``:
+no host planning, no read-back) and a block of rows, decodes each scale
+group's (BN, G) weight tile once and forms every slot's integer group sum
+``P = sum(level_int * q)`` with one ``tl.dot`` of the (BM, G) quantized
+inputs by the tile's integer levels.
+
+Why that dot is exact: a group's levels are the integer table of
+``exact_planes.integer_levels`` (``ilut``; the caller takes this path only
+for tables that are not ``WIDE`` and whose integers are bf16 numbers,
+``tensor_core_levels``), the inputs are integers with ``|q| <= 127``, so every
+product is an integer exact in bf16 x bf16 -> float32 and every partial sum
+of a group is an integer below 2^24 (the ``P_BOUND`` of ``integer_levels``):
+a float32 accumulator holds every partial sum in any order, on the tensor
+cores (bf16 operands) or, under Triton's interpreter, in float32 ``ieee`` dots.
+Each group's term ``P * S * 2^(s + shift)`` is then folded into a float64
+accumulator with the bit-range tracking of ``exact_triton`` (``_fold``): a
+(slot, row) whose terms span more than 53 bits counts in ``bad`` and, with
+``flags``, is marked for the owner's limb patch, as in ``exact_planes``. The
+bytes are therefore the definition's whatever the slot order or tile.
+rocmfp2_affine adds its offset term ``-O * 2^s * sum(q)`` per group.
+
+Inputs and outputs stay in slot order: a program reads its slots' rows
+through ``plan.order`` and writes its results back to the same slot rows, so
+the owner's SwiGLU step and patching are ``exact_planes``'s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from ds4quant.runtime.kernels.exact_triton import _bit_range, _fold, _pow2
+from ds4quant.runtime.kernels.gemv_triton import _bn
+from ds4quant.runtime.kernels.moe_triton import _tile
+
+BIG = tl.constexpr(1 << 20)  # bit-range sentinel (exact_triton's)
+
+
+@triton.jit
+def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_ptr, fl_ptr,
+                          order_ptr, start_ptr, count_ptr, tend_ptr, NE,
+                          a_ptr, b_ptr, s_ptr, o_ptr, tab_ptr, slut_ptr, ilut_ptr, ish_ptr,
+                          N, K, ka_row, kb_row, ks_row,
+                          ABITS: tl.constexpr, BBITS: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
+                          NLEV: tl.constexpr, LV: tl.constexpr, AFF: tl.constexpr, LOG2G: tl.constexpr,
+                          FLAGS: tl.constexpr, NATIVE: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+                          BN: tl.constexpr):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ee = tl.arange(0, EP)
+    tend = tl.load(tend_ptr + ee, mask=ee < NE, other=1 << 30)
+    e = tl.sum((tend <= t).to(tl.int32), axis=0)  # the expert whose tiles hold tile t
+    ec = tl.minimum(e, NE - 1)
+    cnt = tl.load(count_ptr + ec)
+    ntile = (cnt + BM - 1) // BM
+    mblk = t - (tl.load(tend_ptr + ec) - ntile)
+    m = tl.where(e < NE, tl.minimum(cnt - mblk * BM, BM), 0)
+    tt = tl.arange(0, BM)
+    tmask = tt < m
+    pos = (tl.load(start_ptr + ec) + mblk * BM + tl.where(tmask, tt, 0)).to(tl.int64)
+    slot = tl.load(order_ptr + pos, mask=tmask, other=0).to(tl.int64)  # inputs and outputs in slot order
+    e64 = ec.to(tl.int64)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < N
+    a_base = a_ptr + e64 * N * ka_row
+    b_base = b_ptr + e64 * N * kb_row
+    s_base = s_ptr + e64 * N * ks_row
+    o_base = o_ptr + e64 * N * ks_row
+    tab_base = 0
+    if MIX:
+        tab_base = tl.load(tab_ptr + ec)
+    gg = tl.arange(0, G)
+    shift0 = tl.load(ish_ptr)  # the fixed formats' one table
+    acc = tl.zeros((BM, BN), dtype=tl.float64)
+    hi = tl.full((BM, BN), -(1 << 20), tl.int32)
+    lo = tl.full((BM, BN), 1 << 20, tl.int32)
+    kend = tl.where(m > 0, K, 0)  # a program past the last tile runs no iterations
+    for k0 in range(0, kend, G):
+        q = tl.load(q_ptr + slot[:, None] * stride_q + (k0 + gg)[None, :], mask=tmask[:, None], other=0.0)
+        lv, sc, off = _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
+                            slut_ptr, ilut_ptr, ABITS, BBITS, G, MIX, NLEV, LV, AFF, BN, G)
+        w = tl.reshape(lv, (BN, G))
+        if NATIVE:  # integers: exact as bf16, their products and sums exact in the float32 accumulator
+            p = tl.dot(q.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        else:
+            p = tl.dot(q, tl.trans(w), input_precision="ieee")
+        sblk = tl.load(sx_ptr + slot * KB + k0 // 32, mask=tmask, other=0)
+        if MIX:
+            sb = tl.load(s_base + rows.to(tl.int64) * ks_row + k0 // G, mask=rmask, other=0).to(tl.int32)
+            ex = sblk[:, None] + tl.load(ish_ptr + tab_base + (sb >> 7))[None, :]
+        else:
+            ex = (sblk + shift0)[:, None]
+        scr = tl.reshape(sc, (BN,))
+        top_s, low_s = _bit_range(scr)
+        acc, hi, lo = _fold(acc, hi, lo, p, scr[None, :], top_s[None, :], low_s[None, :], _pow2(ex), ex)
+        if AFF:  # minus O * 2^s * sum(q): the offset's own exact term
+            p2 = tl.zeros_like(p) - tl.sum(q, axis=1)[:, None]
+            offr = tl.reshape(off, (BN,))
+            top_o, low_o = _bit_range(offr)
+            acc, hi, lo = _fold(acc, hi, lo, p2, offr[None, :], top_o[None, :], low_o[None, :], _pow2(ex), ex)
+    fits = (hi == -BIG) | (hi + LOG2G - lo <= 53)
+    live = tmask[:, None] & rmask[None, :]
+    nbad = tl.sum(tl.sum(tl.where(fits | (live == 0), 0, 1), axis=1), axis=0)
+    optr = slot[:, None] * stride_o + rows[None, :]
+    # + 0.0: an exact zero is +0.0, as the definition's float64 route has it
+    tl.store(out_ptr + optr, (acc + 0.0).to(tl.float32), mask=live)
+    tl.atomic_add(bad_ptr, nbad, mask=nbad > 0)
+    if FLAGS:  # which pairs: the caller patches them through the definition's limbs
+        tl.store(fl_ptr + optr, tl.where(fits, 0, 1).to(tl.int8), mask=live)
+
+
+def tensor_core_levels(ilut: np.ndarray, wide: bool) -> bool:
+    """Whether a stack's integer level tables (``exact_planes.integer_levels``) can take the
+    grouped exact kernel: float32 group sums (not ``wide``) of levels that are bf16 numbers."""
+    from ds4quant.runtime.kernels.prefill_triton import bf16_exact
+
+    v = np.asarray(ilut, dtype=np.float32)
+    return not wide and bf16_exact(v)
+
+
+def product(fmt, w, q, s, plan, bad, *, flags: bool = False, native: bool = True, bn: int = 64,
+            num_warps: int = 4, num_stages: int = 2):
+    """Exact W_e @ a[slot] for every slot of ``plan`` (``prefill_triton.sort_slots``),
+    a = (q (n, K) float32 integers in slot order, s int32 (n, K / 32)): float32 (n, N) in
+    slot order (and, with ``flags``, int8 (n, N): 1 where the pair is outside the float64
+    bound). w: a stack's planes dict with ``ilut`` / ``ishift`` of ``integer_levels`` that
+    ``tensor_core_levels`` accepts. ``native``: bf16 operands on the tensor cores (False
+    under Triton's interpreter: float32 ``ieee`` dots of the same integers)."""
+    import torch
+
+    a = w["a"]
+    E, N, ka_row = a.shape
+    n, K = q.shape
+    if K % max(fmt.group, 32):
+        raise ValueError(f"exact product needs a column count that is a multiple of {max(fmt.group, 32)}, got {K}")
+    b = w["b"] if w["b"] is not None else a
+    kb_row = b.shape[2] if w["b"] is not None else 0
+    bn = _bn(N, bn)
+    out = torch.empty((n, N), dtype=torch.float32, device=q.device)
+    fl = torch.zeros((n, N), dtype=torch.int8, device=q.device) if flags else out
+    terms = (K // fmt.group) * (2 if fmt.affine else 1)
+    if n:
+        _grouped_exact_kernel[(plan.tiles, N // bn)](
+            q, q.stride(0), s, s.shape[1], out, out.stride(0), bad, fl,
+            plan.order, plan.start, plan.count, plan.tend, plan.experts,
+            a, b, w["s"], w["o"] if w.get("o") is not None else w["s"], w["tab"], w["slut"], w["ilut"], w["ishift"],
+            N, K, ka_row, kb_row, w["s"].shape[2],
+            ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev, LV=fmt.lv_mode,
+            AFF=fmt.affine, LOG2G=int(math.ceil(math.log2(terms))) if terms > 1 else 0, FLAGS=bool(flags),
+            NATIVE=bool(native), EP=triton.next_power_of_2(max(1, E)), BM=plan.bm, BN=bn,
+            num_warps=num_warps, num_stages=num_stages)
+    return (out, fl) if flags else out
