@@ -84,12 +84,35 @@ def _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_
         if LV == 5:
             mag = mag - 2 * (m == 7).to(tl.int32)
         lv = tl.where((c3 & 8) != 0, -mag, mag).to(tl.float32)
+    elif NLEV <= 8:  # MIX books and small fixed tables: a select tree, no gather per weight
+        if MIX:
+            tb = (tab_base + (sb >> 7)) * NLEV  # the book of each (row, group)
+        else:
+            tb = tl.zeros_like(sb)
+        lv = _select(llut_ptr, tb, c3, NLEV)
     elif MIX:
         tab = tab_base + (sb >> 7)
         lv = tl.load(llut_ptr + (tab * NLEV)[:, :, None] + c3)
     else:
         lv = tl.load(llut_ptr + c3)
     return lv, scale, off
+
+
+@triton.jit
+def _select(llut_ptr, tb, c3, NLEV: tl.constexpr):
+    """Levels of codes c3 (BN, NG, G) from the NLEV-entry (4 or 8) tables starting at tb
+    (BN, NG): NLEV loads per (row, group) and a select on each code bit. A gather per
+    weight is one memory instruction per weight; this is a few register selects."""
+    b0 = (c3 & 1) != 0
+    b1 = (c3 & 2) != 0
+    v01 = tl.where(b0, tl.load(llut_ptr + tb + 1)[:, :, None], tl.load(llut_ptr + tb)[:, :, None])
+    v23 = tl.where(b0, tl.load(llut_ptr + tb + 3)[:, :, None], tl.load(llut_ptr + tb + 2)[:, :, None])
+    lv = tl.where(b1, v23, v01)
+    if NLEV == 8:
+        v45 = tl.where(b0, tl.load(llut_ptr + tb + 5)[:, :, None], tl.load(llut_ptr + tb + 4)[:, :, None])
+        v67 = tl.where(b0, tl.load(llut_ptr + tb + 7)[:, :, None], tl.load(llut_ptr + tb + 6)[:, :, None])
+        lv = tl.where((c3 & 4) != 0, tl.where(b1, v67, v45), lv)
+    return lv
 
 
 @triton.jit
