@@ -70,7 +70,9 @@ def dot_prec() -> str:
 # level arithmetic the kernel may do instead of a table gather (LV_CODE: level = code;
 # LV_E2M1: twice the e2m1 value, {0, 1, 2, 3, 4, 6, 8, 12} with a sign bit; LV_FP4: the
 # same with 10 for 12, rocmfp4's table). A gather per weight from a table in memory costs
-# the tensor-core prefill most of its time; shifts and selects cost a few integer ops.
+# the tensor-core prefill most of its time; shifts and selects cost a few integer ops. Tables
+# of up to 8 levels under LV_GATHER (MIX books, rocmfp2_s40) are selected by the code bits
+# (moe_triton._select) rather than gathered.
 LV_GATHER, LV_FP2, LV_FP3, LV_CODE, LV_E2M1, LV_FP4 = 0, 1, 2, 3, 4, 5
 
 
