@@ -178,7 +178,7 @@ def _owner_defaults():
 
 def scenario_moe_linear():
     """``CudaOwner.launch``: gate + up fused (and apart, when two formats differ) and down,
-    at the matrix-vector tile (bt 1) and the tl.dot tile (the owner's bt)."""
+    at the matrix-vector tile (bt 1 and ``MV_TOKENS`` slots a group) and the tl.dot tile (the owner's bt)."""
     torch = _torch()
     from ds4quant.runtime.kernels import layout, moe_triton
 
@@ -191,7 +191,7 @@ def scenario_moe_linear():
         h = torch.zeros((n, inter))
         y = torch.zeros((n, H))
         g = torch.zeros((1, 3), dtype=torch.int32)
-        for bt in (1, o.bt):
+        for bt in (1, moe_triton.MV_TOKENS, o.bt):
             bn, nw, bk = o.tile.get(bt, (0, 0, 0))
             for backend, prec in layout.DOT_PREC.items():  # the owner's precision on each backend
                 kw = dict(bt=bt, prec=prec, bn=bn, num_warps=nw, bk=bk)

@@ -12,7 +12,10 @@ is one expert and up to ``bt`` of its slots (a token row each). ``bt == 1``
 (every expert has one slot: decode) multiplies a decoded (BN, BK) tile by
 the activation chunk and reduces, scale applied once per group of 16/32
 weights; ``bt == 16`` decodes the tile once and uses ``tl.dot`` for all the
-group's tokens (``input_precision``: tf32x3 by default, close to float32).
+group's tokens (``input_precision``: tf32x3 by default, close to float32). Calls whose
+experts see few slots each (batch 64: 1.5 on average) take the matrix-vector
+tile with up to ``MV_TOKENS`` slots per group: one decode, a multiply-and-
+reduce per slot.
 
 rocmfp2_affine (weight = code * s - o per 32-weight group): the tl.dot tile
 decodes every weight as the artifact's decode does, the product and the
@@ -33,6 +36,12 @@ import triton
 import triton.language as tl
 
 from ds4quant.runtime.kernels.layout import LV_CODE, LV_E2M1, LV_FP2, LV_FP3, LV_FP4
+
+#: the most tokens per program the matrix-vector tile takes (more: the tl.dot tile); an
+#: expert's few slots at batch 64 then share one decode of its weights without the
+#: float32 tl.dot's three tf32 products per step
+MV_TOKENS = 4
+_MV = tl.constexpr(MV_TOKENS)
 
 
 @triton.jit
@@ -168,26 +177,33 @@ def _moe_linear_kernel(
             tab2_base = tl.load(tab2_ptr + e)
     NG: tl.constexpr = BK // G
     kk = tl.arange(0, BK)
-    if BT == 1:
-        acc = tl.zeros((BN,), dtype=tl.float32)
-        acc2 = tl.zeros((BN,), dtype=tl.float32)
+    if BT <= _MV:  # matrix-vector tile: the decoded tile times each of up to BT slots
+        tt = tl.arange(0, BT)
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BT, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            xk = tl.load(x_ptr + s0.to(tl.int64) * stride_x + k0 + kk)
-            x3 = tl.reshape(xk, (1, NG, G))
             lv, sc, off = _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row,
                                 ks_row, slut_ptr, llut_ptr, ABITS, BBITS, G, MIX, NLEV, LV, AFF, BN, BK)
-            acc += _gsum(lv, sc, off, x3, AFF)
             if DUAL:
                 lv2, sc2, off2 = _tile(a2_base, b2_base, s2_base, o2_base, tab2_base, rows, rmask, k0, ka_row,
                                        kb_row, ks_row, slut2_ptr, llut2_ptr, ABITS, BBITS, G, MIX, NLEV, LV,
                                        AFF, BN, BK)
-                acc2 += _gsum(lv2, sc2, off2, x3, AFF)
+            for t in tl.static_range(BT):
+                xk = tl.load(x_ptr + (s0 + t).to(tl.int64) * stride_x + k0 + kk, mask=(kk < K) & (t < cnt),
+                             other=0.0)
+                x3 = tl.reshape(xk, (1, NG, G))
+                sel = (tt == t)[:, None]
+                acc += tl.where(sel, _gsum(lv, sc, off, x3, AFF)[None, :], 0.0)
+                if DUAL:
+                    acc2 += tl.where(sel, _gsum(lv2, sc2, off2, x3, AFF)[None, :], 0.0)
         res = acc
         if DUAL:
             gc = tl.minimum(acc, limit)
             uc = tl.minimum(tl.maximum(acc2, -limit), limit)
             res = gc / (1.0 + tl.exp(-gc)) * uc
-        tl.store(out_ptr + s0.to(tl.int64) * stride_o + rows, res, mask=rmask)
+        trow = (s0 + tt).to(tl.int64)
+        tl.store(out_ptr + trow[:, None] * stride_o + rows[None, :], res,
+                 mask=(tt < cnt)[:, None] & rmask[None, :])
     else:
         tt = tl.arange(0, BT)
         tmask = tt < cnt
@@ -242,10 +258,11 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
     # matrix-vector tile likes 32 rows x 256 columns (112 us a DS4 layer at batch 1, 16 rows: 131);
     # the tl.dot tile must stay narrow in K (64 rows x 32 columns: 7.1 ms at batch 64; 256 columns
     # spill: 106 ms)
+    mv = bt <= MV_TOKENS
     if not bk or K % bk or bk < fmt.group:
-        bk = _bk(K, fmt.group) if bt == 1 else max(32, fmt.group)
+        bk = _bk(K, fmt.group) if mv else max(32, fmt.group)
     if not bn:
-        bn = 32 if bt == 1 else 64
+        bn = 32 if mv else 64
     if not num_warps:
         num_warps = 4
     def off(p):  # the offset plane, or any plane as a pointer the kernel never reads
@@ -259,7 +276,7 @@ def linear(fmt, x, groups, w, out, *, w2=None, limit: float = 0.0, bt: int = 1, 
         w["slut"], w["llut"], o["slut"], o["llut"],
         N, K, ka_row, kb_row, ks_row, float(limit),
         ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev,
-        LV=fmt.lv_mode, AFF=fmt.affine, DUAL=dual, BT=bt, BN=bn, BK=bk, PREC=prec if bt > 1 else "ieee",
+        LV=fmt.lv_mode, AFF=fmt.affine, DUAL=dual, BT=bt, BN=bn, BK=bk, PREC="ieee" if mv else prec,
         num_warps=num_warps,
     )
     return out

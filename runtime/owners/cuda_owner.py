@@ -16,8 +16,9 @@ the Triton kernels of ``runtime.kernels``.
   rocmfp2_affine included, MIX 105/106 and mxfp4) and runs two launches
   per call and layer: gate + up of all the selected experts with SwiGLU
   fused, then down; slots sorted by expert, up to ``bt`` tokens of one
-  expert per program (``tl.dot``) when an expert has several slots, a
-  matrix-vector tile per slot otherwise.
+  expert per program (``tl.dot``) when experts have several slots each,
+  a matrix-vector tile for up to ``moe_triton.MV_TOKENS`` slots of one
+  expert when they have few (at most that many on average).
 * prefill (experts with more than ``group_max_mean`` slots each on average,
   one stack per projection): the
   tensor-core grouped GEMMs of ``kernels.prefill_triton`` (``owners/cuda_prefill``):
@@ -220,7 +221,12 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
         sids = ids[order]
         starts = np.flatnonzero(np.r_[True, sids[1:] != sids[:-1]]) if n else np.zeros(0, np.int64)
         counts = np.diff(np.r_[starts, n])
-        bt = 1 if n == 0 or counts.max() == 1 else self.bt
+        if n == 0 or counts.max() == 1:
+            bt = 1
+        elif n / len(uniq) <= _need_triton().MV_TOKENS:  # few slots an expert: matrix-vector groups
+            bt = _need_triton().MV_TOKENS
+        else:
+            bt = self.bt
         stages = []
         for key, ci in combos.items():
             pg, pu, pd = (self._planes[t] for t in key)
