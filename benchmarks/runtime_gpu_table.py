@@ -149,7 +149,10 @@ def fast_kernel(torch, owner, x, ids):
     xs = x.index_select(0, plan.order).contiguous()
     h = torch.empty((n, owner.single_stacks(0)[0]["stack"].rows), dtype=torch.float32, device=dev)
     y = torch.empty_like(xs)
-    return "float32 tl.dot", lambda: owner.launch(plan, xs, h, y)
+    from ds4quant.runtime.kernels.moe_triton import MV_TOKENS
+
+    label = "float32 tl.dot" if plan.bt > MV_TOKENS else f"matrix-vector, {plan.bt} slots a group"
+    return label, lambda: owner.launch(plan, xs, h, y)
 
 
 def decoded_bf16(torch, stacks, uniq, dev, entries):

@@ -329,11 +329,15 @@ def scenario_exact_grouped():
         p["ishift"] = torch.zeros(2 * E, dtype=torch.int32)
         qx = torch.zeros((n, H))
         sx = torch.zeros((n, H // 32), dtype=torch.int32)
-        # the row tile of DS4's 2048-token prefill (48 slots an expert -> 64) for every qtype
+        p["gbits"] = xg.part_bits(f.group)
+        # the row tile of DS4's 2048-token prefill (48 slots an expert -> 64) for every qtype;
+        # MIX books that span many octaves take two or three level slices
         for bm in pk.BM_CHOICES if q == "rocmfp2" else (64,):
             plan = pk.sort_slots(ids, ids, E, n, bm=bm)
-            for flags in (False, True):
-                xg.product(f, p, qx, sx, plan, bad, flags=flags, bn=bn, num_warps=nw, num_stages=ns)
+            for splits in range(1, xg.MAX_SPLITS + 1) if f.mix else (1,):
+                p["gparts"] = torch.zeros((splits, 2 * E, f.nlev), dtype=torch.float32)
+                for flags in (False, True):
+                    xg.product(f, p, qx, sx, plan, bad, flags=flags, bn=bn, num_warps=nw, num_stages=ns)
 
 
 def scenario_search_scale():

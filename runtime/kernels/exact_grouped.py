@@ -10,15 +10,19 @@ group's (BN, G) weight tile once and forms every slot's integer group sum
 ``P = sum(level_int * q)`` with one ``tl.dot`` of the (BM, G) quantized
 inputs by the tile's integer levels.
 
-Why that dot is exact: a group's levels are the integer table of
-``exact_planes.integer_levels`` (``ilut``; the caller takes this path only
-for tables that are not ``WIDE`` and whose integers are bf16 numbers,
-``tensor_core_levels``), the inputs are integers with ``|q| <= 127``, so every
-product is an integer exact in bf16 x bf16 -> float32 and every partial sum
-of a group is an integer below 2^24 (the ``P_BOUND`` of ``integer_levels``):
-a float32 accumulator holds every partial sum in any order, on the tensor
-cores (bf16 operands) or, under Triton's interpreter, in float32 ``ieee`` dots.
-Each group's term ``P * S * 2^(s + shift)`` is then folded into a float64
+Why that dot is exact: a group's levels are the integer tables of
+``exact_planes.integer_levels`` cut into ``S`` bit slices of ``m`` bits
+(``level_parts``: ``level = sum_j part_j * 2^(j m)``, m = 13 for 16-weight
+groups, 12 for 32), each part an integer below 2^m with at most 8
+significant bits, so a bf16 number. The inputs are integers with
+``|q| <= 127``, so every product is an integer exact in bf16 x bf16 ->
+float32 and every partial sum of a group's part is an integer below
+``G * (2^m - 1) * 127 < 2^24``: a float32 accumulator holds every partial sum
+in any order, on the tensor cores (bf16 operands) or, under Triton's
+interpreter, in float32 ``ieee`` dots. The fixed formats' tables need one
+part; MIX books whose levels span many octaves (``WIDE`` for
+``exact_planes``) two or three, each one more dot and one more term.
+Each part's term ``P_j * S * 2^(s + shift + j m)`` is then folded into a float64
 accumulator with the bit-range tracking of ``exact_triton`` (``_fold``): a
 (slot, row) whose terms span more than 53 bits counts in ``bad`` and, with
 ``flags``, is marked for the owner's limb patch, as in ``exact_planes``. The
@@ -38,6 +42,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from ds4quant.runtime.kernels.exact_planes import P_BOUND
 from ds4quant.runtime.kernels.exact_triton import _bit_range, _fold, _pow2
 from ds4quant.runtime.kernels.gemv_triton import _bn
 from ds4quant.runtime.kernels.moe_triton import _tile
@@ -49,11 +54,11 @@ BIG = tl.constexpr(1 << 20)  # bit-range sentinel (exact_triton's)
 def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_ptr, fl_ptr,
                           order_ptr, start_ptr, count_ptr, tend_ptr, NE,
                           a_ptr, b_ptr, s_ptr, o_ptr, tab_ptr, slut_ptr, ilut_ptr, ish_ptr,
-                          N, K, ka_row, kb_row, ks_row,
+                          N, K, ka_row, kb_row, ks_row, PART,
                           ABITS: tl.constexpr, BBITS: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
                           NLEV: tl.constexpr, LV: tl.constexpr, AFF: tl.constexpr, LOG2G: tl.constexpr,
                           FLAGS: tl.constexpr, NATIVE: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-                          BN: tl.constexpr):
+                          BN: tl.constexpr, SPLITS: tl.constexpr, PBITS: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     ee = tl.arange(0, EP)
@@ -86,24 +91,29 @@ def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_pt
     kend = tl.where(m > 0, K, 0)  # a program past the last tile runs no iterations
     for k0 in range(0, kend, G):
         q = tl.load(q_ptr + slot[:, None] * stride_q + (k0 + gg)[None, :], mask=tmask[:, None], other=0.0)
-        lv, sc, off = _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
-                            slut_ptr, ilut_ptr, ABITS, BBITS, G, MIX, NLEV, LV, AFF, BN, G)
-        w = tl.reshape(lv, (BN, G))
-        if NATIVE:  # integers: exact as bf16, their products and sums exact in the float32 accumulator
-            p = tl.dot(q.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-        else:
-            p = tl.dot(q, tl.trans(w), input_precision="ieee")
+        qd = q
+        if NATIVE:
+            qd = q.to(tl.bfloat16)
         sblk = tl.load(sx_ptr + slot * KB + k0 // 32, mask=tmask, other=0)
+        sb = tl.load(s_base + rows.to(tl.int64) * ks_row + k0 // G, mask=rmask, other=0).to(tl.int32)
+        sc = tl.load(slut_ptr + sb)
         if MIX:
-            sb = tl.load(s_base + rows.to(tl.int64) * ks_row + k0 // G, mask=rmask, other=0).to(tl.int32)
             ex = sblk[:, None] + tl.load(ish_ptr + tab_base + (sb >> 7))[None, :]
         else:
             ex = (sblk + shift0)[:, None]
-        scr = tl.reshape(sc, (BN,))
-        top_s, low_s = _bit_range(scr)
-        acc, hi, lo = _fold(acc, hi, lo, p, scr[None, :], top_s[None, :], low_s[None, :], _pow2(ex), ex)
-        if AFF:  # minus O * 2^s * sum(q): the offset's own exact term
-            p2 = tl.zeros_like(p) - tl.sum(q, axis=1)[:, None]
+        top_s, low_s = _bit_range(sc)
+        for j in tl.static_range(SPLITS):  # one dot and one term per bit slice of the levels
+            lv, _, off = _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
+                               slut_ptr, ilut_ptr + j * PART, ABITS, BBITS, G, MIX, NLEV, LV, AFF, BN, G)
+            w = tl.reshape(lv, (BN, G))
+            if NATIVE:  # integers: exact as bf16, their products and sums exact in the float32 accumulator
+                p = tl.dot(qd, tl.trans(w.to(tl.bfloat16)))
+            else:
+                p = tl.dot(qd, tl.trans(w), input_precision="ieee")
+            exj = ex + j * PBITS
+            acc, hi, lo = _fold(acc, hi, lo, p, sc[None, :], top_s[None, :], low_s[None, :], _pow2(exj), exj)
+        if AFF:  # minus O * 2^s * sum(q): the offset's own exact term (one slice: a fixed format)
+            p2 = tl.zeros((BM, BN), dtype=tl.float32) - tl.sum(q, axis=1)[:, None]
             offr = tl.reshape(off, (BN,))
             top_o, low_o = _bit_range(offr)
             acc, hi, lo = _fold(acc, hi, lo, p2, offr[None, :], top_o[None, :], low_o[None, :], _pow2(ex), ex)
@@ -118,13 +128,37 @@ def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_pt
         tl.store(fl_ptr + optr, tl.where(fits, 0, 1).to(tl.int8), mask=live)
 
 
-def tensor_core_levels(ilut: np.ndarray, wide: bool) -> bool:
-    """Whether a stack's integer level tables (``exact_planes.integer_levels``) can take the
-    grouped exact kernel: float32 group sums (not ``wide``) of levels that are bf16 numbers."""
+MAX_SPLITS = 3  # 3 x 13 bits cover every table integer_levels accepts (below 2^49 / (16 * 127))
+
+
+def part_bits(group: int) -> int:
+    """m: the widest slice whose group sums stay below 2^24 (G * (2^m - 1) * 127 < 2^24)."""
+    m = 1
+    while group * ((1 << (m + 1)) - 1) * 127 < P_BOUND:
+        m += 1
+    return m
+
+
+def level_parts(ilut: np.ndarray, group: int):
+    """(parts float32 (S, tables, nlev), m): the integer level tables of ``integer_levels``
+    cut into S slices of m bits with the level's sign (level = sum_j parts[j] * 2^(j m)), or
+    None when a slice is not a bf16 number or more than ``MAX_SPLITS`` are needed."""
     from ds4quant.runtime.kernels.prefill_triton import bf16_exact
 
-    v = np.asarray(ilut, dtype=np.float32)
-    return not wide and bf16_exact(v)
+    v = np.asarray(ilut, dtype=np.float64)
+    if not np.all(np.isfinite(v)) or not np.all(v == np.round(v)):
+        return None
+    m = part_bits(group)
+    mag = np.abs(v).astype(np.int64)
+    top = int(mag.max()).bit_length() if mag.size else 0
+    n = max(1, -(-top // m))
+    if n > MAX_SPLITS:
+        return None
+    sign = np.sign(v)
+    parts = np.stack([sign * ((mag >> (m * j)) & ((1 << m) - 1)) for j in range(n)]).astype(np.float32)
+    if not bf16_exact(parts):
+        return None
+    return parts, m
 
 
 def product(fmt, w, q, s, plan, bad, *, flags: bool = False, native: bool = True, bn: int = 64,
@@ -132,9 +166,10 @@ def product(fmt, w, q, s, plan, bad, *, flags: bool = False, native: bool = True
     """Exact W_e @ a[slot] for every slot of ``plan`` (``prefill_triton.sort_slots``),
     a = (q (n, K) float32 integers in slot order, s int32 (n, K / 32)): float32 (n, N) in
     slot order (and, with ``flags``, int8 (n, N): 1 where the pair is outside the float64
-    bound). w: a stack's planes dict with ``ilut`` / ``ishift`` of ``integer_levels`` that
-    ``tensor_core_levels`` accepts. ``native``: bf16 operands on the tensor cores (False
-    under Triton's interpreter: float32 ``ieee`` dots of the same integers)."""
+    bound). w: a stack's planes dict with ``gparts`` (float32 (S, tables, nlev), contiguous)
+    and ``gbits`` of ``level_parts`` and ``ishift`` of ``integer_levels``. ``native``: bf16
+    operands on the tensor cores (False under Triton's interpreter: float32 ``ieee`` dots of
+    the same integers)."""
     import torch
 
     a = w["a"]
@@ -147,15 +182,20 @@ def product(fmt, w, q, s, plan, bad, *, flags: bool = False, native: bool = True
     bn = _bn(N, bn)
     out = torch.empty((n, N), dtype=torch.float32, device=q.device)
     fl = torch.zeros((n, N), dtype=torch.int8, device=q.device) if flags else out
-    terms = (K // fmt.group) * (2 if fmt.affine else 1)
+    parts = w["gparts"]
+    splits = parts.shape[0]
+    if fmt.affine and splits != 1:
+        raise ValueError("an affine stack's levels are its codes: one slice")
+    terms = (K // fmt.group) * (splits + (1 if fmt.affine else 0))
     if n:
         _grouped_exact_kernel[(plan.tiles, N // bn)](
             q, q.stride(0), s, s.shape[1], out, out.stride(0), bad, fl,
             plan.order, plan.start, plan.count, plan.tend, plan.experts,
-            a, b, w["s"], w["o"] if w.get("o") is not None else w["s"], w["tab"], w["slut"], w["ilut"], w["ishift"],
-            N, K, ka_row, kb_row, w["s"].shape[2],
+            a, b, w["s"], w["o"] if w.get("o") is not None else w["s"], w["tab"], w["slut"], parts, w["ishift"],
+            N, K, ka_row, kb_row, w["s"].shape[2], parts[0].numel(),
             ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev, LV=fmt.lv_mode,
             AFF=fmt.affine, LOG2G=int(math.ceil(math.log2(terms))) if terms > 1 else 0, FLAGS=bool(flags),
-            NATIVE=bool(native), EP=triton.next_power_of_2(max(1, E)), BM=plan.bm, BN=bn,
+            NATIVE=bool(native), EP=triton.next_power_of_2(max(1, E)), BM=plan.bm, BN=bn, SPLITS=splits,
+            PBITS=int(w["gbits"]),
             num_warps=num_warps, num_stages=num_stages)
     return (out, fl) if flags else out

@@ -105,17 +105,22 @@ class ExactKernelsMixin:
                 return None
         return pf
 
-    @staticmethod
-    def _grouped_levels(ps) -> bool:
-        """Whether every stack of a plane set has integer levels the grouped kernels take
-        (``exact_grouped.tensor_core_levels``; checked once per stack and books)."""
+    def _grouped_levels(self, ps) -> bool:
+        """Whether every stack of a plane set has integer levels the grouped kernels take,
+        their bf16 slices (``exact_grouped.level_parts``) on the device in ``gparts`` /
+        ``gbits`` (made once per stack and books)."""
+        import torch
         from ds4quant.runtime.kernels import exact_grouped as xg
 
         for p in ps[:3]:
-            if p.get("tc_key", -1) != p["ilut_key"]:
-                p["tc"] = xg.tensor_core_levels(p["ilut"].cpu().numpy(), p["wide"])
-                p["tc_key"] = p["ilut_key"]
-            if not p["tc"]:
+            if p.get("gparts_key", -1) != p["ilut_key"]:
+                got = xg.level_parts(p["ilut"].cpu().numpy(), p["fmt"].group)
+                if got is not None and p["fmt"].affine and got[0].shape[0] != 1:
+                    got = None
+                p["gparts"] = None if got is None else torch.from_numpy(got[0]).contiguous().to(self.device)
+                p["gbits"] = None if got is None else got[1]
+                p["gparts_key"] = p["ilut_key"]
+            if p["gparts"] is None:
                 return False
         return True
 
@@ -321,7 +326,7 @@ class ExactKernelsMixin:
             from ds4quant.runtime.kernels import exact_grouped as xg
             from ds4quant.runtime.kernels import prefill_triton as pk
 
-            plan = pk.sort_slots(ids, loc, E, x.shape[0])
+            plan = pk.sort_slots(ids, loc, E, x.shape[0], bm=self.prefill_bm)
             bn, nw, ns = self.exact_grouped_tile
             kw = dict(flags=patch, native=not pk.INTERPRETED, bn=bn, num_warps=nw, num_stages=ns)
 

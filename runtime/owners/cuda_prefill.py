@@ -22,6 +22,8 @@ class PrefillMixin:
         # (rows per program, columns per step, warps, pipeline stages) of the two launches;
         # a design choice, not a measurement (see docs/gpu.md)
         self.prefill_tile: dict[str, tuple] = {"gu": (64, 64, 4, 3), "down": (64, 64, 4, 3)}
+        # slots of one expert per program; 0: ``prefill_triton.pick_bm`` by the slot count
+        self.prefill_bm = 0
         self._prefill: dict[int, object] = {}
 
     def _prefill_reset(self, layer: int) -> None:
@@ -81,7 +83,7 @@ class PrefillMixin:
         if any(s is None for s in splits):
             return None
         n = x.shape[0]
-        plan = pk.sort_slots(ids, loc, E, n)
+        plan = pk.sort_slots(ids, loc, E, n, bm=self.prefill_bm)
         L = self.swiglu_limit
         bn, bk, nw, ns = self.prefill_tile["gu"]
         kw = dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns)

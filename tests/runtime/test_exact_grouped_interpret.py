@@ -38,7 +38,11 @@ def _bits(t):
     return np.ascontiguousarray(t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t).view(np.uint32)
 
 
-def _owners(qtype):
+def _owners(qtype, books=None):
+    """A CUDA owner on the CPU device routed to the grouped kernels and a TorchOwner, on the
+    same stacks (``books``: one level table for every MIX expert and book, mode 1)."""
+    from dataclasses import replace
+
     from ds4quant.runtime.owners.cuda_owner import CudaOwner
     from ds4quant.runtime.owners.torch_owner import TorchOwner
 
@@ -47,6 +51,9 @@ def _owners(qtype):
     o.exact_grouped_tile = (128, 4, 1)  # few programs: the interpreter's cost is per program
     ref = TorchOwner("cpu", identity="torch-cpu:9")
     stacks, entries = S.layer_stacks(qtype, LAYER, EXPERTS)
+    if books is not None:
+        entries = {t: replace(e, modes=np.ones_like(e.modes), books=np.broadcast_to(books, e.books.shape).copy())
+                   for t, e in entries.items()}
     for owner in (o, ref):
         for st in stacks.values():
             owner.add_stack(st)
@@ -117,7 +124,9 @@ def test_products_flag_exactly_the_pairs_outside_the_bound(xg):
     from ds4quant.runtime.owners import torch_exact as te
 
     o, _, stacks = _owners("rocmfp6")
-    pg, _, _, loc, _, E = o._exact_planes_set(LAYER)
+    ps = o._exact_planes_set(LAYER)
+    assert o._grouped_levels(ps)
+    pg, _, _, loc, _, E = ps
     x = torch.from_numpy(S.tokens(3, seed=7))
     x[2, :32] *= 1e35
     x[2, 64:96] *= 1e-35
@@ -133,14 +142,42 @@ def test_products_flag_exactly_the_pairs_outside_the_bound(xg):
     o.close()
 
 
+def test_level_slices(xg):
+    assert xg.part_bits(16) == 13 and xg.part_bits(32) == 12  # G * (2^m - 1) * 127 < 2^24
+    parts, m = xg.level_parts(np.array([[-1, 0, 1, 2]], np.float32), 16)
+    assert parts.shape == (1, 1, 4) and parts[0].tolist() == [[-1, 0, 1, 2]] and m == 13
+    lv = np.array([[-3 << 20, -5, 0, 7 << 12, 1 << 30, 96, -1, 3]], np.float32)
+    parts, m = xg.level_parts(lv, 16)
+    assert parts.shape[0] == 3
+    assert np.array_equal(sum(parts[j].astype(np.float64) * 2.0 ** (m * j) for j in range(3)), lv)
+    assert np.abs(parts).max() < 2 ** 13
+    assert xg.level_parts(np.array([[257, 1]], np.float32), 16) is None  # 9 significant bits: no bf16
+    assert xg.level_parts(np.array([[1 << 40, 1]], np.float32), 16) is None  # four slices
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")
+def test_wide_mix_books_take_two_slices(xg):
+    """Books whose levels span 2^-14 .. 1.5: float64 group sums for exact_planes, two bf16
+    slices here; the definition's bytes either way."""
+    wide = np.array([-1.0, -0.25, -2.0 ** -9, 0.0, 2.0 ** -14, 0.125, 0.5, 1.5], np.float32)
+    o, ref, _ = _owners("rocmfp3_mix", books=np.stack([wide, wide * 0.5]))
+    ids = LOADS["uneven"]
+    assert o.exact_set(LAYER, ids)[0] == "grouped"
+    ps = o._exact_planes_set(LAYER)
+    assert ps[0]["wide"] and ps[0]["gparts"].shape[0] == 2
+    x = S.tokens(len(ids), seed=35)
+    y = o.run_slots(LAYER, x, ids, "exact")
+    assert o.exact_stats["kernel"] + o.exact_stats["patched"] == 1
+    assert np.array_equal(_bits(y), _bits(ref.run_slots(LAYER, x, ids, "exact")))
+    o.close()
+    ref.close()
+
+
 def test_tables_the_kernel_cannot_take(xg):
-    assert xg.tensor_core_levels(np.array([[-1, 0, 1, 2]], np.float32), False)
-    assert not xg.tensor_core_levels(np.array([[-1, 0, 1, 2]], np.float32), True)  # float64 group sums
-    assert not xg.tensor_core_levels(np.array([[257, 1]], np.float32), False)  # 9 significant bits
     o, _, _ = _owners("rocmfp4")
     ps = o._exact_planes_set(LAYER)
     ps[0]["ilut"] = ps[0]["ilut"] * 257  # a table of integers no bf16 holds
-    ps[0]["tc_key"] = -1
+    ps[0]["gparts_key"] = -1
     assert o.exact_set(LAYER, np.array([5] * 8))[0] == "planes"
     assert o.exact_set(LAYER, np.array([5] * (o.exact_max_slots + 1))) is None  # the definition's path
     o.close()
