@@ -14,7 +14,8 @@
 #      compiles: minutes on 16 cores)                        -> $OUT/aot.json, $OUT/aot.txt
 # Budgets (seconds): T_TESTS (default 300), T_TABLE (220), T_AOT (45; 0 skips): about 9.5 minutes
 # with the install. None of it has run yet (written while no GPU was lent). T_BENCH=N also
-# runs the older two-batch benchmark (benchmarks/runtime_gpu.py) for N seconds.
+# runs the older two-batch benchmark (benchmarks/runtime_gpu.py) for N seconds; T_SWEEP=N the
+# prefill-sized kernels' tile sweep (benchmarks/runtime_gpu_prefill.py, SWEEP_ARGS) -> $OUT/prefill.json.
 set -u
 : "${OUT:?set OUT to a results folder}"
 mkdir -p "$OUT"
@@ -45,6 +46,11 @@ if [ "${T_TABLE:-220}" != 0 ]; then
   timeout "${T_TABLE:-220}" python3 benchmarks/runtime_gpu_table.py --out "$OUT/table.json" \
     --budget $(( ${T_TABLE:-220} - 40 )) ${TABLE_ARGS:-} > "$OUT/table.txt" 2>&1
   echo "table rc=$?"; tail -60 "$OUT/table.txt"
+fi
+if [ "${T_SWEEP:-0}" != 0 ]; then
+  timeout "${T_SWEEP}" python3 benchmarks/runtime_gpu_prefill.py --out "$OUT/prefill.json" \
+    --budget $(( ${T_SWEEP} - 30 )) ${SWEEP_ARGS:-} > "$OUT/prefill.txt" 2>&1
+  echo "prefill sweep rc=$?"; grep -v Warn "$OUT/prefill.txt" | tail -40
 fi
 if [ "${T_BENCH:-0}" != 0 ]; then
   timeout "${T_BENCH}" python3 benchmarks/runtime_gpu.py --out "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
