@@ -142,8 +142,7 @@ def fast_kernel(torch, owner, x, ids):
         xT = torch.from_numpy(group_t(xn[order])).to(dev)
         dg = torch.from_numpy(groups).to(dev)
         return "grouped gemv", lambda: owner.grouped_device(0, xT, dg)
-    busy = n / np.unique(ids).shape[0] > owner.group_max_mean  # the owner's rule for the prefill kernels
-    if busy and owner.prefill_set(0) is not None:
+    if owner.prefill_wanted(0, ids) and owner.prefill_set(0) is not None:  # the owner's rule
         return "tensor-core prefill", lambda: owner.prefill_device(0, x, di)
     plan = owner.plan(0, ids)
     xs = x.index_select(0, plan.order).contiguous()

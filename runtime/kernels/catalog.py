@@ -330,6 +330,7 @@ def scenario_exact_grouped():
         qx = torch.zeros((n, H))
         sx = torch.zeros((n, H // 32), dtype=torch.int32)
         p["gbits"] = xg.part_bits(f.group)
+        p["gtop"] = 20
         # the row tile of DS4's 2048-token prefill (48 slots an expert -> 64) for every qtype;
         # MIX books that span many octaves take two or three level slices
         for bm in pk.BM_CHOICES if q == "rocmfp2" else (64,):

@@ -119,6 +119,7 @@ class ExactKernelsMixin:
                     got = None
                 p["gparts"] = None if got is None else torch.from_numpy(got[0]).contiguous().to(self.device)
                 p["gbits"] = None if got is None else got[1]
+                p["gtop"] = None if got is None else xg.parts_top(got[0], p["fmt"].group, p["fmt"].affine)
                 p["gparts_key"] = p["ilut_key"]
             if p["gparts"] is None:
                 return False

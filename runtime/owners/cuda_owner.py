@@ -20,7 +20,8 @@ the Triton kernels of ``runtime.kernels``.
   a matrix-vector tile for up to ``moe_triton.MV_TOKENS`` slots of one
   expert when they have few (at most that many on average).
 * prefill (experts with more than ``group_max_mean`` slots each on average,
-  one stack per projection): the
+  or any expert with several slots on a layer without word-layout kernels;
+  one stack per projection: ``prefill_wanted``): the
   tensor-core grouped GEMMs of ``kernels.prefill_triton`` (``owners/cuda_prefill``):
   bf16 weight tiles decoded in registers, the slot sort on the device, no
   host planning; other layers keep the float32 ``tl.dot`` kernels.
@@ -328,10 +329,20 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
         self._gemv[layer] = got
         return got
 
-    def _busy(self, ids: np.ndarray) -> bool:
-        """Whether the call's experts see more than ``group_max_mean`` slots each on average:
-        the tensor-core prefill's condition (fewer slots take the matrix-vector tiles)."""
-        return ids.shape[0] / np.unique(ids).shape[0] > self.group_max_mean
+    def prefill_wanted(self, layer: int, ids: np.ndarray) -> bool:
+        """Whether a fast call takes the tensor-core prefill kernels (when the layer has them):
+        its experts see more than ``group_max_mean`` slots each on average, or the layer has
+        no word-layout kernels (its qtypes are not rocmfp2 / rocmfp3) and some expert has
+        several slots. Measured on an H100 at batch 64 (docs/performance.md): rocmfp4 and MIX
+        layers ran 4x faster on the prefill kernels than on the matrix-vector tiles, while
+        rocmfp2 / rocmfp3 layers keep the grouped matrix-vector kernels below that mean."""
+        n = ids.shape[0]
+        if n == 0:
+            return False
+        uniq = np.unique(ids).shape[0]
+        if n / uniq > self.group_max_mean:
+            return True
+        return n > uniq and self.gemv_set(layer) is None
 
     @staticmethod
     def _all_resident(loc: np.ndarray, ids: np.ndarray) -> bool:
@@ -462,7 +473,7 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
             if not self._all_resident(loc, ids):
                 bad = sorted({int(e) for e in ids if e < 0 or e >= loc.shape[0] or loc[e] < 0})
                 raise BadInputError(f"experts {bad} of layer {layer} are not resident on {self.identity}")
-        pf = self.prefill_set(layer) if gem is None and self._busy(ids) else None
+        pf = self.prefill_set(layer) if gem is None and self.prefill_wanted(layer, ids) else None
         if pf is not None and not self._all_resident(pf[4], ids):
             pf = None  # the planned path names the expert that is not resident
         pin_i = self._pin("ids", n, torch.int64)
@@ -592,7 +603,7 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
                 y = torch.empty_like(ys)
                 y[torch.from_numpy(order)] = ys
             else:
-                pf = self.prefill_set(layer) if ids.shape[0] and self._busy(ids) else None
+                pf = self.prefill_set(layer) if self.prefill_wanted(layer, ids) else None
                 y = None
                 if pf is not None and self._all_resident(pf[4], ids):  # the prefill kernels
                     y = self.prefill_device(layer, xt, torch.from_numpy(ids))

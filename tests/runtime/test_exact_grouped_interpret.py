@@ -139,6 +139,15 @@ def test_products_flag_exactly_the_pairs_outside_the_bound(xg):
     assert int(fl[:2].sum()) == 0 and int(fl[2].sum()) > 0 and int(bad[0]) == int(fl.sum())
     m = fl.numpy() == 0
     assert np.array_equal(_bits(y)[m], _bits(want)[m])
+    # without flags the separable bound decides: never tighter than the per-pair range, and
+    # the ordinary slots pass it with the same bytes
+    bad2 = torch.zeros(1, dtype=torch.int32)
+    y2 = xg.product(pg["fmt"], pg, xp.plain(qt), s, plan, bad2, native=False, bn=128)
+    assert int(bad2[0]) >= int(bad[0])
+    assert np.array_equal(_bits(y2)[:2], _bits(want)[:2])
+    bad3 = torch.zeros(1, dtype=torch.int32)
+    xg.product(pg["fmt"], pg, xp.plain(qt[:2]), s[:2], pk.sort_slots(ids[:2], loc, E, 2), bad3, native=False, bn=128)
+    assert int(bad3[0]) == 0
     o.close()
 
 
