@@ -19,9 +19,10 @@ class PrefillMixin:
 
     def _prefill_init(self, enabled: bool) -> None:
         self.prefill = bool(enabled)
-        # (rows per program, columns per step, warps, pipeline stages) of the two launches;
-        # a design choice, not a measurement (see docs/gpu.md)
-        self.prefill_tile: dict[str, tuple] = {"gu": (64, 64, 4, 3), "down": (64, 64, 4, 3)}
+        # (rows per program, columns per step, warps, pipeline stages) of the two launches: the
+        # fastest of benchmarks/runtime_gpu_prefill.py's sweep at 2,048 tokens on an H100
+        # (7.8 ms against 8.7 ms for 64 rows; docs/performance.md)
+        self.prefill_tile: dict[str, tuple] = {"gu": (128, 64, 4, 3), "down": (128, 64, 4, 3)}
         # slots of one expert per program; 0: ``prefill_triton.pick_bm`` by the slot count
         self.prefill_bm = 0
         self._prefill: dict[int, object] = {}
