@@ -160,6 +160,7 @@ def main(argv=None) -> int:
                     bm, bn, bk, nw, ns = tile
                     owner.prefill_bm = bm
                     owner.prefill_tile = {"gu": (bn, bk, nw, ns), "down": (bn, bk, nw, ns)}
+                    owner.prefill_tile_linear = owner.prefill_tile
 
                 sweep("fast prefill", fast_tiles, fast_setup, lambda: owner.prefill_device(0, x, di), False)
             ex = owner.exact_set(0, ids) if "exact" in a.paths else None

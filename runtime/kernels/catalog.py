@@ -278,14 +278,16 @@ def scenario_prefill():
         x = torch.zeros((n, H))
         # the row tile DS4's 2048-token prefill picks (pick_bm: 48 slots an expert -> 64) for every
         # qtype, the others for one
+        # the owner's tiles: rocmfp2 / rocmfp3 layers take prefill_tile_linear
+        tiles = o.prefill_tile_linear if q in layout.LINEAR_QTYPES else o.prefill_tile
         for bm in pk.BM_CHOICES if q == "rocmfp2" else (64,):
             plan = pk.sort_slots(ids, ids, E, n, bm=bm)
             for split in pk.split_variants(q):
-                bn, bk, nw, ns = o.prefill_tile["gu"]
+                bn, bk, nw, ns = tiles["gu"]
                 kw = dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns)
                 h = pk.grouped(f, x, plan, gu, w2=gu, limit=10.0, split=split, out_dtype=torch.bfloat16, **kw)
                 pk.grouped(f, x, plan, gu, split=split, **kw)
-                bn, bk, nw, ns = o.prefill_tile["down"]
+                bn, bk, nw, ns = tiles["down"]
                 pk.grouped(f, h, plan, d, scatter=True, split=split, bn=bn, bk=bk, num_warps=nw, num_stages=ns)
 
 

@@ -19,10 +19,13 @@ class PrefillMixin:
 
     def _prefill_init(self, enabled: bool) -> None:
         self.prefill = bool(enabled)
-        # (rows per program, columns per step, warps, pipeline stages) of the two launches: the
-        # fastest of benchmarks/runtime_gpu_prefill.py's sweep at 2,048 tokens on an H100
-        # (7.8 ms against 8.7 ms for 64 rows; docs/performance.md)
-        self.prefill_tile: dict[str, tuple] = {"gu": (128, 64, 4, 3), "down": (128, 64, 4, 3)}
+        # (rows per program, columns per step, warps, pipeline stages) of the two launches.
+        # rocmfp2 / rocmfp3 layers (``prefill_tile_linear``): the fastest of
+        # benchmarks/runtime_gpu_prefill.py's sweep at 2,048 tokens on an H100 (128 rows: 7.8 ms
+        # against 8.7 for 64); the other qtypes measured slower with 128 rows on the same card
+        # (rocmfp4 13.3 ms against 10.9, MIX 23.5 against 20.7) and keep 64 (docs/performance.md)
+        self.prefill_tile: dict[str, tuple] = {"gu": (64, 64, 4, 3), "down": (64, 64, 4, 3)}
+        self.prefill_tile_linear: dict[str, tuple] = {"gu": (128, 64, 4, 3), "down": (128, 64, 4, 3)}
         # slots of one expert per program; 0: ``prefill_triton.pick_bm`` by the slot count
         self.prefill_bm = 0
         self._prefill: dict[int, object] = {}
@@ -73,6 +76,7 @@ class PrefillMixin:
         layer has no single stack per projection or a stack's weights have no exact bf16 form."""
         import torch
 
+        from ds4quant.runtime.kernels import layout
         from ds4quant.runtime.kernels import prefill_triton as pk
         from ds4quant.runtime.swiglu import swiglu_fast
 
@@ -86,7 +90,9 @@ class PrefillMixin:
         n = x.shape[0]
         plan = pk.sort_slots(ids, loc, E, n, bm=self.prefill_bm)
         L = self.swiglu_limit
-        bn, bk, nw, ns = self.prefill_tile["gu"]
+        linear = all(p["stack"].qtype in layout.LINEAR_QTYPES for p in (pg, pu, pd))
+        tiles = self.prefill_tile_linear if linear else self.prefill_tile
+        bn, bk, nw, ns = tiles["gu"]
         kw = dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns)
         if pg["fmt"].key == pu["fmt"].key and splits[0] == splits[1]:
             h = pk.grouped(pg["fmt"], x, plan, pg, w2=pu, limit=L, split=splits[0], out_dtype=torch.bfloat16,
@@ -95,7 +101,7 @@ class PrefillMixin:
             g = pk.grouped(pg["fmt"], x, plan, pg, split=splits[0], **kw)
             u = pk.grouped(pu["fmt"], x, plan, pu, split=splits[1], **kw)
             h = swiglu_fast(g, u, L)
-        bn, bk, nw, ns = self.prefill_tile["down"]
+        bn, bk, nw, ns = tiles["down"]
         y = torch.empty((n, pd["stack"].rows), dtype=torch.float32, device=x.device)
         pk.grouped(pd["fmt"], h, plan, pd, scatter=True, split=splits[2], out=y, bn=bn, bk=bk, num_warps=nw,
                    num_stages=ns)

@@ -31,6 +31,7 @@ def _owner(qtype, experts=tuple(range(E))):
 
     o = CudaOwner("cpu", identity="torch-cpu:9")
     o.prefill_tile = {"gu": (128, 64, 4, 1), "down": (256, 64, 4, 1)}
+    o.prefill_tile_linear = o.prefill_tile
     big = {"gu": (S.FFN, 8, 1, 1, True, True), "down": (S.HIDDEN, 4, 1, 1, True, True)}
     o.gemv_tile, o.group_tile = dict(big), dict(big)
     stacks, entries = S.layer_stacks(qtype, LAYER, experts)

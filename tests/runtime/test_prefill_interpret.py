@@ -32,6 +32,7 @@ def _owner(qtype, experts=EXPERTS):
     o.gemv_max_slots, o.group_max_mean = 0, 0.0  # straight to the prefill kernels
     # whole-matrix column blocks: the interpreter's cost is per program
     o.prefill_tile = {"gu": (128, 64, 4, 1), "down": (256, 64, 4, 1)}
+    o.prefill_tile_linear = o.prefill_tile
     stacks, entries = S.layer_stacks(qtype, LAYER, experts)
     for st in stacks.values():
         o.add_stack(st)
