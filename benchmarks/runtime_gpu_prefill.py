@@ -50,7 +50,7 @@ def main(argv=None) -> int:
 
     import runtime_gpu as base
     from runtime_gpu_step import _graph
-    from runtime_gpu_table import RECIPES, decoded_bf16, make_layer
+    from runtime_gpu_table import grouped_mm_anchor, make_layer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test)")
@@ -98,7 +98,6 @@ def main(argv=None) -> int:
             x = torch.from_numpy(rng.standard_normal((n, H)).astype(np.float32)).to(dev)
             di = torch.from_numpy(ids).to(dev)
             flop = 2.0 * n * 3 * H * I
-            uniq, counts = np.unique(ids, return_counts=True)
 
             def row(path, tile, t, **kw):
                 r = dict(recipe=recipe, batch=B, path=path, tile=list(tile) if tile else None, us=t * 1e6,
@@ -110,20 +109,10 @@ def main(argv=None) -> int:
 
             anchor = None
             if cuda:
-                W = decoded_bf16(torch, stacks, uniq, dev, entries)
-                order = np.argsort(ids, kind="stable")
-                xb = x[torch.from_numpy(order).to(dev)].to(torch.bfloat16)
-                offs = torch.from_numpy(np.cumsum(counts).astype(np.int32)).to(dev)
-                wgu = torch.cat([W["gate"], W["up"]], dim=1)
-
-                def gmm():
-                    gu = torch._grouped_mm(xb, wgu.transpose(-2, -1), offs=offs)
-                    hb = torch.nn.functional.silu(torch.clamp(gu[:, :I], max=10.0)) * torch.clamp(gu[:, I:], -10.0, 10.0)
-                    return torch._grouped_mm(hb, W["down"].transpose(-2, -1), offs=offs)
-
+                _, _, gmm = grouped_mm_anchor(torch, stacks, entries, ids, x, I)
                 anchor = run(gmm)
                 row("bf16 grouped_mm", None, anchor)
-                W = wgu = None
+                gmm = None
 
             def sweep(path, tiles, setup, call, check_bytes):
                 best, first = None, None

@@ -172,6 +172,25 @@ def decoded_bf16(torch, stacks, uniq, dev, entries):
     return out
 
 
+def grouped_mm_anchor(torch, stacks, entries, ids, x, I: int):
+    """(bf16 weights of the selected experts, x sorted by expert in bf16, the bf16
+    ``torch._grouped_mm`` layer over them: gate + up, SwiGLU, down)."""
+    uniq, counts = np.unique(ids, return_counts=True)
+    dev = x.device
+    W = decoded_bf16(torch, stacks, uniq, dev, entries)
+    order = np.argsort(ids, kind="stable")
+    xb = x[torch.from_numpy(order).to(dev)].to(torch.bfloat16)
+    offs = torch.from_numpy(np.cumsum(counts).astype(np.int32)).to(dev)
+    wgu = torch.cat([W["gate"], W["up"]], dim=1)
+
+    def gmm():
+        gu = torch._grouped_mm(xb, wgu.transpose(-2, -1), offs=offs)
+        hb = torch.nn.functional.silu(torch.clamp(gu[:, :I], max=10.0)) * torch.clamp(gu[:, I:], -10.0, 10.0)
+        return torch._grouped_mm(hb, W["down"].transpose(-2, -1), offs=offs)
+
+    return W, xb, gmm
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -276,16 +295,7 @@ def main(argv=None) -> int:
             except Exception as exc:  # reported, the table goes on
                 res["rows"].append(dict(recipe=recipe, batch=B, path="ours fast whole layer", error=repr(exc)[:300]))
 
-            W = decoded_bf16(torch, stacks, uniq, dev, entries)
-            order = np.argsort(ids, kind="stable")
-            xb = x[torch.from_numpy(order).to(dev)].to(torch.bfloat16)
-            offs = torch.from_numpy(np.cumsum(counts).astype(np.int32)).to(dev)
-            wgu = torch.cat([W["gate"], W["up"]], dim=1)
-
-            def gmm():
-                gu = torch._grouped_mm(xb, wgu.transpose(-2, -1), offs=offs)
-                hb = torch.nn.functional.silu(torch.clamp(gu[:, :I], max=10.0)) * torch.clamp(gu[:, I:], -10.0, 10.0)
-                return torch._grouped_mm(hb, W["down"].transpose(-2, -1), offs=offs)
+            W, xb, gmm = grouped_mm_anchor(torch, stacks, entries, ids, x, I)
 
             if cuda:
                 timed("bf16 grouped_mm", gmm, bbytes)

@@ -169,6 +169,15 @@ def _fake_planes(fmt, E: int, N: int, K: int):
                 tab=torch.arange(0, 2 * E, 2, dtype=torch.int32), fmt=fmt)
 
 
+def _fake_exact(fmt, E: int, N: int, K: int, n: int):
+    """(planes with integer level tables, q, s): an exact kernel's stack and quantized input."""
+    torch = _torch()
+    p = _fake_planes(fmt, E, N, K)
+    p["ilut"] = torch.zeros((2 * E, fmt.nlev), dtype=torch.float32)
+    p["ishift"] = torch.zeros(2 * E, dtype=torch.int32)
+    return p, torch.zeros((n, K)), torch.zeros((n, K // 32), dtype=torch.int32)
+
+
 def _owner_defaults():
     """A CUDA owner's settings (tiles, tokens per program) as constructed, on the CPU device."""
     from ds4quant.runtime.owners.cuda_owner import CudaOwner
@@ -302,11 +311,7 @@ def scenario_exact_planes():
     ids = torch.zeros(n, dtype=torch.int64)
     for q in layout.KERNEL_QTYPES:
         f = layout.kernel_format(q)
-        p = _fake_planes(f, E, inter, H)
-        p["ilut"] = torch.zeros((2 * E, f.nlev), dtype=torch.float32)
-        p["ishift"] = torch.zeros(2 * E, dtype=torch.int32)
-        qx = torch.zeros((n, H))
-        sx = torch.zeros((n, H // 32), dtype=torch.int32)
+        p, qx, sx = _fake_exact(f, E, inter, H, n)
         tile = _owner_defaults().exact_planes_tile
         for wide in ((False, True) if f.mix else (False,)):
             p["wide"] = wide
@@ -326,11 +331,7 @@ def scenario_exact_grouped():
     bn, nw, ns = _owner_defaults().exact_grouped_tile
     for q in layout.KERNEL_QTYPES:
         f = layout.kernel_format(q)
-        p = _fake_planes(f, E, inter, H)
-        p["ilut"] = torch.zeros((2 * E, f.nlev), dtype=torch.float32)
-        p["ishift"] = torch.zeros(2 * E, dtype=torch.int32)
-        qx = torch.zeros((n, H))
-        sx = torch.zeros((n, H // 32), dtype=torch.int32)
+        p, qx, sx = _fake_exact(f, E, inter, H, n)
         p["gbits"] = xg.part_bits(f.group)
         p["gtop"] = 20
         # the row tile of DS4's 2048-token prefill (48 slots an expert -> 64) for every qtype;

@@ -58,6 +58,7 @@ from ds4quant.runtime.kernels.exact_planes import P_BOUND
 from ds4quant.runtime.kernels.exact_triton import _bit_range, _fold, _pow2
 from ds4quant.runtime.kernels.gemv_triton import _bn
 from ds4quant.runtime.kernels.moe_triton import _tile
+from ds4quant.runtime.kernels.prefill_triton import tile_slots
 
 BIG = tl.constexpr(1 << 20)  # bit-range sentinel (exact_triton's)
 
@@ -71,19 +72,8 @@ def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_pt
                           NLEV: tl.constexpr, LV: tl.constexpr, AFF: tl.constexpr, LOG2G: tl.constexpr,
                           FLAGS: tl.constexpr, NATIVE: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
                           BN: tl.constexpr, SPLITS: tl.constexpr, PBITS: tl.constexpr):
-    t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    ee = tl.arange(0, EP)
-    tend = tl.load(tend_ptr + ee, mask=ee < NE, other=1 << 30)
-    e = tl.sum((tend <= t).to(tl.int32), axis=0)  # the expert whose tiles hold tile t
-    ec = tl.minimum(e, NE - 1)
-    cnt = tl.load(count_ptr + ec)
-    ntile = (cnt + BM - 1) // BM
-    mblk = t - (tl.load(tend_ptr + ec) - ntile)
-    m = tl.where(e < NE, tl.minimum(cnt - mblk * BM, BM), 0)
-    tt = tl.arange(0, BM)
-    tmask = tt < m
-    pos = (tl.load(start_ptr + ec) + mblk * BM + tl.where(tmask, tt, 0)).to(tl.int64)
+    ec, m, tmask, pos = tile_slots(tl.program_id(0), tend_ptr, count_ptr, start_ptr, NE, EP, BM)
     slot = tl.load(order_ptr + pos, mask=tmask, other=0).to(tl.int64)  # inputs and outputs in slot order
     e64 = ec.to(tl.int64)
     rows = pid_n * BN + tl.arange(0, BN)

@@ -95,6 +95,24 @@ def _dot_tile(xb, a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_
 
 
 @triton.jit
+def tile_slots(t, tend_ptr, count_ptr, start_ptr, NE, EP: tl.constexpr, BM: tl.constexpr):
+    """Row tile t of a ``SlotPlan``: (local expert, slots in the tile, slot mask (BM,), sorted
+    positions int64 (BM,)); a tile past the last expert's has no slots."""
+    ee = tl.arange(0, EP)
+    tend = tl.load(tend_ptr + ee, mask=ee < NE, other=1 << 30)
+    e = tl.sum((tend <= t).to(tl.int32), axis=0)  # the expert whose tiles hold tile t
+    ec = tl.minimum(e, NE - 1)
+    cnt = tl.load(count_ptr + ec)
+    ntile = (cnt + BM - 1) // BM
+    mblk = t - (tl.load(tend_ptr + ec) - ntile)
+    m = tl.where(e < NE, tl.minimum(cnt - mblk * BM, BM), 0)
+    tt = tl.arange(0, BM)
+    tmask = tt < m
+    pos = (tl.load(start_ptr + ec) + mblk * BM + tl.where(tmask, tt, 0)).to(tl.int64)
+    return ec, m, tmask, pos
+
+
+@triton.jit
 def _prefill_kernel(
     x_ptr, stride_x, out_ptr, stride_o, order_ptr, start_ptr, count_ptr, tend_ptr, NE,
     a_ptr, b_ptr, s_ptr, o_ptr, tab_ptr,
@@ -106,20 +124,8 @@ def _prefill_kernel(
     SCATTER: tl.constexpr, NATIVE: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    ee = tl.arange(0, EP)
-    tend = tl.load(tend_ptr + ee, mask=ee < NE, other=1 << 30)
-    e = tl.sum((tend <= t).to(tl.int32), axis=0)  # the expert whose tiles hold tile t
-    ec = tl.minimum(e, NE - 1)
-    cnt = tl.load(count_ptr + ec)
-    ntile = (cnt + BM - 1) // BM
-    mblk = t - (tl.load(tend_ptr + ec) - ntile)
-    m = tl.where(e < NE, tl.minimum(cnt - mblk * BM, BM), 0)
-    s0 = tl.load(start_ptr + ec) + mblk * BM
-    tt = tl.arange(0, BM)
-    tmask = tt < m
-    slot = (s0 + tl.where(tmask, tt, 0)).to(tl.int64)
+    ec, m, tmask, slot = tile_slots(tl.program_id(0), tend_ptr, count_ptr, start_ptr, NE, EP, BM)
     src = slot
     if GATHER or SCATTER:
         perm = tl.load(order_ptr + slot, mask=tmask, other=0).to(tl.int64)
