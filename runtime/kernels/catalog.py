@@ -333,7 +333,7 @@ def scenario_exact_grouped():
         f = layout.kernel_format(q)
         p, qx, sx = _fake_exact(f, E, inter, H, n)
         p["gbits"] = xg.part_bits(f.group)
-        p["gtop"] = 20
+        p["gtop"] = torch.zeros(2 * E, dtype=torch.int32)
         # the row tile of DS4's 2048-token prefill (48 slots an expert -> 64) for every qtype;
         # MIX books that span many octaves take two or three level slices
         for bm in pk.BM_CHOICES if q == "rocmfp2" else (64,):

@@ -32,8 +32,8 @@ rocmfp2_affine adds its offset term ``-O * 2^s * sum(q)`` per group.
 The float64 proof costs integer work per (slot, row, group) when it tracks
 each pair's bit range (``exact_triton._fold``). A launch without ``flags``
 uses a looser bound that separates: every term's magnitude is below
-``2^(TOPP + top(S) + shift + s)`` (``TOPP``: the bits of the largest possible
-group sum, ``parts_top``) and a multiple of ``2^(low(S) + shift + s)``, so the
+``2^(T + top(S) + shift + s)`` (``T``: the bits of the largest possible
+group sum of the term's level table, ``parts_top``) and a multiple of ``2^(low(S) + shift + s)``, so the
 range of a (slot, row) is bounded by the row's extreme scale bits plus the
 slot's extreme block exponents, tracked per row and per slot only. A pair
 within 53 bits under the bound is exact; one outside counts in ``bad`` and
@@ -67,7 +67,7 @@ BIG = tl.constexpr(1 << 20)  # bit-range sentinel (exact_triton's)
 def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_ptr, fl_ptr,
                           order_ptr, start_ptr, count_ptr, tend_ptr, NE,
                           a_ptr, b_ptr, s_ptr, o_ptr, tab_ptr, slut_ptr, ilut_ptr, ish_ptr,
-                          N, K, ka_row, kb_row, ks_row, PART, TOPP,
+                          N, K, ka_row, kb_row, ks_row, PART, gtop_ptr,
                           ABITS: tl.constexpr, BBITS: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
                           NLEV: tl.constexpr, LV: tl.constexpr, AFF: tl.constexpr, LOG2G: tl.constexpr,
                           FLAGS: tl.constexpr, NATIVE: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
@@ -87,6 +87,7 @@ def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_pt
         tab_base = tl.load(tab_ptr + ec)
     gg = tl.arange(0, G)
     shift0 = tl.load(ish_ptr)  # the fixed formats' one table
+    top0 = tl.load(gtop_ptr)
     acc = tl.zeros((BM, BN), dtype=tl.float64)
     if FLAGS:  # the bit range of every (slot, row): exact per pair
         hi = tl.full((BM, BN), -(1 << 20), tl.int32)
@@ -106,7 +107,8 @@ def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_pt
         sb = tl.load(s_base + rows.to(tl.int64) * ks_row + k0 // G, mask=rmask, other=0).to(tl.int32)
         sc = tl.load(slut_ptr + sb)
         if MIX:
-            rsh = tl.load(ish_ptr + tab_base + (sb >> 7))
+            tab = tab_base + (sb >> 7)
+            rsh = tl.load(ish_ptr + tab)
             ex = sblk[:, None] + rsh[None, :]
         else:
             rsh = shift0
@@ -115,7 +117,10 @@ def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_pt
         if not FLAGS:
             ttop = tl.maximum(ttop, tl.where(tmask, sblk, -BIG))
             tlow = tl.minimum(tlow, tl.where(tmask, sblk, BIG))
-            rtop = tl.maximum(rtop, tl.where(sc != 0, top_s + rsh, -BIG))
+            if MIX:
+                rtop = tl.maximum(rtop, tl.where(sc != 0, top_s + rsh + tl.load(gtop_ptr + tab), -BIG))
+            else:
+                rtop = tl.maximum(rtop, tl.where(sc != 0, top_s + rsh + top0, -BIG))
             rlow = tl.minimum(rlow, tl.where(sc != 0, low_s + rsh, BIG))
         for j in tl.static_range(SPLITS):  # one dot and one term per bit slice of the levels
             lv, _, off = _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
@@ -138,13 +143,13 @@ def _grouped_exact_kernel(q_ptr, stride_q, sx_ptr, KB, out_ptr, stride_o, bad_pt
                 acc, hi, lo = _fold(acc, hi, lo, p2, offr[None, :], top_o[None, :], low_o[None, :], _pow2(ex), ex)
             else:
                 acc += p2.to(tl.float64) * (offr.to(tl.float64)[None, :] * _pow2(ex))
-                rtop = tl.maximum(rtop, tl.where(offr != 0, top_o + shift0, -BIG))
+                rtop = tl.maximum(rtop, tl.where(offr != 0, top_o + shift0 + top0, -BIG))
                 rlow = tl.minimum(rlow, tl.where(offr != 0, low_o + shift0, BIG))
     if FLAGS:
         fits = (hi == -BIG) | (hi + LOG2G - lo <= 53)
     else:
         top = rtop[None, :] + ttop[:, None]
-        fits = (rtop == -BIG)[None, :] | (top + TOPP + LOG2G - (rlow[None, :] + tlow[:, None]) <= 53)
+        fits = (rtop == -BIG)[None, :] | (top + LOG2G - (rlow[None, :] + tlow[:, None]) <= 53)
     live = tmask[:, None] & rmask[None, :]
     nbad = tl.sum(tl.sum(tl.where(fits | (live == 0), 0, 1), axis=1), axis=0)
     optr = slot[:, None] * stride_o + rows[None, :]
@@ -166,14 +171,18 @@ def part_bits(group: int) -> int:
     return m
 
 
-def parts_top(parts: np.ndarray, group: int, affine: bool = False) -> int:
-    """TOPP: every slice's group sum (times its 2^(j m)) is below 2^TOPP in magnitude (affine:
-    the offset term's sum(q) too)."""
+def parts_top(parts: np.ndarray, group: int, affine: bool = False) -> np.ndarray:
+    """int32 (tables,): T per level table, every slice's group sum (times its 2^(j m)) below
+    2^T in magnitude (affine: the offset term's sum(q) too). Per table, so that a MIX book of
+    small levels (large integers, low shift) does not widen the bound of its partner."""
     m = part_bits(group)
-    top = int(group * 127).bit_length() if affine else 0
+    tables = parts.shape[1]
+    top = np.full(tables, int(group * 127).bit_length() if affine else 0, dtype=np.int64)
     for j in range(parts.shape[0]):
-        top = max(top, int(group * int(np.abs(parts[j]).max()) * 127).bit_length() + j * m)
-    return top
+        mx = np.abs(parts[j].astype(np.float64)).max(axis=1).astype(np.int64)
+        bits = np.array([int(group * int(v) * 127).bit_length() + j * m if v else 0 for v in mx])
+        top = np.maximum(top, bits)
+    return top.astype(np.int32)
 
 
 def level_parts(ilut: np.ndarray, group: int):
@@ -204,7 +213,7 @@ def product(fmt, w, q, s, plan, bad, *, flags: bool = False, native: bool = True
     a = (q (n, K) float32 integers in slot order, s int32 (n, K / 32)): float32 (n, N) in
     slot order (and, with ``flags``, int8 (n, N): 1 where the pair is outside the float64
     bound). w: a stack's planes dict with ``gparts`` (float32 (S, tables, nlev), contiguous)
-    and ``gbits`` of ``level_parts``, ``gtop`` of ``parts_top`` and ``ishift`` of
+    and ``gbits`` of ``level_parts``, ``gtop`` (int32 device tensor) of ``parts_top`` and ``ishift`` of
     ``integer_levels``. Without ``flags`` the separable bound decides ``bad``. ``native``: bf16
     operands on the tensor cores (False under Triton's interpreter: float32 ``ieee`` dots of
     the same integers)."""
@@ -230,7 +239,7 @@ def product(fmt, w, q, s, plan, bad, *, flags: bool = False, native: bool = True
             q, q.stride(0), s, s.shape[1], out, out.stride(0), bad, fl,
             plan.order, plan.start, plan.count, plan.tend, plan.experts,
             a, b, w["s"], w["o"] if w.get("o") is not None else w["s"], w["tab"], w["slut"], parts, w["ishift"],
-            N, K, ka_row, kb_row, w["s"].shape[2], parts[0].numel(), int(w["gtop"]),
+            N, K, ka_row, kb_row, w["s"].shape[2], parts[0].numel(), w["gtop"],
             ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev, LV=fmt.lv_mode,
             AFF=fmt.affine, LOG2G=int(math.ceil(math.log2(terms))) if terms > 1 else 0, FLAGS=bool(flags),
             NATIVE=bool(native), EP=triton.next_power_of_2(max(1, E)), BM=plan.bm, BN=bn, SPLITS=splits,

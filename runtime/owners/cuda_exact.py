@@ -119,7 +119,8 @@ class ExactKernelsMixin:
                     got = None
                 p["gparts"] = None if got is None else torch.from_numpy(got[0]).contiguous().to(self.device)
                 p["gbits"] = None if got is None else got[1]
-                p["gtop"] = None if got is None else xg.parts_top(got[0], p["fmt"].group, p["fmt"].affine)
+                p["gtop"] = None if got is None else torch.from_numpy(
+                    xg.parts_top(got[0], p["fmt"].group, p["fmt"].affine)).to(self.device)
                 p["gparts_key"] = p["ilut_key"]
             if p["gparts"] is None:
                 return False
