@@ -189,8 +189,7 @@ def _moe_linear_kernel(
                                        kb_row, ks_row, slut2_ptr, llut2_ptr, ABITS, BBITS, G, MIX, NLEV, LV,
                                        AFF, BN, BK)
             for t in tl.static_range(BT):
-                xk = tl.load(x_ptr + (s0 + t).to(tl.int64) * stride_x + k0 + kk, mask=(kk < K) & (t < cnt),
-                             other=0.0)
+                xk = tl.load(x_ptr + (s0 + t).to(tl.int64) * stride_x + k0 + kk, mask=t < cnt, other=0.0)
                 x3 = tl.reshape(xk, (1, NG, G))
                 sel = (tt == t)[:, None]
                 acc += tl.where(sel, _gsum(lv, sc, off, x3, AFF)[None, :], 0.0)

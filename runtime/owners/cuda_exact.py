@@ -115,8 +115,6 @@ class ExactKernelsMixin:
         for p in ps[:3]:
             if p.get("gparts_key", -1) != p["ilut_key"]:
                 got = xg.level_parts(p["ilut"].cpu().numpy(), p["fmt"].group)
-                if got is not None and p["fmt"].affine and got[0].shape[0] != 1:
-                    got = None
                 p["gparts"] = None if got is None else torch.from_numpy(got[0]).contiguous().to(self.device)
                 p["gbits"] = None if got is None else got[1]
                 p["gtop"] = None if got is None else torch.from_numpy(

@@ -224,8 +224,8 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
         counts = np.diff(np.r_[starts, n])
         if n == 0 or counts.max() == 1:
             bt = 1
-        elif n / len(uniq) <= _need_triton().MV_TOKENS:  # few slots an expert: matrix-vector groups
-            bt = _need_triton().MV_TOKENS
+        elif n / len(uniq) <= (mv := _need_triton().MV_TOKENS):  # few slots an expert: matrix-vector groups
+            bt = mv
         else:
             bt = self.bt
         stages = []
