@@ -12,10 +12,17 @@ each step runs in its own child process:
    ``SourceWeights``) over S sequences x T tokens, one sequence per batch, with
    a calibrate-like observer (routed slots per expert, sum of x^2 of every
    expert's inputs and down-projection inputs in float64, as calibrate sums);
-2. uniform convert (``ds4quant convert --recipe R``, default --jobs/threads);
-3. candidate: the same streamed pass over the uniform artifact
-   (``ArtifactWeights``: dense tensors decoded, experts on one owner);
-4. adaptive convert (``--recipe adaptive``, candidates ``--adaptive-candidates``).
+2. calibrate: ``ds4quant calibrate`` itself over the same S x T tokens
+   (imatrix, routing profile, and the streamed sensitivity probes over the
+   first ``--sensitivity-seqs`` sequences), seconds per layer from its
+   progress events;
+3. uniform convert (``ds4quant convert --recipe R``, default --jobs/threads);
+4. adaptive convert (``--recipe adaptive``, candidates ``--adaptive-candidates``,
+   with calibrate's imatrix, routing profile and sensitivity when step 2 ran);
+5. candidate: the same streamed pass as step 1 over an artifact
+   (``ArtifactWeights``: dense tensors decoded, experts on the ``--owner``
+   owner, default ``cuda:0`` on a CUDA device, in ``--mode``): the adaptive
+   artifact when step 4 ran (``--candidate-of``), else the uniform one.
 
 For each: wall seconds, seconds per layer (streamed passes: measured per
 layer; convert: wall / N, an upper bound since it includes the embedding
@@ -113,7 +120,13 @@ def _child_stream(a) -> int:
 
     t0 = time.perf_counter()
     if a.artifact:
-        weights = ArtifactWeights(a.artifact, None, "exact", source_dir=a.source)
+        from ds4quant.artifact.view import open_artifact
+        from ds4quant.runtime.placement import placement_for_one_owner
+
+        view = open_artifact(a.artifact)
+        h = view.header
+        plc = placement_for_one_owner(h.n_layer, h.n_expert, a.owner, h.n_expert_used or 1)
+        weights = ArtifactWeights(view, plc, a.mode, source_dir=a.source)
     else:
         weights = SourceWeights(a.source)
     rng = np.random.default_rng(0)
@@ -155,6 +168,29 @@ def _child_stream(a) -> int:
                       "plan": plan.to_json(), "peak_rss_bytes": _status().get("VmHWM", 0),
                       "peak_gpu_bytes": _gpu_peak(), "cpu_seconds": _cpu_seconds(), "logit_sum": logit_sum[0],
                       "experts_reached": len(calib.sums), "experts_decoded": decoded}))
+    return 0
+
+
+def _child_calibrate(a) -> int:
+    from ds4quant.calibrate import calibrate
+
+    t0 = time.perf_counter()
+    steps, last = [], [time.perf_counter()]
+
+    def progress(ev):
+        if str(getattr(ev.kind, "value", ev.kind)) != "step":
+            return
+        now = time.perf_counter()
+        steps.append({"item": ev.item, "seconds": now - last[0]})
+        last[0] = now
+
+    rep = calibrate(a.source, a.token_file, a.out, device=a.device, max_memory=a.max_memory,
+                    sensitivity_seqs=a.sensitivity_seqs, force=True, progress=progress)
+    per_layer = [s["seconds"] for s in steps if s["item"].startswith("layer")]
+    print(json.dumps({"seconds": time.perf_counter() - t0, "steps": steps, "seconds_per_layer": per_layer,
+                      "tokens": rep.tokens, "sensitivity_seqs": a.sensitivity_seqs,
+                      "peak_rss_bytes": _status().get("VmHWM", 0), "peak_gpu_bytes": _gpu_peak(),
+                      "cpu_seconds": _cpu_seconds()}))
     return 0
 
 
@@ -212,11 +248,14 @@ def _gib(n: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--child", choices=("stream", "convert"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("stream", "convert", "calibrate"), help=argparse.SUPPRESS)
+    ap.add_argument("--token-file", help=argparse.SUPPRESS)
     ap.add_argument("--artifact", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--extra", default="[]", help=argparse.SUPPRESS)  # JSON list: convert's own options
     ap.add_argument("--layers", type=int, default=2, help="slice of DS4 Flash to generate (default 2)")
+    ap.add_argument("--preset", default="ds4-flash", choices=("ds4-flash", "ds4-flash-mini"),
+                    help="generator preset (ds4-flash-mini: the same layer pattern at small width, to try the script)")
     ap.add_argument("--ratio-offset", type=int, default=0, help="first DS4 Flash layer of the slice's pattern")
     ap.add_argument("--experts", type=int, default=None,
                     help="routed experts per layer of the generated slice (default DS4 Flash's 256; fewer keeps "
@@ -233,13 +272,24 @@ def main(argv=None) -> int:
     ap.add_argument("--adaptive-candidates", default="rocmfp2,rocmfp3,rocmfp4",
                     help="adaptive convert's --candidates ('default': convert's own list)")
     ap.add_argument("--target-bpw", default="2.6", help="adaptive convert's --target-bpw")
-    ap.add_argument("--skip", default="", help="comma list of steps to skip: reference,uniform,candidate,adaptive")
+    ap.add_argument("--sensitivity-seqs", type=int, default=8, help="calibrate's sensitivity sequences (default 8)")
+    ap.add_argument("--owner", default=None,
+                    help="the candidate's expert owner (default cuda:0 on a CUDA device, else cpu:0)")
+    ap.add_argument("--mode", default="exact", help="the candidate's numeric mode (default exact)")
+    ap.add_argument("--candidate-of", choices=("auto", "uniform", "adaptive"), default="auto",
+                    help="artifact of the candidate pass (auto: adaptive when it was converted, else uniform)")
+    ap.add_argument("--skip", default="",
+                    help="comma list of steps to skip: reference,calibrate,uniform,adaptive,candidate")
     ap.add_argument("--json-out", help="write the results here")
     a = ap.parse_args(argv)
     if a.child == "stream":
         return _child_stream(a)
     if a.child == "convert":
         return _child_convert(a)
+    if a.child == "calibrate":
+        return _child_calibrate(a)
+    if a.owner is None:
+        a.owner = "cuda:0" if a.device.startswith("cuda") else "cpu:0"
 
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ds4-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -261,8 +311,9 @@ def main(argv=None) -> int:
             src = work / f"flash{a.layers}"
             t0 = time.perf_counter()
             subprocess.run([sys.executable, str(REPO / "samples" / "make_synthetic.py"), str(src), "--preset",
-                            "ds4-flash", "--layers", str(a.layers), "--ratio-offset", str(a.ratio_offset),
-                            "--force"] + (["--experts", str(a.experts)] if a.experts else []),
+                            a.preset, "--layers", str(a.layers), "--ratio-offset", str(a.ratio_offset),
+                            "--workers", str(os.cpu_count() or 1), "--force"]
+                           + (["--experts", str(a.experts)] if a.experts else []),
                            check=True, env=env, stdout=subprocess.DEVNULL)
             res["generate_seconds"] = time.perf_counter() - t0
             save_partial()
@@ -274,27 +325,44 @@ def main(argv=None) -> int:
             common += ["--max-memory", a.max_memory]
         if a.threads:
             common += ["--threads", str(a.threads)]
-        uni = work / "uniform"
+        uni, ada, cal = work / "uniform", work / "adaptive", work / "calib"
         if "reference" not in skip:
             res["reference"] = _run(me + ["--child", "stream"] + common, env)
+            save_partial()
+        if "calibrate" not in skip:
+            import numpy as np
+
+            vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+            rng = np.random.default_rng(0)  # the reference step's draws, so both passes see the same tokens
+            tok = work / f"tokens-{a.seqs}x{a.tokens}.txt"
+            tok.write_text("\n".join(" ".join(map(str, rng.integers(3, vocab, a.tokens).tolist()))
+                                     for _ in range(a.seqs)) + "\n")
+            res["calibrate"] = _run(me + ["--child", "calibrate", "--token-file", str(tok), "--out", str(cal),
+                                          "--sensitivity-seqs", str(a.sensitivity_seqs)] + common, env)
             save_partial()
         if "uniform" not in skip:
             res["uniform_convert"] = _run(me + ["--child", "convert", "--source", str(src), "--out", str(uni),
                                                 "--recipe", a.recipe], env)
             save_partial()
-        if "candidate" not in skip and (uni / "..").exists() and any(uni.glob("*.gguf")):
-            res["candidate"] = _run(me + ["--child", "stream", "--artifact", str(uni)] + common, env)
-            save_partial()
         if "adaptive" not in skip:
-            extra = ["--target-bpw", a.target_bpw]
+            shutil.rmtree(work / "measure-cache", ignore_errors=True)  # a fresh machine's cost, not a cached one
+            extra = ["--target-bpw", a.target_bpw, "--cache-dir", str(work / "measure-cache")]
             if a.adaptive_candidates != "default":
                 extra += ["--candidates", a.adaptive_candidates]
             if a.device != "cpu":
                 extra += ["--device", a.device]
-            res["adaptive_convert"] = _run(me + ["--child", "convert", "--source", str(src), "--out",
-                                                 str(work / "adaptive"), "--recipe", "adaptive",
-                                                 "--extra=" + json.dumps(extra)],
-                                           env)
+            if (cal / "imatrix.gguf").is_file():
+                extra += ["--imatrix", str(cal / "imatrix.gguf"), "--routing", str(cal / "routing.json")]
+            res["adaptive_convert"] = _run(me + ["--child", "convert", "--source", str(src), "--out", str(ada),
+                                                 "--recipe", "adaptive", "--extra=" + json.dumps(extra)], env)
+            res["adaptive_convert"]["calibrated"] = (cal / "imatrix.gguf").is_file()
+            save_partial()
+        pick = {"uniform": uni, "adaptive": ada}.get(a.candidate_of) or (ada if any(ada.glob("*.gguf")) else uni)
+        if "candidate" not in skip and any(pick.glob("*.gguf")):
+            res["candidate"] = _run(me + ["--child", "stream", "--artifact", str(pick), "--owner", a.owner,
+                                          "--mode", a.mode] + common, env)
+            res["candidate"]["artifact"] = pick.name
+            save_partial()
     finally:
         if not a.keep and not a.work:
             shutil.rmtree(work, ignore_errors=True)
@@ -309,7 +377,7 @@ def _project(res: dict, n: int) -> dict:
     """PROJECTION to 43 layers: streamed passes = fixed part + mean seconds per layer x 43;
     convert = wall / n x 43 (upper bound); peak memory flat."""
     out = {}
-    for key in ("reference", "candidate"):
+    for key in ("reference", "calibrate", "candidate"):
         r = res.get(key)
         if r:
             per = sum(r["seconds_per_layer"]) / max(1, len(r["seconds_per_layer"]))
@@ -328,7 +396,7 @@ def _print(res: dict, n: int) -> None:
     print(f"DS4 Flash slice: {n} layers, source {res.get('source_bytes', 0) / 1e9:.2f} GB")
     print(f"{'step':18s} {'wall s':>9s} {'s/layer':>9s} {'CPU s':>8s} {'peak RSS':>11s} {'peak anon':>11s} "
           f"{'peak GPU':>10s}")
-    for key in ("reference", "uniform_convert", "candidate", "adaptive_convert"):
+    for key in ("reference", "calibrate", "uniform_convert", "adaptive_convert", "candidate"):
         r = res.get(key)
         if not r:
             continue
@@ -338,8 +406,14 @@ def _print(res: dict, n: int) -> None:
               f"{_gib(r['peak_rss_bytes']):>11s} "
               f"{_gib(r['peak_anon_bytes']):>11s} {_gib(r.get('peak_gpu_bytes', 0)):>10s}")
     print(f"PROJECTION to {FLASH_LAYERS} layers (per-layer cost x {FLASH_LAYERS}; memory flat in the layer count):")
-    for key, p in res["projection_43_layers"].items():
+    proj = res["projection_43_layers"]
+    for key, p in proj.items():
         print(f"  {key:18s} {p['seconds'] / 60:8.1f} min   peak RSS {_gib(p['peak_rss_bytes'])}")
+    whole = [k for k in ("calibrate", "adaptive_convert", "candidate") if k in proj]
+    if len(whole) == 3:
+        print(f"  whole pipeline (calibrate + adaptive convert + candidate pass): "
+              f"{sum(proj[k]['seconds'] for k in whole) / 60:.1f} min, peak RSS "
+              f"{_gib(max(proj[k]['peak_rss_bytes'] for k in whole))}")
 
 
 if __name__ == "__main__":
