@@ -3,10 +3,13 @@
 # wheel in .whl (the device image lacks it):
 #   OUT=... LAYERS="2 4" SEQS=64 TOKENS=2048 MAXMEM=32G bash benchmarks/gpu_scale_run.sh
 # For each N in LAYERS: generate a DS4 Flash slice of N layers (real dimensions, random weights) on the
-# local disk, then the streamed reference pass (calibrate-like observer) and the streamed candidate
-# pass with --device cuda, uniform convert and adaptive convert --device cuda, each in its own child:
+# local disk, then the streamed reference pass (calibrate-like observer), calibrate itself, uniform
+# convert, adaptive convert --device cuda with calibrate's files and the streamed candidate pass on a
+# cuda:0 owner, each in its own child:
 # seconds per layer, peak host RSS, peak GPU memory, and the projection to 43 layers.
-# SKIP=adaptive (steps to skip), EXPERTS=N (fewer routed experts), SOURCE=DIR (an existing slice), KEEP=1 (keep
+# SKIP=adaptive (steps to skip: reference,calibrate,uniform,adaptive,candidate), RECIPE=mxfp4 (the uniform
+# recipe), CANDIDATE_OF=uniform (the candidate pass over the uniform artifact, before the adaptive convert),
+# SENS=N (calibrate's sensitivity sequences), EXPERTS=N (fewer routed experts), SOURCE=DIR (an existing slice), KEEP=1 (keep
 # /tmp/scaleN for a next call on the same warm machine).
 # Everything that comes back is under $OUT (one JSON and one text file per N, device.txt).
 set -u
@@ -23,7 +26,8 @@ for N in ${LAYERS:-2 4}; do
   t0=$(date +%s)
   timeout "${T_EACH:-3000}" python3 benchmarks/scale.py --layers "$N" --seqs "${SEQS:-64}" --tokens "${TOKENS:-2048}" \
       --device "${DEVICE:-cuda}" --max-memory "${MAXMEM:-32G}" --adaptive-candidates "${CANDIDATES:-default}" \
-      ${SKIP:+--skip "$SKIP"} ${EXPERTS:+--experts "$EXPERTS"} ${SOURCE:+--source "$SOURCE"} \
+      ${SKIP:+--skip "$SKIP"} ${RECIPE:+--recipe "$RECIPE"} ${CANDIDATE_OF:+--candidate-of "$CANDIDATE_OF"} \
+      ${SENS:+--sensitivity-seqs "$SENS"} ${EXPERTS:+--experts "$EXPERTS"} ${SOURCE:+--source "$SOURCE"} \
       --work "/tmp/scale$N" --json-out "$OUT/scale_flash${N}_${CARD:-gpu}.json" > "$OUT/scale_flash${N}_${CARD:-gpu}.txt" 2>&1
   echo "N=$N rc=$? $(( $(date +%s) - t0 )) s"; tail -40 "$OUT/scale_flash${N}_${CARD:-gpu}.txt"
   [ "${KEEP:-0}" = 1 ] || rm -rf "/tmp/scale$N"

@@ -22,7 +22,8 @@ each step runs in its own child process:
 5. candidate: the same streamed pass as step 1 over an artifact
    (``ArtifactWeights``: dense tensors decoded, experts on the ``--owner``
    owner, default ``cuda:0`` on a CUDA device, in ``--mode``): the adaptive
-   artifact when step 4 ran (``--candidate-of``), else the uniform one.
+   artifact when step 4 ran, else the uniform one (``--candidate-of uniform``:
+   the uniform one, before the adaptive convert).
 
 For each: wall seconds, seconds per layer (streamed passes: measured per
 layer; convert: wall / N, an upper bound since it includes the embedding
@@ -344,6 +345,15 @@ def main(argv=None) -> int:
             res["uniform_convert"] = _run(me + ["--child", "convert", "--source", str(src), "--out", str(uni),
                                                 "--recipe", a.recipe], env)
             save_partial()
+        def candidate(pick: Path) -> None:
+            if "candidate" not in skip and "candidate" not in res and any(pick.glob("*.gguf")):
+                res["candidate"] = _run(me + ["--child", "stream", "--artifact", str(pick), "--owner", a.owner,
+                                              "--mode", a.mode] + common, env)
+                res["candidate"]["artifact"] = pick.name
+                save_partial()
+
+        if a.candidate_of == "uniform":  # before the adaptive convert, the longest step
+            candidate(uni)
         if "adaptive" not in skip:
             shutil.rmtree(work / "measure-cache", ignore_errors=True)  # a fresh machine's cost, not a cached one
             extra = ["--target-bpw", a.target_bpw, "--cache-dir", str(work / "measure-cache")]
@@ -357,12 +367,7 @@ def main(argv=None) -> int:
                                                  "--recipe", "adaptive", "--extra=" + json.dumps(extra)], env)
             res["adaptive_convert"]["calibrated"] = (cal / "imatrix.gguf").is_file()
             save_partial()
-        pick = {"uniform": uni, "adaptive": ada}.get(a.candidate_of) or (ada if any(ada.glob("*.gguf")) else uni)
-        if "candidate" not in skip and any(pick.glob("*.gguf")):
-            res["candidate"] = _run(me + ["--child", "stream", "--artifact", str(pick), "--owner", a.owner,
-                                          "--mode", a.mode] + common, env)
-            res["candidate"]["artifact"] = pick.name
-            save_partial()
+        candidate({"adaptive": ada}.get(a.candidate_of) or (ada if any(ada.glob("*.gguf")) else uni))
     finally:
         if not a.keep and not a.work:
             shutil.rmtree(work, ignore_errors=True)

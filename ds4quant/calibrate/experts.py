@@ -70,11 +70,15 @@ class ExpertNoise:
     Flash layer needs 6.4 G draws) whatever device the layer runs on, so the
     noise is the same on every host."""
 
-    def standard(self, tensor: str, e: int, shape: tuple[int, int]) -> np.ndarray:
+    def draw(self, tensor: str, e: int, shape: tuple[int, int]):
+        """The float32 draws themselves (a CPU tensor); any thread may draw any expert."""
         import torch
 
         g = torch.Generator().manual_seed(_seed(f"{tensor}/{e}") >> 1)  # manual_seed takes < 2^63
-        return torch.randn(shape, generator=g, dtype=torch.float32).double().numpy()
+        return torch.randn(shape, generator=g, dtype=torch.float32)
+
+    def standard(self, tensor: str, e: int, shape: tuple[int, int]) -> np.ndarray:
+        return self.draw(tensor, e, shape).double().numpy()
 
 
 def rms(w) -> float:
@@ -85,9 +89,13 @@ def rms(w) -> float:
 
 
 def pert_weights(gu, down, d: dict):
-    """(gate_up, down) with ``d``'s surfaces' noise (float64 arrays) added: the
-    float64 sum stored as float32, as writing it into the model's parameter does."""
+    """(gate_up, down) with ``d``'s surfaces' noise (float64 ndarrays, or float64
+    tensors already on the weights' device) added: the float64 sum stored as
+    float32, as writing it into the model's parameter does."""
     import torch
+
+    def on(x, dev):
+        return (torch.from_numpy(x) if isinstance(x, np.ndarray) else x).to(dev)
 
     inter = gu.shape[0] // 2
     if "gate" in d or "up" in d:
@@ -95,9 +103,9 @@ def pert_weights(gu, down, d: dict):
         for s in ("gate", "up"):
             if s in d:
                 r = surface_rows(s, inter)
-                gu[r] = (gu[r].double() + torch.from_numpy(d[s]).to(gu.device)).to(gu.dtype)
+                gu[r] = (gu[r].double() + on(d[s], gu.device)).to(gu.dtype)
     if "down" in d:
-        down = (down.detach().double() + torch.from_numpy(d["down"]).to(down.device)).to(down.dtype)
+        down = (down.detach().double() + on(d["down"], down.device)).to(down.dtype)
     return gu, down
 
 

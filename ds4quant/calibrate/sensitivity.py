@@ -135,8 +135,64 @@ class _Weighting:
             fallback = np.mean(np.stack(seen), axis=0) if seen else np.ones(cols)
             self.imp[s] = [(q if q is not None else fallback).astype(np.float64) for q in imps]
 
-    def term(self, surface: str, e: int, delta: np.ndarray) -> float:
-        return float(self.f[e]) * float(np.sum((delta * delta) @ self.imp[surface][e]))
+    def term(self, surface: str, e: int, delta) -> float:
+        """``delta``: a float64 ndarray (numpy's sums: the CPU's bytes) or a float64
+        tensor on a device (summed there)."""
+        if isinstance(delta, np.ndarray):
+            return float(self.f[e]) * float(np.sum((delta * delta) @ self.imp[surface][e]))
+        import torch
+
+        imp = torch.from_numpy(self.imp[surface][e]).to(delta.device)
+        return float(self.f[e]) * float(((delta * delta) @ imp).sum())
+
+
+# Noise draws made ahead of the expert being measured, on CPU threads (torch's
+# generator releases the GIL): at most this many bytes of float32 draws wait.
+_AHEAD_BYTES = 512 << 20
+_DRAW_THREADS = 4
+
+
+def _scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float):
+    """Yields (e, gate_up, down, {surface: delta}) for every expert of layer ``L``
+    in order: ``rel_std`` x the matrix's RMS x its seeded standard draws (the
+    same float32 draws on every host, made ahead on a few threads). On the CPU
+    the delta is a numpy float64 array, the bytes this file always had; with
+    the expert on a GPU it is scaled in float64 on that device (the RMS reduced
+    there, so its last bits follow the device, as the hidden states' do), which
+    spares the host 6.4 G float64 products a DS4 Flash layer."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    gu0, down0 = expert_weights(experts, 0)
+    shapes = {"gate": (gu0.shape[0] // 2, gu0.shape[1]), "up": (gu0.shape[0] // 2, gu0.shape[1]),
+              "down": tuple(down0.shape)}
+    per_expert = 4 * sum(a * b for a, b in shapes.values())
+    threads = max(1, min(_DRAW_THREADS, os.cpu_count() or 1))
+    ahead = max(1, min(threads + 2, _AHEAD_BYTES // per_expert))
+    n_exp = experts.num_experts
+
+    def draw(e: int) -> dict:
+        return {s: noise.draw(stack_name(L, s), e, shapes[s]) for s in SURFACES}
+
+    with ThreadPoolExecutor(threads) as pool:
+        pending = {e: pool.submit(draw, e) for e in range(min(ahead, n_exp))}
+        for e in range(n_exp):
+            z = pending.pop(e).result()
+            if e + ahead < n_exp:
+                pending[e + ahead] = pool.submit(draw, e + ahead)
+            gu, down = (gu0, down0) if e == 0 else expert_weights(experts, e)
+            inter = gu.shape[0] // 2
+            d = {}
+            for s in SURFACES:
+                w = down if s == "down" else gu[surface_rows(s, inter)]
+                if w.device.type == "cpu":
+                    d[s] = z[s].double().numpy() * (rel_std * rms(w))
+                else:
+                    wd = w.detach().double()
+                    d[s] = z[s].to(w.device).double() * (rel_std * float(torch.sqrt(torch.mean(wd * wd))))
+            yield e, gu, down, d
 
 
 def kl_sum(ref_logp, logits) -> float:
@@ -255,13 +311,8 @@ class StreamedPass(SensitivityPass):
         local_probe = dict.fromkeys(probes, 0.0)
         add = {p: [torch.zeros_like(h) for h, _i, _w in calls] for p in probes}
         idx_t = [idx.transpose(0, 1) for _h, idx, _w in calls]
-        for e in range(n_exp):
-            gu, down = expert_weights(experts, e)
-            inter = gu.shape[0] // 2
-            d = {}
+        for e, gu, down, d in _scaled_noise(noise, L, experts, self.rel_std):
             for s in SURFACES:
-                w = down if s == "down" else gu[surface_rows(s, inter)]
-                d[s] = noise.standard(stack_name(L, s), e, tuple(w.shape)) * (self.rel_std * rms(w))
                 err[s] += weighting.term(s, e, d[s])
             one = {s: pert_weights(gu, down, {s: d[s]}) for s in SURFACES}
             every = {(g, m): pert_weights(gu, down, {s: d[s] * m for s in self.groups[g]}) for g, m in probes}
