@@ -136,14 +136,18 @@ class _Weighting:
             self.imp[s] = [(q if q is not None else fallback).astype(np.float64) for q in imps]
 
     def term(self, surface: str, e: int, delta) -> float:
-        """``delta``: a float64 ndarray (numpy's sums: the CPU's bytes) or a float64
-        tensor on a device (summed there)."""
-        if isinstance(delta, np.ndarray):
-            return float(self.f[e]) * float(np.sum((delta * delta) @ self.imp[surface][e]))
-        import torch
+        return weighted_error(float(self.f[e]), self.imp[surface][e], delta)
 
-        imp = torch.from_numpy(self.imp[surface][e]).to(delta.device)
-        return float(self.f[e]) * float(((delta * delta) @ imp).sum())
+
+def weighted_error(f: float, imp: np.ndarray, delta) -> float:
+    """``f sum_rc imp_c delta_rc^2`` of one expert matrix. ``delta``: a float64
+    ndarray (numpy's sums: the CPU's bytes) or a float64 tensor on a device
+    (summed there)."""
+    if isinstance(delta, np.ndarray):
+        return f * float(np.sum((delta * delta) @ imp))
+    import torch
+
+    return f * float(((delta * delta) @ torch.from_numpy(imp).to(delta.device)).sum())
 
 
 # Noise draws made ahead of the expert being measured, on CPU threads (torch's
@@ -152,7 +156,7 @@ _AHEAD_BYTES = 512 << 20
 _DRAW_THREADS = 4
 
 
-def _scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float):
+def scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float):
     """Yields (e, gate_up, down, {surface: delta}) for every expert of layer ``L``
     in order: ``rel_std`` x the matrix's RMS x its seeded standard draws (the
     same float32 draws on every host, made ahead on a few threads). On the CPU
@@ -311,7 +315,7 @@ class StreamedPass(SensitivityPass):
         local_probe = dict.fromkeys(probes, 0.0)
         add = {p: [torch.zeros_like(h) for h, _i, _w in calls] for p in probes}
         idx_t = [idx.transpose(0, 1) for _h, idx, _w in calls]
-        for e, gu, down, d in _scaled_noise(noise, L, experts, self.rel_std):
+        for e, gu, down, d in scaled_noise(noise, L, experts, self.rel_std):
             for s in SURFACES:
                 err[s] += weighting.term(s, e, d[s])
             one = {s: pert_weights(gu, down, {s: d[s]}) for s in SURFACES}

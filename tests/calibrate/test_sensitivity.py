@@ -74,3 +74,63 @@ def test_convert_uses_the_calibrate_runs_own_sensitivity_beside_the_imatrix(tiny
     assert runs["auto"][0]["options"]["sensitivity"] == "sensitivity.json"
     assert runs["none"][0]["objective"] == "weighted error" and runs["none"][0]["options"]["sensitivity"] is None
     assert runs["auto"][1] == runs["named"][1]
+
+
+class _Experts:
+    """A layer's routed experts as the stream hands them out: one expert's float32 weights at a time."""
+
+    def __init__(self, n: int, inter: int, hidden: int, device: str = "cpu"):
+        import torch
+
+        g = torch.Generator().manual_seed(7)
+        self.num_experts = n
+        self._w = [(torch.randn(2 * inter, hidden, generator=g).to(device) * (e + 1),
+                    torch.randn(hidden, inter, generator=g).to(device) / (e + 1)) for e in range(n)]
+
+    def expert_weights(self, e: int):
+        return self._w[e]
+
+
+def _deltas(experts, layer: int = 3):
+    from ds4quant.calibrate.experts import ExpertNoise
+    from ds4quant.calibrate.sensitivity import REL_STD, scaled_noise
+
+    return [(e, d) for e, _gu, _down, d in scaled_noise(ExpertNoise(), layer, experts, REL_STD)]
+
+
+def test_scaled_noise_is_each_experts_own_seeded_draw_in_expert_order():
+    """The draws made ahead on threads are, expert for expert, the serial
+    draw of that (tensor, expert) times REL_STD x the matrix's RMS (numpy's)."""
+    from ds4quant.calibrate.experts import ExpertNoise, rms, surface_rows
+    from ds4quant.calibrate.sensitivity import REL_STD
+    from ds4quant.names import stack_name
+
+    ex = _Experts(9, 32, 64)
+    got = _deltas(ex)
+    assert [e for e, _d in got] == list(range(9))
+    for e, d in got:
+        gu, down = ex.expert_weights(e)
+        for s in ("gate", "up", "down"):
+            w = down if s == "down" else gu[surface_rows(s, 32)]
+            want = ExpertNoise().standard(stack_name(3, s), e, tuple(w.shape)) * (REL_STD * rms(w))
+            assert isinstance(d[s], np.ndarray) and np.array_equal(d[s], want), (e, s)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_scaled_noise_on_a_gpu_is_the_cpus_up_to_the_rms_last_bits():
+    """With the experts on a GPU the same draws are scaled there: each delta and
+    each weighted-error term equals the CPU's to float64 rounding."""
+    import torch
+
+    from ds4quant.calibrate.sensitivity import weighted_error
+
+    cpu, gpu = _Experts(5, 32, 64), _Experts(5, 32, 64, "cuda")
+    rng = np.random.default_rng(1)
+    imp = {s: rng.random(32 if s == "down" else 64) for s in ("gate", "up", "down")}
+    for (e, dc), (e2, dg) in zip(_deltas(cpu), _deltas(gpu)):
+        assert e == e2
+        for s in ("gate", "up", "down"):
+            assert isinstance(dg[s], torch.Tensor) and dg[s].device.type == "cuda" and dg[s].dtype == torch.float64
+            np.testing.assert_allclose(dg[s].cpu().numpy(), dc[s], rtol=1e-13, atol=0)
+            tc, tg = weighted_error(0.5 + e, imp[s], dc[s]), weighted_error(0.5 + e, imp[s], dg[s])
+            assert abs(tg - tc) <= 1e-12 * tc, (e, s, tc, tg)
