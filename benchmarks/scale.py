@@ -113,6 +113,39 @@ class _CalibLike:
             self.sums[key] = (sx, sa) if old is None else (old[0] + sx, old[1] + sa)
 
 
+class _profiled:
+    """torch.profiler over the pass when ``path`` is given: the top operators by
+    self device time and by self host time, written to ``path`` (where a
+    sequence-layer's 0.69 s goes, without a debugger on the lent machine)."""
+
+    def __init__(self, path):
+        self.path, self.prof = path, None
+
+    def __enter__(self):
+        if self.path:
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof is None:
+            return False
+        self.prof.__exit__(*exc)
+        ka = self.prof.key_averages()
+        parts = []
+        import torch
+
+        keys = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
+        for key in keys:
+            parts.append(f"sorted by {key}\n" + ka.table(sort_by=key, row_limit=30))
+        Path(self.path).write_text("\n\n".join(parts) + "\n")
+        return False
+
+
 def _child_stream(a) -> int:
     import numpy as np
 
@@ -160,8 +193,9 @@ def _child_stream(a) -> int:
             last[0] = now
 
         t1 = time.perf_counter()
-        stream_forward(sm, batches, observer=Obs(), plan=plan, work_dir=a.work, progress=progress,
-                       keep_logits=False)
+        with _profiled(a.profile):
+            stream_forward(sm, batches, observer=Obs(), plan=plan, work_dir=a.work, progress=progress,
+                           keep_logits=False)
         t2 = time.perf_counter()
     per_layer = [s["seconds"] for s in steps if s["item"].startswith("layer")]
     print(json.dumps({"seconds": t2 - t0, "setup_seconds": t1 - t0, "steps": steps,
@@ -289,6 +323,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="exact", help="the candidate's numeric mode (default exact)")
     ap.add_argument("--candidate-of", choices=("auto", "uniform", "adaptive"), default="auto",
                     help="artifact of the candidate pass (auto: adaptive when it was converted, else uniform)")
+    ap.add_argument("--profile", default=None,
+                    help="write torch.profiler's top operators of the reference step to this file")
     ap.add_argument("--skip", default="",
                     help="comma list of steps to skip: reference,calibrate,uniform,adaptive,candidate")
     ap.add_argument("--json-out", help="write the results here")
@@ -338,7 +374,8 @@ def main(argv=None) -> int:
             common += ["--threads", str(a.threads)]
         uni, ada, cal = work / "uniform", work / "adaptive", work / "calib"
         if "reference" not in skip:
-            res["reference"] = _run(me + ["--child", "stream"] + common, env)
+            res["reference"] = _run(me + ["--child", "stream"] + common
+                                    + (["--profile", str(Path(a.profile).resolve())] if a.profile else []), env)
             save_partial()
         if "calibrate" not in skip:
             import numpy as np
