@@ -10,7 +10,7 @@
 # SKIP=adaptive (steps to skip: reference,calibrate,uniform,adaptive,candidate), RECIPE=mxfp4 (the uniform
 # recipe), CANDIDATE_OF=uniform (the candidate pass over the uniform artifact, before the adaptive convert),
 # SENS=N (calibrate's sensitivity sequences), PROFILE=1 (torch.profiler's top operators of the reference step),
-# EXPERTS=N (fewer routed experts), SOURCE=DIR (an existing slice), KEEP=1 (keep
+# TESTS="file::test ..." (GPU tests run first, T_TESTS seconds at most), EXPERTS=N (fewer routed experts), SOURCE=DIR (an existing slice), KEEP=1 (keep
 # /tmp/scaleN for a next call on the same warm machine).
 # Everything that comes back is under $OUT (one JSON and one text file per N, device.txt).
 set -u
@@ -22,6 +22,10 @@ for p in formats codebooks runtime; do [ -e "ds4quant/$p" ] || ln -s "../$p" "ds
   python3 -c "import torch, sys, os; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'cores', os.cpu_count())"
   grep -m1 "model name" /proc/cpuinfo; git log -1 --format=%h 2>/dev/null; df -h /tmp | tail -1; free -g | head -2; } > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
+if [ -n "${TESTS:-}" ]; then  # GPU tests first, after the install above (a bare checkout cannot import them)
+  timeout "${T_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT/gpu_tests.txt" 2>&1
+  echo "tests rc=$?"; tail -15 "$OUT/gpu_tests.txt"
+fi
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -E 'H100|H200|MI300X' | tr A-Z a-z)}
 for N in ${LAYERS:-2 4}; do
   t0=$(date +%s)
