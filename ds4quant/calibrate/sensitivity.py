@@ -156,14 +156,18 @@ _AHEAD_BYTES = 512 << 20
 _DRAW_THREADS = 4
 
 
-def scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float):
-    """Yields (e, gate_up, down, {surface: delta}) for every expert of layer ``L``
-    in order: ``rel_std`` x the matrix's RMS x its seeded standard draws (the
-    same float32 draws on every host, made ahead on a few threads). On the CPU
-    the delta is a numpy float64 array, the bytes this file always had; with
-    the expert on a GPU it is scaled in float64 on that device (the RMS reduced
-    there, so its last bits follow the device, as the hidden states' do), which
-    spares the host 6.4 G float64 products a DS4 Flash layer."""
+def scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float, weigh=None):
+    """Yields (e, gate_up, down, {surface: delta}, {surface: weighted error})
+    for every expert of layer ``L`` in order: ``rel_std`` x the matrix's RMS x
+    its seeded standard draws (the same float32 draws on every host, made
+    ahead on a few threads), and ``weigh(surface, e, delta)`` of each (None
+    without ``weigh``). On the CPU the delta is a numpy float64 array, the
+    bytes this file always had, and an expert's three surfaces are scaled and
+    weighed on three threads (each surface's arithmetic is its own, so the
+    bytes do not depend on it; numpy releases the GIL); with the expert on a
+    GPU the delta is scaled and weighed in float64 on that device (the RMS
+    reduced there, so its last bits follow the device, as the hidden states'
+    do), which spares the host 6.4 G float64 products a DS4 Flash layer."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -180,7 +184,15 @@ def scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float):
     def draw(e: int) -> dict:
         return {s: noise.draw(stack_name(L, s), e, shapes[s]) for s in SURFACES}
 
-    with ThreadPoolExecutor(threads) as pool:
+    def surface(s: str, e: int, w, z):
+        if w.device.type == "cpu":
+            d = z.double().numpy() * (rel_std * rms(w))
+        else:
+            wd = w.detach().double()
+            d = z.to(w.device).double() * (rel_std * float(torch.sqrt(torch.mean(wd * wd))))
+        return d, (weigh(s, e, d) if weigh is not None else None)
+
+    with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(len(SURFACES)) as math_pool:
         pending = {e: pool.submit(draw, e) for e in range(min(ahead, n_exp))}
         for e in range(n_exp):
             z = pending.pop(e).result()
@@ -188,15 +200,13 @@ def scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float):
                 pending[e + ahead] = pool.submit(draw, e + ahead)
             gu, down = (gu0, down0) if e == 0 else expert_weights(experts, e)
             inter = gu.shape[0] // 2
-            d = {}
-            for s in SURFACES:
-                w = down if s == "down" else gu[surface_rows(s, inter)]
-                if w.device.type == "cpu":
-                    d[s] = z[s].double().numpy() * (rel_std * rms(w))
-                else:
-                    wd = w.detach().double()
-                    d[s] = z[s].to(w.device).double() * (rel_std * float(torch.sqrt(torch.mean(wd * wd))))
-            yield e, gu, down, d
+            ws = {s: down if s == "down" else gu[surface_rows(s, inter)] for s in SURFACES}
+            if gu.device.type == "cpu":
+                jobs = {s: math_pool.submit(surface, s, e, ws[s], z[s]) for s in SURFACES}
+                done = {s: jobs[s].result() for s in SURFACES}
+            else:  # the device orders its own work
+                done = {s: surface(s, e, ws[s], z[s]) for s in SURFACES}
+            yield e, gu, down, {s: done[s][0] for s in SURFACES}, {s: done[s][1] for s in SURFACES}
 
 
 def kl_sum(ref_logp, logits) -> float:
@@ -315,9 +325,9 @@ class StreamedPass(SensitivityPass):
         local_probe = dict.fromkeys(probes, 0.0)
         add = {p: [torch.zeros_like(h) for h, _i, _w in calls] for p in probes}
         idx_t = [idx.transpose(0, 1) for _h, idx, _w in calls]
-        for e, gu, down, d in scaled_noise(noise, L, experts, self.rel_std):
+        for e, gu, down, d, terms in scaled_noise(noise, L, experts, self.rel_std, weighting.term):
             for s in SURFACES:
-                err[s] += weighting.term(s, e, d[s])
+                err[s] += terms[s]
             one = {s: pert_weights(gu, down, {s: d[s]}) for s in SURFACES}
             every = {(g, m): pert_weights(gu, down, {s: d[s] * m for s in self.groups[g]}) for g, m in probes}
             for i, (h, _idx, w) in enumerate(calls):

@@ -95,25 +95,28 @@ def _deltas(experts, layer: int = 3):
     from ds4quant.calibrate.experts import ExpertNoise
     from ds4quant.calibrate.sensitivity import REL_STD, scaled_noise
 
-    return [(e, d) for e, _gu, _down, d in scaled_noise(ExpertNoise(), layer, experts, REL_STD)]
+    return [(e, d) for e, _gu, _down, d, _terms in scaled_noise(ExpertNoise(), layer, experts, REL_STD)]
 
 
 def test_scaled_noise_is_each_experts_own_seeded_draw_in_expert_order():
-    """The draws made ahead on threads are, expert for expert, the serial
-    draw of that (tensor, expert) times REL_STD x the matrix's RMS (numpy's)."""
+    """The draws made ahead on threads, scaled and weighed on a thread per
+    surface, are, expert for expert, the serial draw of that (tensor, expert)
+    times REL_STD x the matrix's RMS (numpy's), and its weighted error."""
     from ds4quant.calibrate.experts import ExpertNoise, rms, surface_rows
-    from ds4quant.calibrate.sensitivity import REL_STD
+    from ds4quant.calibrate.sensitivity import REL_STD, scaled_noise, weighted_error
     from ds4quant.names import stack_name
 
     ex = _Experts(9, 32, 64)
-    got = _deltas(ex)
-    assert [e for e, _d in got] == list(range(9))
-    for e, d in got:
+    imp = {s: np.random.default_rng(2).random(32 if s == "down" else 64) for s in ("gate", "up", "down")}
+    got = list(scaled_noise(ExpertNoise(), 3, ex, REL_STD, lambda s, e, d: weighted_error(e + 1.0, imp[s], d)))
+    assert [g[0] for g in got] == list(range(9))
+    for e, _gu, _down, d, terms in got:
         gu, down = ex.expert_weights(e)
         for s in ("gate", "up", "down"):
             w = down if s == "down" else gu[surface_rows(s, 32)]
             want = ExpertNoise().standard(stack_name(3, s), e, tuple(w.shape)) * (REL_STD * rms(w))
             assert isinstance(d[s], np.ndarray) and np.array_equal(d[s], want), (e, s)
+            assert terms[s] == (e + 1.0) * float(np.sum((want * want) @ imp[s])), (e, s)
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
