@@ -192,17 +192,37 @@ CHUNK_VALUES = 1 << 26
 
 
 class RowBlocks:
-    """A large plain tensor as a lazy sequence of row blocks (raw words, in order)."""
+    """A large plain tensor as a lazy sequence of row blocks (raw words, in order).
+    Each block is seeded by its own rows, so ``workers`` threads may make them
+    (numpy's generators release the GIL) and the bytes stay the same: the
+    embedding and head of DS4 Flash are 1 G values, most of a slice's time on
+    one thread."""
 
-    def __init__(self, spec: SyntheticSpec, kind: str, name: str, shape: tuple[int, ...]):
+    def __init__(self, spec: SyntheticSpec, kind: str, name: str, shape: tuple[int, ...], workers: int = 1):
         self.spec, self.kind, self.name, self.shape = spec, kind, name, shape
         self.rows = max(1, CHUNK_VALUES // max(1, math.prod(shape[1:])))
+        self.workers = workers
+
+    def _block(self, lo: int) -> np.ndarray:
+        hi = min(self.shape[0], lo + self.rows)
+        w = tiny._init_value(f"synthetic-{self.spec.seed}.rows{lo}-{hi}.{self.name}", (hi - lo,) + self.shape[1:])
+        return _plain_words(self.kind, w)
 
     def __iter__(self):
-        for lo in range(0, self.shape[0], self.rows):
-            hi = min(self.shape[0], lo + self.rows)
-            w = tiny._init_value(f"synthetic-{self.spec.seed}.rows{lo}-{hi}.{self.name}", (hi - lo,) + self.shape[1:])
-            yield _plain_words(self.kind, w)
+        starts = range(0, self.shape[0], self.rows)
+        if self.workers <= 1:
+            yield from map(self._block, starts)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.workers) as pool:
+            pending = []
+            for lo in starts:  # at most workers + 1 blocks made ahead of the writer
+                pending.append(pool.submit(self._block, lo))
+                if len(pending) > self.workers:
+                    yield pending.pop(0).result()
+            for f in pending:
+                yield f.result()
 
 
 def _plain_words(kind: str, w: np.ndarray) -> np.ndarray:

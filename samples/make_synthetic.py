@@ -178,6 +178,8 @@ def make_synthetic(out: "str | os.PathLike", spec: SyntheticSpec, *, workers: Op
                 for a in arrays:
                     t = want[i]
                     made = 0
+                    if isinstance(a, RowBlocks):
+                        a.workers = min(workers, 8)  # each block in the making holds about 1.5 GB
                     for block in (a if isinstance(a, RowBlocks) else (a,)):
                         b = np.ascontiguousarray(block)
                         f.write(memoryview(b).cast("B"))

@@ -43,6 +43,24 @@ def test_regeneration_is_byte_identical_whatever_the_workers(tiny_src, tmp_path)
     again = tmp_path / "again"
     info = ms.make_synthetic(again, TINY, workers=3)
     assert _digest(again) == _digest(tiny_src)
+
+
+def test_large_tensors_are_made_in_row_blocks_on_threads_with_the_same_bytes(tmp_path, monkeypatch):
+    """The embedding and head come as seeded row blocks; made on several threads
+    they are the same words in the same order (and the file the same bytes)."""
+    monkeypatch.setattr(sv, "CHUNK_VALUES", 1 << 12)  # the tiny vocabulary's embedding in 32 blocks
+    units = [u for u in ms.plan_units(TINY) if u.kind in ("f32", "bf16")
+             and int(np.prod(u.tensors[-1].shape)) > sv.CHUNK_VALUES]
+    assert units
+    for u in units:
+        (one,), (many,) = sv.make_unit(TINY, u), sv.make_unit(TINY, u)
+        assert isinstance(one, sv.RowBlocks) and isinstance(many, sv.RowBlocks)
+        many.workers = 4
+        a, b = list(one), list(many)
+        assert len(a) >= 2 and len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+    ms.make_synthetic(tmp_path / "one", TINY, workers=1)
+    ms.make_synthetic(tmp_path / "many", TINY, workers=4)
+    assert _digest(tmp_path / "one") == _digest(tmp_path / "many")
     assert sorted(p.name for p in info.files) == sorted(p.name for p in tiny_src.glob("*.safetensors"))
 
 
