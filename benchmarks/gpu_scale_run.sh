@@ -3,7 +3,7 @@
 # wheel in .whl (the device image lacks it):
 #   OUT=... LAYERS="2 4" SEQS=64 TOKENS=2048 MAXMEM=32G bash benchmarks/gpu_scale_run.sh
 # For each N in LAYERS: generate a DS4 Flash slice of N layers (real dimensions, random weights) on the
-# local disk, then the streamed reference pass (calibrate-like observer), calibrate itself, uniform
+# local disk, then the streamed reference pass, calibrate itself, uniform
 # convert, adaptive convert --device cuda with calibrate's files and the streamed candidate pass on a
 # cuda:0 owner, each in its own child:
 # seconds per layer, peak host RSS, peak GPU memory, and the projection to 43 layers.

@@ -9,9 +9,8 @@ ds4-flash --layers N``: real shapes, random weights; or ``--source DIR``),
 each step runs in its own child process:
 
 1. reference: the layer-streamed reference forward (``runtime.stream``,
-   ``SourceWeights``) over S sequences x T tokens, one sequence per batch, with
-   a calibrate-like observer (routed slots per expert, sum of x^2 of every
-   expert's inputs and down-projection inputs in float64, as calibrate sums);
+   ``SourceWeights``) over S sequences x T tokens, one sequence per batch, as
+   ``ds4quant reference --stream`` runs it (no observer but the logits' sum);
 2. calibrate: ``ds4quant calibrate`` itself over the same S x T tokens
    (imatrix, routing profile, and the streamed sensitivity probes over the
    first ``--sensitivity-seqs`` sequences), seconds per layer from its
@@ -81,42 +80,10 @@ def _gpu_peak() -> int:
 # children
 
 
-class _CalibLike:
-    """What calibrate collects per layer, through the Observer hooks."""
-
-    def __init__(self):
-        import numpy as np
-
-        self.np = np
-        self.slots = {}
-        self.sums = {}
-
-    def on_experts(self, layer, index, experts, hidden, top_k_index, top_k_weights):
-        import torch
-
-        from ds4quant.runtime.stream import expert_rows
-
-        np = self.np
-        n = experts.num_experts
-        flat = top_k_index.reshape(-1)
-        counts = torch.bincount(flat[flat < n], minlength=n).cpu().numpy()
-        self.slots[layer] = self.slots.get(layer, 0) + counts
-        idx_t = top_k_index.transpose(0, 1)
-        for e in torch.unique(flat).tolist():
-            if e >= n:
-                continue
-            _pos, _tok, x, act = expert_rows(experts, hidden, idx_t, e)
-            sx = np.square(x.double().cpu().numpy()).sum(axis=0)
-            sa = np.square(act.double().cpu().numpy()).sum(axis=0)
-            key = (layer, e)
-            old = self.sums.get(key)
-            self.sums[key] = (sx, sa) if old is None else (old[0] + sx, old[1] + sa)
-
-
 class _profiled:
     """torch.profiler over the pass when ``path`` is given: the top operators by
     self device time and by self host time, written to ``path`` (where a
-    sequence-layer's 0.69 s goes, without a debugger on the lent machine)."""
+    sequence-layer's time goes, without a debugger on the lent machine)."""
 
     def __init__(self, path):
         self.path, self.prof = path, None
@@ -169,17 +136,12 @@ def _child_stream(a) -> int:
         seqs = [[int(t) for t in rng.integers(3, w.config.vocab_size, a.tokens)] for _ in range(a.seqs)]
         batches = sm.batches(seqs)
         plan = plan_memory(w, [b.shape for b in batches], a.max_memory, a.device)
-        calib = _CalibLike()
         logit_sum = [0.0]
         decoded: list = []  # experts decoded per layer: reached experts once each when the cache holds them
 
         class Obs(Observer):
             def on_layer_end(self, layer, module):
                 decoded.append(int(getattr(module.mlp.experts, "decoded", -1)))
-
-            def on_experts(self, *args):
-                if not a.artifact:
-                    calib.on_experts(*args)
 
             def on_logits(self, index, batch, logits):
                 logit_sum[0] += float(logits.double().sum())
@@ -202,7 +164,7 @@ def _child_stream(a) -> int:
                       "seconds_per_layer": per_layer, "head_seconds": steps[-1]["seconds"] if steps else 0.0,
                       "plan": plan.to_json(), "peak_rss_bytes": _status().get("VmHWM", 0),
                       "peak_gpu_bytes": _gpu_peak(), "cpu_seconds": _cpu_seconds(), "logit_sum": logit_sum[0],
-                      "experts_reached": len(calib.sums), "experts_decoded": decoded}))
+                      "experts_decoded": decoded}))
     return 0
 
 
