@@ -42,8 +42,11 @@ output (the router's choices at the probed layer are the reference's, as the
 per-tensor branch's are too), so one noise draw per expert serves every
 sequence, the local errors and every probe scale.
 
-Deterministic: noise from ``numpy.random.default_rng`` seeded by tensor (and
-expert) names, one torch thread, sums in float64 in a fixed order.
+Deterministic: noise from ``numpy.random.default_rng`` (per tensor) or
+torch's CPU generator (per tensor and expert) seeded by names, one torch
+thread, sums in float64 in a fixed order; with the layer on a GPU the
+streamed method's scaling and weighting run there (``scaled_noise``), so that
+device's reductions set the last bits, as its layers do.
 """
 
 from __future__ import annotations
