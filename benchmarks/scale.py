@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target-bpw", default="2.6", help="adaptive convert's --target-bpw")
     ap.add_argument("--sensitivity-seqs", type=int, default=8, help="calibrate's sensitivity sequences (default 8)")
     ap.add_argument("--owner", default=None,
-                    help="the candidate's expert owner (default cuda:0 on a CUDA device, else cpu:0)")
+                    help="the candidate's expert owner (default: the CUDA device, cuda:0 for 'cuda'; else cpu:0)")
     ap.add_argument("--mode", default="exact", help="the candidate's numeric mode (default exact)")
     ap.add_argument("--candidate-of", choices=("auto", "uniform", "adaptive"), default="auto",
                     help="artifact of the candidate pass (auto: adaptive when it was converted, else uniform)")
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
     if a.child == "calibrate":
         return _child_calibrate(a)
     if a.owner is None:
-        a.owner = "cuda:0" if a.device.startswith("cuda") else "cpu:0"
+        a.owner = (a.device if ":" in a.device else "cuda:0") if a.device.startswith("cuda") else "cpu:0"
 
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="ds4-scale-"))
     work.mkdir(parents=True, exist_ok=True)
