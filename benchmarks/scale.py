@@ -285,6 +285,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="exact", help="the candidate's numeric mode (default exact)")
     ap.add_argument("--candidate-of", choices=("auto", "uniform", "adaptive"), default="auto",
                     help="artifact of the candidate pass (auto: adaptive when it was converted, else uniform)")
+    ap.add_argument("--project-seqs", type=int, default=None,
+                    help="also project calibrate to this many calibration sequences (e.g. 128)")
     ap.add_argument("--profile", default=None,
                     help="write torch.profiler's top operators of the reference step to this file")
     ap.add_argument("--skip", default="",
@@ -395,12 +397,54 @@ def main(argv=None) -> int:
     return 0
 
 
+def seq_layers(n_layer: int, seqs: int, sens: int) -> list:
+    """Sequence-layers calibrate runs in each layer of an ``n_layer`` model: the
+    ``seqs`` main ones, plus the streamed sensitivity's probe branches alive
+    there (each probed layer starts one branch per probe group and scale over
+    the first ``sens`` sequences, and every later layer carries it;
+    ``calibrate/walk.py``)."""
+    from ds4quant.calibrate.sensitivity import MAX_PROBES, PROBE_GROUPS, PROBE_SCALES, probe_layers
+
+    probes = set(probe_layers(n_layer, MAX_PROBES)) if sens else set()
+    per_probe = len(PROBE_GROUPS) * len(PROBE_SCALES) * min(sens, seqs)
+    out, alive = [], 0
+    for L in range(n_layer):
+        started = per_probe if L in probes else 0
+        out.append(seqs + alive + started)
+        alive += started
+    return out
+
+
+def _project_calibrate(r: dict, n: int, seqs: int, sens: int, main_seqs: int) -> dict:
+    """calibrate at 43 layers and ``main_seqs`` calibration sequences: the slice's
+    worst rate per sequence-layer after its first layer (the noise and local
+    errors counted in it: an upper bound), times the 43-layer model's
+    sequence-layers after its first; the first layer and the fixed part as measured."""
+    layers = r["seconds_per_layer"]
+    here, there = seq_layers(n, seqs, sens), seq_layers(FLASH_LAYERS, main_seqs, sens)
+    idx = range(1, len(layers)) if len(layers) > 1 else range(len(layers))
+    rate = max(layers[i] / here[i] for i in idx)
+    fixed = r["wall_seconds"] - sum(layers)
+    first = layers[0] if len(layers) > 1 else rate * there[0]
+    return {"seconds": fixed + first + rate * sum(there[1:]), "seconds_per_seq_layer": rate,
+            "seq_layers": sum(there), "sequences": main_seqs, "upper_bound": True,
+            "peak_rss_bytes": r["peak_rss_bytes"], "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
+
+
 def _project(res: dict, n: int) -> dict:
-    """PROJECTION to 43 layers: streamed passes = fixed part + the first layer + the later layers'
-    mean seconds x 42;
-    convert = wall / n x 43 (upper bound); peak memory flat."""
+    """PROJECTION to 43 layers: reference and candidate = fixed part + the first layer + the later
+    layers' mean seconds x 42; calibrate by its sequence-layers (``_project_calibrate``; and at
+    ``--project-seqs`` sequences); convert = wall / n x 43 (upper bound); peak memory flat."""
     out = {}
-    for key in ("reference", "calibrate", "candidate"):
+    st = res.get("settings", {})
+    cal = res.get("calibrate")
+    if cal:
+        seqs, sens = int(st.get("seqs", 1)), int(cal.get("sensitivity_seqs", 0))
+        out["calibrate"] = _project_calibrate(cal, n, seqs, sens, seqs)
+        if st.get("project_seqs"):
+            out[f"calibrate_{st['project_seqs']}_seqs"] = _project_calibrate(cal, n, seqs, sens,
+                                                                              int(st["project_seqs"]))
+    for key in ("reference", "candidate"):
         r = res.get(key)
         if r:
             # the first layer also pays one-time costs (kernel compiles, the device's first use): it is
@@ -440,6 +484,9 @@ def _print(res: dict, n: int) -> None:
     proj = res["projection_43_layers"]
     for key, p in proj.items():
         print(f"  {key:18s} {p['seconds'] / 60:8.1f} min   peak RSS {_gib(p['peak_rss_bytes'])}")
+    if "calibrate" in proj:
+        print("  (calibrate: by sequence-layers, the probe branches growing with depth, at the slice's worst "
+              "rate per sequence-layer: an upper bound)")
     whole = [k for k in ("calibrate", "adaptive_convert", "candidate") if k in proj]
     if len(whole) == 3:
         print(f"  whole pipeline (calibrate + adaptive convert + candidate pass): "

@@ -23,6 +23,7 @@ def test_scale_benchmark_runs_the_whole_pipeline_on_a_small_slice(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--preset", "ds4-flash-mini",
                           "--layers", "2", "--seqs", "2", "--tokens", "16", "--max-memory", "2G", "--threads", "1",
                           "--sensitivity-seqs", "1", "--recipe", "mxfp4", "--work", str(tmp_path / "w"), "--keep",
+                          "--project-seqs", "4",
                           "--json-out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     d = json.loads(out.read_text())
@@ -31,6 +32,12 @@ def test_scale_benchmark_runs_the_whole_pipeline_on_a_small_slice(tmp_path):
         assert len(d[step]["seconds_per_layer"]) == 2, step
         assert d[step]["peak_rss_bytes"] > 0 and d["projection_43_layers"][step]["seconds"] > 0, step
     assert d["calibrate"]["tokens"] == 2 * 16 and d["calibrate"]["sensitivity_seqs"] == 1
+    # 43 layers, probes at 0, 6, ..., 42 (8), one sensitivity sequence, two probe groups: 4 x 43 main
+    # sequence-layers, 8 x 2 started, 2 x (42 + 36 + ... + 0) carried
+    proj = d["projection_43_layers"]
+    assert proj["calibrate_4_seqs"]["seq_layers"] == 4 * 43 + 16 + 2 * 168
+    assert proj["calibrate"]["seq_layers"] == 2 * 43 + 16 + 2 * 168
+    assert proj["calibrate_4_seqs"]["seconds"] > proj["calibrate"]["seconds"] and proj["calibrate"]["upper_bound"]
     assert d["adaptive_convert"]["calibrated"] is True
     assert d["candidate"]["artifact"] == "adaptive"
     cal = tmp_path / "w" / "calib"
