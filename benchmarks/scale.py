@@ -309,9 +309,13 @@ def main(argv=None) -> int:
     skip = {s for s in a.skip.split(",") if s}
 
     def save_partial() -> None:
-        # a run cut off by its time limit still leaves every finished step's figures behind
+        # a run cut off by its time limit still leaves every finished step's figures (and their
+        # projection) behind
         if a.json_out:
-            Path(a.json_out).write_text(json.dumps(dict(res, partial=True), indent=2) + "\n")
+            part = dict(res, partial=True)
+            if "layers_in_slice" in res:
+                part["projection_43_layers"] = _project(res, res["layers_in_slice"])
+            Path(a.json_out).write_text(json.dumps(part, indent=2) + "\n")
 
     res: dict = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
                  "settings": {k: v for k, v in vars(a).items() if k not in ("child", "artifact", "out", "extra")}}
@@ -329,7 +333,7 @@ def main(argv=None) -> int:
             res["generate_seconds"] = time.perf_counter() - t0
             save_partial()
         res["source_bytes"] = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-        n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        n = res["layers_in_slice"] = json.loads((src / "config.json").read_text())["num_hidden_layers"]
         common = ["--source", str(src), "--seqs", str(a.seqs), "--tokens", str(a.tokens), "--device", a.device,
                   "--work", str(work / "hidden")]
         if a.max_memory:
