@@ -178,6 +178,8 @@ def preset(name: str, ratio_offset: int = 0, **overrides) -> SyntheticSpec:
             raise ValueError(f"layers {ratio_offset}..{ratio_offset + n - 1} are outside DS4 Flash's "
                              f"{len(DS4_FLASH_RATIOS)} layers")
         kw["compress_ratios"] = DS4_FLASH_RATIOS[ratio_offset:ratio_offset + n]
+        if overrides.get("hash_layers") is None:  # the model's first layers are hash-routed, not the slice's
+            kw["hash_layers"] = max(0, min(kw["hash_layers"] - ratio_offset, n))
     dims = _dims(kw["hidden"], kw["moe_inter"])
     dims.update(kw)
     spec = SyntheticSpec(**dims)

@@ -37,6 +37,12 @@ def test_flash_preset_has_the_real_dimensions():
     assert ms.preset("ds4-flash", 41, layers=2).ratios() == (128, 4)
     with pytest.raises(ValueError, match="outside DS4 Flash's 43 layers"):
         ms.preset("ds4-flash", 42, layers=2)
+    # DS4 Flash's first 3 layers are hash-routed: a slice holds those of them it covers, a slice of
+    # two or more layers keeps one score-routed layer, and a one-layer slice is possible
+    got = {(n, off): ms.preset("ds4-flash", off, layers=n).hash_layers
+           for n, off in ((1, 0), (2, 0), (4, 0), (2, 2), (2, 3), (1, 5))}
+    assert got == {(1, 0): 1, (2, 0): 1, (4, 0): 3, (2, 2): 1, (2, 3): 0, (1, 5): 0}
+    assert ms.preset("ds4-flash-mini", 0, layers=1).native_config()["num_hash_layers"] == 1
     shapes = {t.name: (t.dtype, t.shape) for u in ms.plan_units(spec) for t in u.tensors}
     assert shapes["layers.2.attn.wq_b.weight"] == ("F8_E4M3", (32768, 1024))
     assert shapes["layers.2.attn.wq_b.scale"] == ("F8_E8M0", (256, 8))
