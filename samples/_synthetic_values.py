@@ -209,20 +209,24 @@ class RowBlocks:
         return _plain_words(self.kind, w)
 
     def __iter__(self):
-        starts = range(0, self.shape[0], self.rows)
-        if self.workers <= 1:
-            yield from map(self._block, starts)
-            return
-        from concurrent.futures import ThreadPoolExecutor
+        return ordered(self._block, range(0, self.shape[0], self.rows), self.workers)
 
-        with ThreadPoolExecutor(self.workers) as pool:
-            pending = []
-            for lo in starts:  # at most workers + 1 blocks made ahead of the writer
-                pending.append(pool.submit(self._block, lo))
-                if len(pending) > self.workers:
-                    yield pending.pop(0).result()
-            for f in pending:
-                yield f.result()
+
+def ordered(fn, items, workers: int):
+    """fn over items on ``workers`` threads, yielded in order, at most 2*workers in flight."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        pending = []
+        for it in items:
+            pending.append(pool.submit(fn, it))
+            if len(pending) >= 2 * workers:
+                yield pending.pop(0).result()
+        for f in pending:
+            yield f.result()
 
 
 def _plain_words(kind: str, w: np.ndarray) -> np.ndarray:
@@ -233,12 +237,12 @@ def _plain_words(kind: str, w: np.ndarray) -> np.ndarray:
     return (bf16_round(w).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
 
 
-def make_unit(spec: SyntheticSpec, unit: Unit) -> list:
+def make_unit(spec: SyntheticSpec, unit: Unit, block_workers: int = 1) -> list:
     """The arrays of one unit, in ``unit.tensors`` order (raw little-endian words);
-    a large plain tensor comes as ``RowBlocks``."""
+    a large plain tensor comes as ``RowBlocks`` made on ``block_workers`` threads."""
     if unit.kind in ("f32", "bf16") and math.prod(unit.tensors[-1].shape) > CHUNK_VALUES:
         t = unit.tensors[-1]
-        return [RowBlocks(spec, unit.kind, t.name, t.shape)]
+        return [RowBlocks(spec, unit.kind, t.name, t.shape, block_workers)]
     if unit.kind == "expert":
         which = unit.tensors[1].name.split(".")[-2]
         packed, scales = expert_fp4(spec, unit.layer, unit.expert, which)

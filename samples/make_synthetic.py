@@ -53,10 +53,9 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -68,7 +67,9 @@ import make_ds4_tiny as tiny  # noqa: E402  (the tiny sample's JSON writer)
 from _synthetic_spec import (  # noqa: E402,F401  (make_synthetic's public names, re-exported)
     GENERATOR, PRESETS, SyntheticSpec, TensorPlan, Unit, plan_units, preset, shard_units,
 )
-from _synthetic_values import RowBlocks, expert_fp4, expert_values, make_unit, rng_for, tid2eid  # noqa: E402,F401
+from _synthetic_values import (  # noqa: E402,F401
+    RowBlocks, expert_fp4, expert_values, make_unit, ordered, rng_for, tid2eid,
+)
 
 INDEX = "model.safetensors.index.json"
 
@@ -93,22 +94,6 @@ def _header(units: list[Unit]) -> tuple[bytes, list[tuple[int, int]]]:
 
 def _natural_key(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def _ordered(fn: Callable, items: list, workers: int) -> Iterator:
-    """fn over items on ``workers`` threads, yielded in order, at most 2*workers in flight."""
-    if workers <= 1:
-        for it in items:
-            yield fn(it)
-        return
-    with ThreadPoolExecutor(workers) as pool:
-        pending = []
-        for it in items:
-            pending.append(pool.submit(fn, it))
-            if len(pending) >= 2 * workers:
-                yield pending.pop(0).result()
-        for f in pending:
-            yield f.result()
 
 
 @dataclass(frozen=True)
@@ -174,12 +159,11 @@ def make_synthetic(out: "str | os.PathLike", spec: SyntheticSpec, *, workers: Op
         with open(tmp, "wb") as f:
             f.write(head)
             i = 0
-            for arrays in _ordered(lambda u: make_unit(spec, u), units, workers):
+            # a large tensor's row blocks on at most 8 threads: each block in the making holds about 1.5 GB
+            for arrays in ordered(lambda u: make_unit(spec, u, min(workers, 8)), units, workers):
                 for a in arrays:
                     t = want[i]
                     made = 0
-                    if isinstance(a, RowBlocks):
-                        a.workers = min(workers, 8)  # each block in the making holds about 1.5 GB
                     for block in (a if isinstance(a, RowBlocks) else (a,)):
                         b = np.ascontiguousarray(block)
                         f.write(memoryview(b).cast("B"))
