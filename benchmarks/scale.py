@@ -113,9 +113,29 @@ class _profiled:
         return False
 
 
-def _child_stream(a) -> int:
+def _token_seqs(vocab: int, seqs: int, tokens: int) -> list:
+    """The passes' seeded token ids: ``seqs`` sequences of ``tokens`` uniform draws."""
     import numpy as np
 
+    rng = np.random.default_rng(0)
+    return [[int(t) for t in rng.integers(3, vocab, tokens)] for _ in range(seqs)]
+
+
+def _step_clock():
+    """(progress callback, steps): the seconds between a stage's STEP events (a layer, the head)."""
+    steps, last = [], [time.perf_counter()]
+
+    def progress(ev):
+        if str(getattr(ev.kind, "value", ev.kind)) != "step":
+            return
+        now = time.perf_counter()
+        steps.append({"item": ev.item, "seconds": now - last[0]})
+        last[0] = now
+
+    return progress, steps
+
+
+def _child_stream(a) -> int:
     from ds4quant.runtime.stream import (ArtifactWeights, Observer, SourceWeights, StreamedModel, plan_memory,
                                          stream_forward)
 
@@ -130,10 +150,9 @@ def _child_stream(a) -> int:
         weights = ArtifactWeights(view, plc, a.mode, source_dir=a.source)
     else:
         weights = SourceWeights(a.source)
-    rng = np.random.default_rng(0)
     with weights as w:
         sm = StreamedModel(w, device=a.device, threads=a.threads)
-        seqs = [[int(t) for t in rng.integers(3, w.config.vocab_size, a.tokens)] for _ in range(a.seqs)]
+        seqs = _token_seqs(w.config.vocab_size, a.seqs, a.tokens)
         batches = sm.batches(seqs)
         plan = plan_memory(w, [b.shape for b in batches], a.max_memory, a.device)
         logit_sum = [0.0]
@@ -146,14 +165,7 @@ def _child_stream(a) -> int:
             def on_logits(self, index, batch, logits):
                 logit_sum[0] += float(logits.double().sum())
 
-        steps = []
-        last = [time.perf_counter()]
-
-        def progress(ev):
-            now = time.perf_counter()
-            steps.append({"item": ev.item, "seconds": now - last[0]})
-            last[0] = now
-
+        progress, steps = _step_clock()
         t1 = time.perf_counter()
         with _profiled(a.profile):
             stream_forward(sm, batches, observer=Obs(), plan=plan, work_dir=a.work, progress=progress,
@@ -172,15 +184,7 @@ def _child_calibrate(a) -> int:
     from ds4quant.calibrate import calibrate
 
     t0 = time.perf_counter()
-    steps, last = [], [time.perf_counter()]
-
-    def progress(ev):
-        if str(getattr(ev.kind, "value", ev.kind)) != "step":
-            return
-        now = time.perf_counter()
-        steps.append({"item": ev.item, "seconds": now - last[0]})
-        last[0] = now
-
+    progress, steps = _step_clock()
     rep = calibrate(a.source, a.token_file, a.out, device=a.device, max_memory=a.max_memory,
                     sensitivity_seqs=a.sensitivity_seqs, force=True, progress=progress)
     per_layer = [s["seconds"] for s in steps if s["item"].startswith("layer")]
@@ -237,6 +241,13 @@ def _run(cmd: list, env: dict) -> dict:
     d["peak_anon_bytes"] = peak_anon
     d["peak_rss_bytes"] = max(d.get("peak_rss_bytes", 0), peak_rss)
     return d
+
+
+def _generate(out: Path, env: dict, preset: str, *opts: str) -> None:
+    """samples/make_synthetic.py ``preset`` into ``out`` on every core."""
+    subprocess.run([sys.executable, str(REPO / "samples" / "make_synthetic.py"), str(out), "--preset", preset,
+                    "--workers", str(os.cpu_count() or 1), "--force", *opts], check=True, env=env,
+                   stdout=subprocess.DEVNULL)
 
 
 def _adaptive_args(a, cache: Path) -> list:
@@ -325,15 +336,13 @@ def main(argv=None) -> int:
         else:
             src = work / f"flash{a.layers}"
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, str(REPO / "samples" / "make_synthetic.py"), str(src), "--preset",
-                            a.preset, "--layers", str(a.layers), "--ratio-offset", str(a.ratio_offset),
-                            "--workers", str(os.cpu_count() or 1), "--force"]
-                           + (["--experts", str(a.experts)] if a.experts else []),
-                           check=True, env=env, stdout=subprocess.DEVNULL)
+            _generate(src, env, a.preset, "--layers", str(a.layers), "--ratio-offset", str(a.ratio_offset),
+                      *(["--experts", str(a.experts)] if a.experts else []))
             res["generate_seconds"] = time.perf_counter() - t0
             save_partial()
         res["source_bytes"] = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-        n = res["layers_in_slice"] = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        cfg = json.loads((src / "config.json").read_text())
+        n = res["layers_in_slice"] = cfg["num_hidden_layers"]
         common = ["--source", str(src), "--seqs", str(a.seqs), "--tokens", str(a.tokens), "--device", a.device,
                   "--work", str(work / "hidden")]
         if a.max_memory:
@@ -346,13 +355,9 @@ def main(argv=None) -> int:
                                     + (["--profile", str(Path(a.profile).resolve())] if a.profile else []), env)
             save_partial()
         if "calibrate" not in skip:
-            import numpy as np
-
-            vocab = json.loads((src / "config.json").read_text())["vocab_size"]
-            rng = np.random.default_rng(0)  # the reference step's draws, so both passes see the same tokens
-            tok = work / f"tokens-{a.seqs}x{a.tokens}.txt"
-            tok.write_text("\n".join(" ".join(map(str, rng.integers(3, vocab, a.tokens).tolist()))
-                                     for _ in range(a.seqs)) + "\n")
+            tok = work / f"tokens-{a.seqs}x{a.tokens}.txt"  # the reference step's tokens
+            tok.write_text("".join(" ".join(map(str, q)) + "\n" for q in _token_seqs(cfg["vocab_size"], a.seqs,
+                                                                                     a.tokens)))
             res["calibrate"] = _run(me + ["--child", "calibrate", "--token-file", str(tok), "--out", str(cal),
                                           "--sensitivity-seqs", str(a.sensitivity_seqs)] + common, env)
             save_partial()
@@ -361,9 +366,7 @@ def main(argv=None) -> int:
             # caches them: a two-layer tiny convert pays that once, outside the timed steps
             t0 = time.perf_counter()
             tiny = work / "warmup-source"
-            subprocess.run([sys.executable, str(REPO / "samples" / "make_synthetic.py"), str(tiny), "--preset",
-                            "tiny", "--layers", "2", "--experts", "4", "--force"], check=True, env=env,
-                           stdout=subprocess.DEVNULL)
+            _generate(tiny, env, "tiny", "--layers", "2", "--experts", "4")
             for recipe, extra in ((a.recipe, []), ("adaptive", _adaptive_args(a, work / "warmup-cache"))):
                 _run(me + ["--child", "convert", "--source", str(tiny), "--out", str(work / "warmup"),
                            "--recipe", recipe, "--extra=" + json.dumps(extra)], env)
@@ -372,6 +375,7 @@ def main(argv=None) -> int:
             res["uniform_convert"] = _run(me + ["--child", "convert", "--source", str(src), "--out", str(uni),
                                                 "--recipe", a.recipe], env)
             save_partial()
+
         def candidate(pick: Path) -> None:
             if "candidate" not in skip and "candidate" not in res and any(pick.glob("*.gguf")):
                 res["candidate"] = _run(me + ["--child", "stream", "--artifact", str(pick), "--owner", a.owner,
@@ -403,20 +407,15 @@ def main(argv=None) -> int:
 
 def seq_layers(n_layer: int, seqs: int, sens: int) -> list:
     """Sequence-layers calibrate runs in each layer of an ``n_layer`` model: the
-    ``seqs`` main ones, plus the streamed sensitivity's probe branches alive
-    there (each probed layer starts one branch per probe group and scale over
-    the first ``sens`` sequences, and every later layer carries it;
-    ``calibrate/walk.py``)."""
-    from ds4quant.calibrate.sensitivity import MAX_PROBES, PROBE_GROUPS, PROBE_SCALES, probe_layers
+    ``seqs`` main ones, plus the streamed sensitivity's branches alive there
+    (those that start at the layer and those carried into it, each over the
+    first ``sens`` sequences), as ``calibrate/walk.py`` runs them."""
+    if not sens:
+        return [seqs] * n_layer
+    from ds4quant.calibrate.sensitivity import make_pass
 
-    probes = set(probe_layers(n_layer, MAX_PROBES)) if sens else set()
-    per_probe = len(PROBE_GROUPS) * len(PROBE_SCALES) * min(sens, seqs)
-    out, alive = [], 0
-    for L in range(n_layer):
-        started = per_probe if L in probes else 0
-        out.append(seqs + alive + started)
-        alive += started
-    return out
+    sp, k = make_pass("streamed", n_layer, sens), min(sens, seqs)
+    return [seqs + k * (len(sp.keys_entering(L)) + len(sp.keys_of(L))) for L in range(n_layer)]
 
 
 def _project_calibrate(r: dict, n: int, seqs: int, sens: int, main_seqs: int) -> dict:
