@@ -71,14 +71,11 @@ class ExpertNoise:
     noise is the same on every host."""
 
     def draw(self, tensor: str, e: int, shape: tuple[int, int]):
-        """The float32 draws themselves (a CPU tensor); any thread may draw any expert."""
+        """The float32 draws (a CPU tensor); any thread may draw any expert."""
         import torch
 
         g = torch.Generator().manual_seed(_seed(f"{tensor}/{e}") >> 1)  # manual_seed takes < 2^63
         return torch.randn(shape, generator=g, dtype=torch.float32)
-
-    def standard(self, tensor: str, e: int, shape: tuple[int, int]) -> np.ndarray:
-        return self.draw(tensor, e, shape).double().numpy()
 
 
 def rms(w) -> float:

@@ -114,7 +114,7 @@ def test_scaled_noise_is_each_experts_own_seeded_draw_in_expert_order():
         gu, down = ex.expert_weights(e)
         for s in ("gate", "up", "down"):
             w = down if s == "down" else gu[surface_rows(s, 32)]
-            want = ExpertNoise().standard(stack_name(3, s), e, tuple(w.shape)) * (REL_STD * rms(w))
+            want = ExpertNoise().draw(stack_name(3, s), e, tuple(w.shape)).double().numpy() * (REL_STD * rms(w))
             assert isinstance(d[s], np.ndarray) and np.array_equal(d[s], want), (e, s)
             assert terms[s] == (e + 1.0) * float(np.sum((want * want) @ imp[s])), (e, s)
 
