@@ -113,6 +113,57 @@ class _profiled:
         return False
 
 
+class _ModuleClock:
+    """Wall seconds per layer part (attention, its compressor and indexer, router,
+    routed experts, shared expert, hyper-connections), the device synchronized
+    around each call: where a sequence-layer's time goes, by module. Only with
+    ``--profile`` (the synchronizations cost time of their own)."""
+
+    PARTS = ("", "self_attn", "mlp", "mlp.gate", "mlp.experts",
+             "mlp.shared_experts", "attn_hc", "ffn_hc", "input_layernorm", "post_attention_layernorm")
+
+    def __init__(self):
+        self.total: dict = {}
+        self.calls: dict = {}
+        self.handles: list = []
+
+    def attach(self, layer_module) -> None:
+        import torch
+
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        mods = dict(layer_module.named_modules())
+        extra = [n for n in mods if n.endswith(("compressor", "indexer")) and n not in self.PARTS]
+        for part in self.PARTS + tuple(extra):
+            m = mods.get(part)
+            if m is None:
+                continue
+            name = part or "layer"
+            start: list = []
+
+            def pre(_m, _args, start=start):
+                sync()
+                start.append(time.perf_counter())
+
+            def post(_m, _args, _out, start=start, name=name):
+                sync()
+                self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - start.pop()
+                self.calls[name] = self.calls.get(name, 0) + 1
+
+            self.handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def table(self) -> str:
+        whole = self.total.get("layer", 0.0) or 1.0
+        rows = [f"{'part':<28} {'calls':>6} {'seconds':>9} {'share of layer':>15}"]
+        for name, sec in sorted(self.total.items(), key=lambda kv: -kv[1]):
+            rows.append(f"{name:<28} {self.calls[name]:>6} {sec:>9.3f} {100 * sec / whole:>14.1f}%")
+        return "\n".join(rows)
+
+
 def _token_seqs(vocab: int, seqs: int, tokens: int) -> list:
     """The passes' seeded token ids: ``seqs`` sequences of ``tokens`` uniform draws."""
     import numpy as np
@@ -158,8 +209,16 @@ def _child_stream(a) -> int:
         logit_sum = [0.0]
         decoded: list = []  # experts decoded per layer: reached experts once each when the cache holds them
 
+        clock = _ModuleClock() if a.profile else None
+
         class Obs(Observer):
+            def on_layer_start(self, layer, module):
+                if clock is not None:
+                    clock.attach(module)
+
             def on_layer_end(self, layer, module):
+                if clock is not None:
+                    clock.detach()
                 decoded.append(int(getattr(module.mlp.experts, "decoded", -1)))
 
             def on_logits(self, index, batch, logits):
@@ -171,6 +230,9 @@ def _child_stream(a) -> int:
             stream_forward(sm, batches, observer=Obs(), plan=plan, work_dir=a.work, progress=progress,
                            keep_logits=False)
         t2 = time.perf_counter()
+        if clock is not None:
+            with open(a.profile, "a") as f:
+                f.write("\nwall seconds by layer part (device synchronized around each)\n" + clock.table() + "\n")
     per_layer = [s["seconds"] for s in steps if s["item"].startswith("layer")]
     print(json.dumps({"seconds": t2 - t0, "setup_seconds": t1 - t0, "steps": steps,
                       "seconds_per_layer": per_layer, "head_seconds": steps[-1]["seconds"] if steps else 0.0,
@@ -195,10 +257,31 @@ def _child_calibrate(a) -> int:
     return 0
 
 
+def _stage_clock(t0: float):
+    """(progress callback, stages): per convert stage (measure, codebooks, encode, convert's
+    phases), the seconds from the start to its first and last event and the event count."""
+    stages: dict = {}
+
+    def progress(ev):
+        now = time.perf_counter() - t0
+        name = str(getattr(ev, "stage", "?"))
+        if name == "convert" and getattr(ev, "item", None):
+            name = "convert: " + " ".join(str(ev.item).split()[:2])
+        st = stages.setdefault(name, {"first": now, "last": now, "events": 0})
+        st["last"] = now
+        st["events"] += 1
+
+    return progress, stages
+
+
 def _child_convert(a) -> int:
+    import ds4quant.cli.convert as convert_cmd
     from ds4quant.cli import main as cli
 
     t0 = time.perf_counter()
+    # the command's progress goes to a stage clock instead of the (absent) terminal: where its time goes
+    progress, stages = _stage_clock(t0)
+    convert_cmd.command_progress = lambda as_json, wanted=True: progress
     args = ["convert", a.source, a.out, "--recipe", a.recipe, "--force", "--json"] + list(json.loads(a.extra))
     try:
         cli(args)
@@ -206,7 +289,7 @@ def _child_convert(a) -> int:
         if e.code not in (0, None):
             raise
     print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_bytes": _status().get("VmHWM", 0),
-                      "peak_gpu_bytes": _gpu_peak(), "cpu_seconds": _cpu_seconds()}))
+                      "peak_gpu_bytes": _gpu_peak(), "cpu_seconds": _cpu_seconds(), "stages": stages}))
     return 0
 
 

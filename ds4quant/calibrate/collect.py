@@ -67,6 +67,19 @@ def sum_sq(x) -> np.ndarray:
     return np.square(a).sum(axis=0)
 
 
+def _col_sums(x):
+    """``sum_sq(x)``, left on a GPU as a float64 tensor (``_host`` brings it over)."""
+    if x.device.type != "cpu" and _device_sums():
+        from ds4quant.formats.search import column_square_sums_on_device
+
+        return column_square_sums_on_device(x)
+    return sum_sq(x)
+
+
+def _host(s) -> np.ndarray:
+    return s if isinstance(s, np.ndarray) else s.cpu().numpy()
+
+
 @functools.cache
 def _device_sums() -> bool:
     try:
@@ -159,19 +172,28 @@ class LayerSums:
             # The eager forward skips index n_expert (an expert-parallel
             # placeholder); anything else out of range would have failed there.
             self.slots += torch.bincount(flat[flat < n_exp], minlength=n_exp).cpu().numpy()
+            if hasattr(experts, "tap"):
+                # the streamed experts hand over each expert's rows and down input as the call
+                # computes them (the same ops, rows and order as recomputing them here)
+                experts.tap = self._tap
+                return
             idx_t = idx.transpose(0, 1)  # [k, T]: the eager forward's mask[e] layout
             for e in torch.unique(flat).tolist():
                 if e >= n_exp:
                     continue
                 _pos, tok, x, act = expert_rows(experts, hidden, idx_t, e)
-                self._experts[e] = (int(tok.shape[0]), sum_sq(x), sum_sq(act))
+                self._tap(e, tok, x, act)
+
+    def _tap(self, e: int, tok, x, act) -> None:
+        # on a GPU the sums stay there until the sequence ends: no synchronization per expert
+        self._experts[e] = (int(tok.shape[0]), _col_sums(x), _col_sums(act))
 
     def end(self) -> None:
         """Add the current sequence's sums to the totals."""
         for e, (rows, sh, sa) in sorted(self._experts.items()):
             self.rows[e] += rows
-            self.hidden[e] += sh
-            self.act[e] += sa
+            self.hidden[e] += _host(sh)
+            self.act[e] += _host(sa)
         _fold_dense(self.dense, self._hooks.seq)
         self._hooks.seq = None
         self._experts = None

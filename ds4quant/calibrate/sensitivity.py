@@ -319,6 +319,8 @@ class StreamedPass(SensitivityPass):
     def layer(self, L: int, experts, calls, sums):
         import torch
 
+        from ds4quant.runtime.stream import rows_by_expert
+
         n_exp = experts.num_experts
         weighting = _Weighting(sums, L, n_exp)
         noise = ExpertNoise()
@@ -327,16 +329,22 @@ class StreamedPass(SensitivityPass):
         local = dict.fromkeys(SURFACES, 0.0)
         local_probe = dict.fromkeys(probes, 0.0)
         add = {p: [torch.zeros_like(h) for h, _i, _w in calls] for p in probes}
-        idx_t = [idx.transpose(0, 1) for _h, idx, _w in calls]
+        # each call's rows per expert, found once (one host synchronization a call)
+        rows = [{e: (pos, tok) for e, pos, tok in rows_by_expert(idx, n_exp)} for _h, idx, _w in calls]
+        # the local sums stay on the rows' device until the layer is done: float64 additions in the
+        # same order as on the host, without a synchronization per expert and sequence
+        dev = calls[0][0].device if calls else torch.device("cpu")
+        local = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in local}
+        local_probe = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in local_probe}
         for e, gu, down, d, terms in scaled_noise(noise, L, experts, self.rel_std, weighting.term):
             for s in SURFACES:
                 err[s] += terms[s]
             one = {s: pert_weights(gu, down, {s: d[s]}) for s in SURFACES}
             every = {(g, m): pert_weights(gu, down, {s: d[s] * m for s in self.groups[g]}) for g, m in probes}
             for i, (h, _idx, w) in enumerate(calls):
-                pos, tok = torch.where(idx_t[i] == e)
-                if tok.numel() == 0:
+                if e not in rows[i]:
                     continue
+                pos, tok = rows[i][e]
                 x, wr = h[tok], w[tok, pos]
                 y = expert_output(experts, gu, down, x, wr)
                 for s in SURFACES:
@@ -346,8 +354,8 @@ class StreamedPass(SensitivityPass):
                     local_probe[p] += _sq(dy)
                     add[p][i].index_add_(0, tok, dy)
         piece = {f"err.{s}": np.array(err[s]) for s in SURFACES}
-        piece.update({f"local.{s}": np.array(local[s]) for s in SURFACES})
-        piece.update({f"local.probe.{g}.{m}": np.array(v) for (g, m), v in local_probe.items()})
+        piece.update({f"local.{s}": np.array(float(local[s])) for s in SURFACES})
+        piece.update({f"local.probe.{g}.{m}": np.array(float(v)) for (g, m), v in local_probe.items()})
         branches = [Branch(f"probe.{L}.{g}.{m}", L, lambda base, i, p=(g, m): _delta_experts(base, add[p][i]))
                     for g, m in probes]
         return piece, branches
@@ -391,8 +399,9 @@ class StreamedPass(SensitivityPass):
                            layers=MappingProxyType({L: MappingProxyType(v) for L, v in sorted(coef.items())}))
 
 
-def _sq(dy) -> float:
-    return float(dy.detach().double().square().sum())
+def _sq(dy):
+    """The float64 sum of squares of ``dy``, a 0-d tensor on its device."""
+    return dy.detach().double().square().sum()
 
 
 _PASSES = {Method.STREAMED: StreamedPass, Method.PER_TENSOR: PerTensorPass}

@@ -58,10 +58,23 @@ def _save_npz(path: Path, arrays: dict) -> None:
 
 
 class _States:
-    """Hidden streams in the work folder: states/LAYER/KEY/SEQ.npy (float32)."""
+    """Hidden streams in the work folder: states/LAYER/KEY/SEQ.npy (float32).
+
+    A DS4 Flash sequence of 2,048 tokens has 128 MB of streams: writing them
+    and reading the next sequence's run on a background thread while the layer
+    computes (at most ``_PENDING`` writes in flight, holding their tensors);
+    ``flush`` waits for every write, and the journal records a layer finished
+    only after it."""
+
+    _PENDING = 2
 
     def __init__(self, journal: Journal, device):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.j, self.device = journal, device
+        self._io = ThreadPoolExecutor(1)  # one thread: writes land in order, a read after the writes before it
+        self._writes: list = []
+        self._reads: dict = {}
 
     def _path(self, layer: int, key: str, i: int) -> Path:
         return self.j.states(layer) / key / f"{i}.npy"
@@ -69,13 +82,41 @@ class _States:
     def put(self, layer: int, key: str, i: int, h) -> None:
         p = self._path(layer, key, i)
         p.parent.mkdir(parents=True, exist_ok=True)
-        with open(p, "wb") as f:
-            np.save(f, h.detach().cpu().numpy())
+
+        def write(h=h.detach()) -> None:
+            with open(p, "wb") as f:
+                np.save(f, h.cpu().numpy())
+
+        while len(self._writes) >= self._PENDING:
+            self._writes.pop(0).result()
+        self._writes.append(self._io.submit(write))
+
+    def prefetch(self, layer: int, key: str, i: int) -> None:
+        """Start reading a state ``get`` will ask for next."""
+        where = (layer, key, i)
+        if where not in self._reads:
+            self._reads[where] = self._io.submit(np.load, self._path(*where))
 
     def get(self, layer: int, key: str, i: int):
         import torch
 
-        return torch.from_numpy(np.load(self._path(layer, key, i))).to(self.device)
+        pending = self._reads.pop((layer, key, i), None)
+        arr = pending.result() if pending is not None else np.load(self._path(layer, key, i))
+        return torch.from_numpy(arr).to(self.device)
+
+    def flush(self) -> None:
+        """Every state put so far is in its file (a failed write raises here)."""
+        while self._writes:
+            self._writes.pop(0).result()
+
+    def close(self) -> None:
+        for f in self._reads.values():
+            f.cancel()
+        self._reads.clear()
+        try:
+            self.flush()
+        finally:
+            self._io.shutdown(wait=True)
 
 
 @contextlib.contextmanager
@@ -106,11 +147,18 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
     journal's first unfinished layer; see the module doc. ``progress`` gets a
     TICK per sequence and a STEP per layer and for the head (``meter``'s
     events; detail ``tokens``: tokens through the layers so far)."""
+    states = _States(journal, stream.device)
+    try:
+        return _walk(sm, seqs, journal, sens, stream, states, meter, progress)
+    finally:
+        states.close()
+
+
+def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, progress) -> WalkResult:
     cfg = sm.config
     n_layer, n_exp = cfg.num_hidden_layers, cfg.n_routed_experts
     batches = sm.batches(seqs, batch_size=1)
     n_sens = min(sens.seqs, len(seqs)) if sens is not None else 0
-    states = _States(journal, stream.device)
     tokens = sum(len(s) for s in seqs)
     start = journal.finished + 1
     meter = meter or meter_for(n_layer, journal, seqs)
@@ -131,6 +179,7 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
     if start == 0:  # the embeddings are cheap; a run killed before layer 0 finished redoes them
         for i, b in enumerate(batches):
             states.put(0, MAIN, i, sm.embed(b))
+        states.flush()
     sm.release_embed()
     journal.drop_stale_states()
     for L in range(start, n_layer):
@@ -153,6 +202,8 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
                 with _experts_hook(experts, on_experts):
                     for i, b in enumerate(batches):
                         h = states.get(L, MAIN, i)
+                        if i + 1 < len(batches):
+                            states.prefetch(L, MAIN, i + 1)
                         rec.update(on=True, i=i)
                         sums.begin()
                         out = sm.run_layer(layer, b, h)
@@ -179,6 +230,7 @@ def walk(sm, seqs: Sequence[Sequence[int]], journal: Journal, sens: Optional[Sen
                 _save_npz(journal.sens_path(L), piece)
         from ds4quant.artifact.atomic import atomic_write_bytes
 
+        states.flush()  # the next layer's inputs are on disk before the journal says so
         journal.sums_path(L).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(journal.sums_path(L), sums.to_bytes())
         journal.finish_layer(L)

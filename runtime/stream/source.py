@@ -26,7 +26,8 @@ import numpy as np
 
 from ds4quant.errors import BadInputError, CorruptDataError
 
-__all__ = ["EagerExperts", "SourceExperts", "SourceWeights", "WeightProvider", "expert_rows", "GLOBAL_PARTS"]
+__all__ = ["EagerExperts", "SourceExperts", "SourceWeights", "WeightProvider", "expert_rows", "rows_by_expert",
+           "GLOBAL_PARTS"]
 
 # The model's tensors outside the decoder layers, by the stage that uses them.
 GLOBAL_PARTS = {
@@ -211,30 +212,61 @@ def _experts_base():
     return torch.nn.Module
 
 
+def rows_by_expert(top_k_index, num_experts: int) -> list:
+    """[(e, top_k_pos [n], token_idx [n])] for every expert id below
+    ``num_experts`` that ``top_k_index`` [T, k] reaches, in ascending id, each
+    expert's rows in the order ``torch.where(top_k_index.T == e)`` lists them
+    (the eager forward's): from one stable sort and one host synchronization
+    per call instead of one per expert, which on a GPU kept the device idle
+    between 256 small matrix products."""
+    import torch
+
+    n_tok = top_k_index.shape[0]
+    flat = top_k_index.transpose(0, 1).reshape(-1)  # position p * T + t: where()'s row-major order
+    order = torch.argsort(flat, stable=True)  # stable: each expert's rows stay in that order
+    counts = torch.bincount(flat, minlength=num_experts + 1).tolist()
+    pos, tok = order // n_tok, order % n_tok
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        if c and e < num_experts:  # eager skips the expert-parallel placeholder id
+            out.append((e, pos[start:start + c], tok[start:start + c]))
+        start += c
+    return out
+
+
 class _ExpertsLoop(_experts_base()):  # type: ignore[misc]
     """Routed experts called as transformers' ``DeepseekV4Experts``:
     ``(hidden [T,H], top_k_index [T,k] int64, top_k_weights [T,k]) -> [T,H]``,
     with the same math in the same order as its eager forward (experts in
     ascending id, rows in the one-hot mask's order, ``index_add_`` into zeros),
-    so the same bits. Subclasses say where ``expert_weights(e)`` comes from."""
+    so the same bits. Subclasses say where ``expert_weights(e)`` comes from.
+
+    ``tap``: set before a call, ``tap(e, token_idx, x, act)`` sees each
+    expert's rows and down-projection input as the call computes them (a
+    calibration observer reads them instead of computing them again); it
+    serves that one call and is cleared."""
 
     num_experts: int
     limit: float
+    tap = None
 
     def expert_weights(self, e: int):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         import torch
+        import torch.nn.functional as F
 
+        tap, self.tap = self.tap, None
         out = torch.zeros_like(hidden_states)
-        idx_t = top_k_index.transpose(0, 1)
-        for e in torch.unique(top_k_index).tolist():  # ascending: eager's order over hit experts
-            if e >= self.num_experts:
-                continue  # eager skips the expert-parallel placeholder id
+        for e, pos, tok in rows_by_expert(top_k_index, self.num_experts):
             gate_up, down = self.expert_weights(e)  # once: a bounded cache's miss decodes all three
-            pos, tok, _x, act = expert_rows(self, hidden_states, idx_t, e, gate_up=gate_up)
-            y = torch.nn.functional.linear(act, down) * top_k_weights[tok, pos, None]
+            x = hidden_states[tok]
+            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+            act = self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+            if tap is not None:
+                tap(e, tok, x, act)
+            y = F.linear(act, down) * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 

@@ -84,8 +84,10 @@ class _Experts:
 
         g = torch.Generator().manual_seed(7)
         self.num_experts = n
-        self._w = [(torch.randn(2 * inter, hidden, generator=g).to(device) * (e + 1),
-                    torch.randn(hidden, inter, generator=g).to(device) / (e + 1)) for e in range(n)]
+        # made on the host, then moved: CUDA divides by a scalar through its reciprocal, which
+        # would give the device other weights than the host's
+        self._w = [((torch.randn(2 * inter, hidden, generator=g) * (e + 1)).to(device),
+                    (torch.randn(hidden, inter, generator=g) / (e + 1)).to(device)) for e in range(n)]
 
     def expert_weights(self, e: int):
         return self._w[e]
