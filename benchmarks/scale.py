@@ -28,9 +28,11 @@ For each: wall seconds, seconds per layer (streamed passes: measured per
 layer; convert: wall / N, an upper bound since it includes the embedding
 and head), peak RSS of that child (its VmHWM: ru_maxrss would start from this
 process's size at fork), and on CUDA the peak GPU memory the child allocated.
-Then a PROJECTION to DS4 Flash's 43 layers: per-layer seconds x 43 + the
-measured fixed part; peak memory is per layer, so it is projected flat (the
-hidden states grow with S x T, not with N). Printed as a projection.
+Then a PROJECTION to DS4 Flash's 43 layers (``_project``): each of its
+layers at the rate the slice measured for its attention type (sliding window,
+CSA, HCA: ``--ratio-offset 2`` gives a CSA and an HCA layer) + the measured
+fixed part; peak memory is per layer, so it is projected flat (the hidden
+states grow with S x T, not with N). Printed as a projection.
 """
 
 from __future__ import annotations
@@ -242,15 +244,41 @@ def _child_stream(a) -> int:
     return 0
 
 
+def _layer_parts(events: list, origin: float) -> list:
+    """Per layer, from calibrate's (kind, item, time) events after ``origin``: the main
+    pass (to its last sequence), the noise and local errors, the probe branches (to
+    the layer's end)."""
+    parts, start, main_end, noise_end = [], origin, None, None
+    for kind, item, t in events:
+        if kind == "tick" and ": sequence " in item and item.startswith("layer"):
+            main_end = t
+        elif kind == "tick" and item.endswith("noise and local errors"):
+            noise_end = t
+        elif kind == "step" and item.startswith("layer"):
+            m = main_end if main_end is not None else t
+            nz = noise_end if noise_end is not None else m
+            parts.append({"main": m - start, "noise_and_local": nz - m, "branches": t - nz})
+            start, main_end, noise_end = t, None, None
+    return parts
+
+
 def _child_calibrate(a) -> int:
     from ds4quant.calibrate import calibrate
 
     t0 = time.perf_counter()
     progress, steps = _step_clock()
+    origin = time.perf_counter()
+    events: list = []
+
+    def record(ev):
+        events.append((str(getattr(ev.kind, "value", ev.kind)), str(ev.item), time.perf_counter()))
+        progress(ev)
+
     rep = calibrate(a.source, a.token_file, a.out, device=a.device, max_memory=a.max_memory,
-                    sensitivity_seqs=a.sensitivity_seqs, force=True, progress=progress)
+                    sensitivity_seqs=a.sensitivity_seqs, force=True, progress=record)
     per_layer = [s["seconds"] for s in steps if s["item"].startswith("layer")]
     print(json.dumps({"seconds": time.perf_counter() - t0, "steps": steps, "seconds_per_layer": per_layer,
+                      "layer_parts": _layer_parts(events, origin),
                       "tokens": rep.tokens, "sensitivity_seqs": a.sensitivity_seqs,
                       "peak_rss_bytes": _status().get("VmHWM", 0), "peak_gpu_bytes": _gpu_peak(),
                       "cpu_seconds": _cpu_seconds()}))
@@ -449,7 +477,10 @@ def main(argv=None) -> int:
             # caches them: a two-layer tiny convert pays that once, outside the timed steps
             t0 = time.perf_counter()
             tiny = work / "warmup-source"
-            _generate(tiny, env, "tiny", "--layers", "2", "--experts", "4")
+            # on a GPU at DS4 Flash's expert shapes: the measure stage's Triton kernels compile per shape
+            # (matrices under job.DEVICE_MIN_WEIGHTS would stay on the cores and compile nothing)
+            _generate(tiny, env, "tiny", "--layers", "2", "--experts", "4",
+                      *(["--hidden", "4096", "--moe-inter", "2048"] if a.device != "cpu" else []))
             for recipe, extra in ((a.recipe, []), ("adaptive", _adaptive_args(a, work / "warmup-cache"))):
                 _run(me + ["--child", "convert", "--source", str(tiny), "--out", str(work / "warmup"),
                            "--recipe", recipe, "--extra=" + json.dumps(extra)], env)
@@ -501,51 +532,93 @@ def seq_layers(n_layer: int, seqs: int, sens: int) -> list:
     return [seqs + k * (len(sp.keys_entering(L)) + len(sp.keys_of(L))) for L in range(n_layer)]
 
 
-def _project_calibrate(r: dict, n: int, seqs: int, sens: int, main_seqs: int) -> dict:
-    """calibrate at 43 layers and ``main_seqs`` calibration sequences: the slice's
-    worst rate per sequence-layer after its first layer (the noise and local
-    errors counted in it: an upper bound), times the 43-layer model's
-    sequence-layers after its first; the first layer and the fixed part as measured."""
+def flash_types(offset: int, n: int) -> tuple:
+    """(the slice's layers' attention types, DS4 Flash's 43): native compress-ratio
+    codes, 0 sliding window, 4 CSA, 128 HCA."""
+    sys.path.insert(0, str(REPO / "samples"))
+    from make_synthetic import DS4_FLASH_RATIOS
+
+    return tuple(DS4_FLASH_RATIOS[offset:offset + n]), tuple(DS4_FLASH_RATIOS)
+
+
+def _by_type(rates: list, here: tuple, there: tuple) -> tuple:
+    """(a rate per DS4 Flash layer, {type: rate} measured): each layer takes its
+    attention type's worst measured rate, a type the slice lacks the worst of all."""
+    worst: dict = {}
+    for t, r in zip(here, rates):
+        worst[t] = max(worst.get(t, r), r)
+    anything = max(rates)
+    return [worst.get(t, anything) for t in there], worst
+
+
+def _project_calibrate(r: dict, types: tuple, seqs: int, sens: int, main_seqs: int) -> dict:
+    """calibrate at 43 layers and ``main_seqs`` calibration sequences: per DS4
+    Flash layer its sequence-layers times its attention type's worst rate per
+    sequence-layer in the slice (the first layer's one-time costs, the noise
+    and local errors counted in it: an upper bound); the fixed part as measured."""
+    here, there = types
     layers = r["seconds_per_layer"]
-    here, there = seq_layers(n, seqs, sens), seq_layers(FLASH_LAYERS, main_seqs, sens)
-    idx = range(1, len(layers)) if len(layers) > 1 else range(len(layers))
-    rate = max(layers[i] / here[i] for i in idx)
+    n_here = seq_layers(len(layers), seqs, sens)
+    n_there = seq_layers(FLASH_LAYERS, main_seqs, sens)
     fixed = r["wall_seconds"] - sum(layers)
-    first = layers[0] if len(layers) > 1 else rate * there[0]
-    return {"seconds": fixed + first + rate * sum(there[1:]), "seconds_per_seq_layer": rate,
-            "seq_layers": sum(there), "sequences": main_seqs, "upper_bound": True,
-            "peak_rss_bytes": r["peak_rss_bytes"], "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
+    out = {"seq_layers": sum(n_there), "sequences": main_seqs,
+           "peak_rss_bytes": r["peak_rss_bytes"], "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
+    parts = r.get("layer_parts") or []
+    if len(parts) == len(layers) and seqs:
+        # by parts: the main pass per main sequence-layer, the noise and local errors once a layer
+        # (over the sensitivity sequences, whatever the main count), the branches per branch
+        # sequence-layer (a layer without branches takes the main rate)
+        main, _ = _by_type([p["main"] / seqs for p in parts], here, there)
+        noise, _ = _by_type([p["noise_and_local"] for p in parts], here, there)
+        branch_rates = [p["branches"] / (k - seqs) if k > seqs else p["main"] / seqs for p, k in zip(parts, n_here)]
+        branch, measured = _by_type(branch_rates, here, there)
+        total = fixed + sum(mr * main_seqs + nz + br * (k - main_seqs)
+                            for mr, nz, br, k in zip(main, noise, branch, n_there))
+        return dict(out, seconds=total, by_parts=True, upper_bound=False, types_measured=sorted(measured),
+                    seconds_per_main_seq_layer=max(main), noise_and_local_per_layer=max(noise),
+                    seconds_per_branch_seq_layer=max(branch))
+    rates, measured = _by_type([t / k for t, k in zip(layers, n_here)], here, there)
+    return dict(out, seconds=fixed + sum(k * rt for k, rt in zip(n_there, rates)), seconds_per_seq_layer=max(rates),
+                upper_bound=True, types_measured=sorted(measured))
 
 
 def _project(res: dict, n: int) -> dict:
-    """PROJECTION to 43 layers: reference and candidate = fixed part + the first layer + the later
-    layers' mean seconds x 42; calibrate by its sequence-layers (``_project_calibrate``; and at
-    ``--project-seqs`` sequences); convert = wall / n x 43 (upper bound); peak memory flat."""
+    """PROJECTION to 43 layers, memory flat in the layer count. The streamed passes: the fixed part
+    once, each DS4 Flash layer at its attention type's rate in the slice (the first layer counted
+    once as measured when later layers of its type exist); calibrate by its sequence-layers
+    (``_project_calibrate``; and at ``--project-seqs`` sequences); convert: the time to its first
+    measured expert once (set-up, kernel compiles), the rest / n x 43 (an upper bound: the
+    embedding and head counted per layer)."""
     out = {}
     st = res.get("settings", {})
+    types = flash_types(int(st.get("ratio_offset") or 0), n)
     cal = res.get("calibrate")
     if cal:
         seqs, sens = int(st.get("seqs", 1)), int(cal.get("sensitivity_seqs", 0))
-        out["calibrate"] = _project_calibrate(cal, n, seqs, sens, seqs)
+        out["calibrate"] = _project_calibrate(cal, types, seqs, sens, seqs)
         if st.get("project_seqs"):
-            out[f"calibrate_{st['project_seqs']}_seqs"] = _project_calibrate(cal, n, seqs, sens,
+            out[f"calibrate_{st['project_seqs']}_seqs"] = _project_calibrate(cal, types, seqs, sens,
                                                                               int(st["project_seqs"]))
     for key in ("reference", "candidate"):
         r = res.get(key)
         if r:
-            # the first layer also pays one-time costs (kernel compiles, the device's first use): it is
-            # counted once, the later layers' mean rate 42 times
+            # the first layer also pays one-time costs (kernel compiles, the device's first use): where a
+            # later layer of its type was measured it is counted once and the later layers give the rates
             layers = r["seconds_per_layer"]
-            rest = layers[1:] or layers
-            per = sum(rest) / max(1, len(rest))
+            here, there = types
+            skip = 1 if here[0] in here[1:len(layers)] else 0
+            rates, measured = _by_type(layers[skip:], here[skip:len(layers)], there)
             fixed = r["wall_seconds"] - sum(layers)
-            first = layers[0] if len(layers) > 1 else per
-            out[key] = {"seconds": fixed + first + per * (FLASH_LAYERS - 1), "seconds_per_layer": per,
+            once = layers[0] - measured[here[0]] if skip else 0.0
+            out[key] = {"seconds": fixed + once + sum(rates), "seconds_per_layer": sum(rates) / FLASH_LAYERS,
+                        "types_measured": sorted(measured),
                         "peak_rss_bytes": r["peak_rss_bytes"], "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
     for key in ("uniform_convert", "adaptive_convert"):
         r = res.get(key)
         if r:
-            out[key] = {"seconds": r["wall_seconds"] / n * FLASH_LAYERS, "peak_rss_bytes": r["peak_rss_bytes"],
+            first = (r.get("stages") or {}).get("measure", {}).get("first", 0.0)
+            out[key] = {"seconds": first + (r["wall_seconds"] - first) / n * FLASH_LAYERS,
+                        "once_seconds": first, "peak_rss_bytes": r["peak_rss_bytes"],
                         "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
     return out
 
@@ -565,14 +638,18 @@ def _print(res: dict, n: int) -> None:
         print(f"{key:18s} {r['wall_seconds']:9.1f} {spl:9.1f} {r.get('cpu_seconds', 0.0):8.1f} "
               f"{_gib(r['peak_rss_bytes']):>11s} "
               f"{_gib(r['peak_anon_bytes']):>11s} {_gib(r.get('peak_gpu_bytes', 0)):>10s}")
-    print(f"PROJECTION to {FLASH_LAYERS} layers (streamed passes: the first layer once, the later layers' mean x "
-          f"{FLASH_LAYERS - 1}; convert: wall / N x {FLASH_LAYERS}; memory flat in the layer count):")
+    print(f"PROJECTION to {FLASH_LAYERS} layers (streamed passes: each layer at its attention type's rate in the "
+          f"slice, the first layer's one-time costs once; convert: its set-up once, the rest / N x {FLASH_LAYERS}; "
+          "memory flat in the layer count):")
     proj = res["projection_43_layers"]
     for key, p in proj.items():
         print(f"  {key:18s} {p['seconds'] / 60:8.1f} min   peak RSS {_gib(p['peak_rss_bytes'])}")
     if "calibrate" in proj:
-        print("  (calibrate: by sequence-layers, the probe branches growing with depth, at the slice's worst "
-              "rate per sequence-layer: an upper bound)")
+        print("  (calibrate: " + ("by parts: the main pass per sequence-layer, the noise and local errors once a "
+                                  "layer, the probe branches per branch sequence-layer, each at its type's worst rate"
+                                  if proj["calibrate"].get("by_parts") else
+                                  "by sequence-layers, the probe branches growing with depth, at the slice's worst "
+                                  "rate per sequence-layer: an upper bound") + ")")
     whole = [k for k in ("calibrate", "adaptive_convert", "candidate") if k in proj]
     if len(whole) == 3:
         print(f"  whole pipeline (calibrate + adaptive convert + candidate pass): "

@@ -65,7 +65,7 @@ if str(HERE) not in sys.path:
 
 import make_ds4_tiny as tiny  # noqa: E402  (the tiny sample's JSON writer)
 from _synthetic_spec import (  # noqa: E402,F401  (make_synthetic's public names, re-exported)
-    GENERATOR, PRESETS, SyntheticSpec, TensorPlan, Unit, plan_units, preset, shard_units,
+    DS4_FLASH_RATIOS, GENERATOR, PRESETS, SyntheticSpec, TensorPlan, Unit, plan_units, preset, shard_units,
 )
 from _synthetic_values import (  # noqa: E402,F401
     RowBlocks, expert_fp4, expert_values, make_unit, ordered, rng_for, tid2eid,

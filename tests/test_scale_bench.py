@@ -37,7 +37,20 @@ def test_scale_benchmark_runs_the_whole_pipeline_on_a_small_slice(tmp_path):
     proj = d["projection_43_layers"]
     assert proj["calibrate_4_seqs"]["seq_layers"] == 4 * 43 + 16 + 2 * 168
     assert proj["calibrate"]["seq_layers"] == 2 * 43 + 16 + 2 * 168
-    assert proj["calibrate_4_seqs"]["seconds"] > proj["calibrate"]["seconds"] and proj["calibrate"]["upper_bound"]
+    # calibrate's layers timed by parts (main pass, noise and local errors, probe branches), and projected
+    # by them: two more main sequences cost each DS4 Flash layer two main sequence-layers at its type's rate
+    parts = d["calibrate"]["layer_parts"]
+    assert len(parts) == 2 and all(min(p.values()) >= 0 for p in parts)
+    for p, sec in zip(parts, d["calibrate"]["seconds_per_layer"]):
+        assert sum(p.values()) == pytest.approx(sec, abs=1e-3)
+    assert proj["calibrate"]["by_parts"] and not proj["calibrate"]["upper_bound"]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scale
+
+    here, there = scale.flash_types(0, 2)
+    main = {t: max(p["main"] / 2 for p, u in zip(parts, here) if u == t) for t in set(here)}
+    extra = 2 * sum(main.get(t, max(main.values())) for t in there)
+    assert proj["calibrate_4_seqs"]["seconds"] - proj["calibrate"]["seconds"] == pytest.approx(extra, rel=1e-9)
     assert d["adaptive_convert"]["calibrated"] is True
     assert d["candidate"]["artifact"] == "adaptive"
     cal = tmp_path / "w" / "calib"

@@ -264,8 +264,9 @@ class _Job:
             journal.save()
             results: list[TensorResult] = []
             try:
+                # the adaptive recipe's --device runs the encode's searches there too (the same bytes)
                 results = run_encode(self.src, plan, self.members, self.imx, books, pieces, journal, self.threads,
-                                     self.progress, figures)
+                                     self.progress, figures, adaptive.backend() if rec.adaptive else None)
                 table = codebook_table(plan, books, self.src.config.n_routed_experts)
                 say(phases.phase(f"writing {self.art_name} GGUF from {len(results)} encoded tensors"))
                 files, cb_bytes, decision, oversize, file_sha = assemble(

@@ -36,26 +36,58 @@ _ROW_BLOCK_BYTES = 16 << 20
 Stats = tuple[float, float, Optional[float], Optional[float], int]
 
 
+def _encode(qt, x: np.ndarray, imp, books, kw: dict, backend) -> np.ndarray:
+    """``formats.encode`` of one matrix, its search on ``backend``'s device where
+    the device tiers cover the qtype (``formats.search``: the same bytes and
+    refusals); on CUDA only from ``DEVICE_MIN_WEIGHTS`` weights, as the measure
+    stage decides (smaller matrices are cheaper on the cores)."""
+    if backend is not None and backend.on_device:
+        from ds4quant.formats import search
+        from ds4quant.formats.search import DeviceKind
+        from ds4quant.plan import job
+
+        if backend.device is not DeviceKind.CUDA or x.size >= job.DEVICE_MIN_WEIGHTS:
+            if qt.is_mix and np.ndim(books) == 2:
+                return search.encode_mix(qt.name, x, imp, books, kw.get("mode", 1), backend)
+            if not qt.is_mix and search.scale_covers(qt.name):
+                return search.encode_scale(qt.name, x, imp, backend)
+    return encode(qt.name, x, imp, books, **kw)
+
+
+# expert matrices read and dequantized ahead of the one encoding (each on its own thread: the FP4
+# decode releases the GIL); with the searches on a GPU the reads are what the encode waits for
+_READ_AHEAD = 3
+
+
 def _encode_parts(src: Source, choice: TensorChoice, members, imatrix, books: Optional[Books],
-                  pool: ThreadPoolExecutor, measured: Optional[Mapping[int, Measure]]
+                  pool: ThreadPoolExecutor, measured: Optional[Mapping[int, Measure]], backend=None
                   ) -> Iterator[tuple[bytes, Stats]]:
     """Yield (payload chunk, stats) per matrix (per row block for big non-expert tensors).
 
     measured: expert id -> the figures adaptive measured for exactly this
     encoding (same source, importance, books, qtype); those experts are not
-    decoded again to measure them.
+    decoded again to measure them. backend: where the searches run
+    (``_encode``; None: the host).
     """
     qt = get_qtype(choice.qtype)
     cols = choice.shape[0]
     lossless = choice.asked == "source" or not qt.lossy
     dense_members = choice.experts is None and members[0].expert is None
-    # read + dequantize the next matrix while this one encodes
-    pending = None
+    # read + dequantize the next matrices while this one encodes (k -> future)
+    pending: dict = {}
+
+    def loaded(k: int):
+        fut = pending.pop(k, None) or pool.submit(load, src, members[k], cols)
+        if not dense_members:
+            for j in range(k + 1, min(k + 1 + _READ_AHEAD, len(members))):
+                if j not in pending:
+                    pending[j] = pool.submit(load, src, members[j], cols)
+        return fut.result()
+
     for k, m in enumerate(members):
         # GGUF sources: stored bytes already in the target qtype are copied, never re-encoded
         if qt.name != "i32" and src.payload_qtype(m.name) == qt.name:
-            x = (pending if pending is not None else pool.submit(load, src, m, cols)).result()
-            pending = None
+            x = loaded(k)
             # the source energy feeds the manifest's error figures; the error is 0
             yield np.ascontiguousarray(src.read(m.name)).view(np.uint8), (0.0, error_sums(x, x).ssx,
                                                                          None, None, x.size)
@@ -75,9 +107,7 @@ def _encode_parts(src: Source, choice: TensorChoice, members, imatrix, books: Op
                 raise BadInputError("values do not fit in int32", where=m.name)
             yield raw.astype("<i4").tobytes(), (0.0, 0.0, None, None, raw.size)
             continue
-        fut = pending if pending is not None else pool.submit(load, src, m, cols)
-        pending = pool.submit(load, src, members[k + 1], cols) if k + 1 < len(members) and not dense_members else None
-        x = fut.result()
+        x = loaded(k)
         src.release(m.name)  # x is a copy: the mapped source pages can go now
         imp = importance(imatrix, choice.base, m.expert, cols) if qt.lossy else None
         kw = {}
@@ -93,7 +123,7 @@ def _encode_parts(src: Source, choice: TensorChoice, members, imatrix, books: Op
                 bad = np.argwhere(~np.isfinite(xb))[0]
                 raise BadInputError(f"source value at {(int(bad[0]) + r0, int(bad[1]))} is not finite", where=m.name)
             try:
-                q = encode(qt.name, xb, imp, bk, **kw)
+                q = _encode(qt, xb, imp, bk, kw, backend)
             except Ds4quantError as exc:
                 raise type(exc)(exc.message, where=m.name, hint=exc.hint) from None
             if lossless:
@@ -117,7 +147,7 @@ def mxfp4_payload(codes, scales, where: str) -> bytes:
 
 
 def encode_tensor(src: Source, choice: TensorChoice, members, imatrix, books, pool, piece: Path,
-                  measured: Optional[Mapping[int, Measure]] = None) -> TensorResult:
+                  measured: Optional[Mapping[int, Measure]] = None, backend=None) -> TensorResult:
     """Encode one planned tensor into ``piece`` (atomically); sha256 over the bytes as written."""
     t0 = time.perf_counter()
     h = hashlib.sha256()
@@ -125,7 +155,8 @@ def encode_tensor(src: Source, choice: TensorChoice, members, imatrix, books, po
     sse = ssx = 0.0
     wsse = wssx = None
     with atomic_write(piece) as f:
-        for chunk, (e, s, we, ws, cnt) in _encode_parts(src, choice, members, imatrix, books, pool, measured):
+        for chunk, (e, s, we, ws, cnt) in _encode_parts(src, choice, members, imatrix, books, pool, measured,
+                                                        backend):
             view = memoryview(chunk).cast("B")  # bytes or a C-contiguous uint8 array, no copy
             f.write(view)
             h.update(view)
@@ -148,15 +179,17 @@ def _measured_for(choice: TensorChoice, members, figures) -> Optional[dict[int, 
 
 
 def run_encode(src: Source, plan, members, imx, books, pieces: Path, journal: Journal, threads,
-               progress: Optional[ProgressFn], figures: Optional[Mapping] = None) -> list[TensorResult]:
-    """Encode every planned tensor not already in the journal; results in plan order."""
+               progress: Optional[ProgressFn], figures: Optional[Mapping] = None,
+               backend=None) -> list[TensorResult]:
+    """Encode every planned tensor not already in the journal; results in plan order.
+    backend: a ``formats.search.Backend`` the searches may run on (the bytes are the same)."""
     results = []
     mem = {c.name: members_of(c, members) for c in plan}
     src_bytes = {c.name: sum(src.info(m.name).nbytes for m in mem[c.name]) for c in plan}
     # the ETA is over source bytes: one huge embedding and many small norms average out
     meter = Meter("encode", len(plan), "tensor", total_work=sum(src_bytes.values()),
                   then=("writing the GGUF", "writing the manifest and sums"))
-    with numba_threads(threads), ThreadPoolExecutor(max_workers=1) as pool, flush_on_exit(journal):
+    with numba_threads(threads), ThreadPoolExecutor(max_workers=_READ_AHEAD) as pool, flush_on_exit(journal):
         for i, choice in enumerate(plan):
             piece = pieces / f"{i:05d}.bin"
             prev = journal.done.get(choice.name)
@@ -167,7 +200,7 @@ def run_encode(src: Source, plan, members, imx, books, pieces: Path, journal: Jo
                 res = TensorResult.from_journal(prev)
             else:
                 res = encode_tensor(src, choice, mem[choice.name], imx, books, pool, piece,
-                                    _measured_for(choice, mem[choice.name], figures))
+                                    _measured_for(choice, mem[choice.name], figures), backend)
                 journal.done[choice.name] = res.to_journal()
                 journal.save(force=False)
             results.append(res)

@@ -99,8 +99,15 @@ def test_plans_bytes_and_cache_do_not_depend_on_the_worker_count(tmp_path):
     assert caches["j1"] == caches["j2"] == caches["j3t2"]
 
 
-def test_convert_through_the_torch_search_equals_the_cpu_path(tmp_path):
-    """--device torch-cpu end to end (the plumbing CUDA uses), on one adaptive tensor."""
+def test_convert_through_the_torch_search_equals_the_cpu_path(tmp_path, monkeypatch):
+    """--device torch-cpu end to end (the plumbing CUDA uses), on one adaptive tensor:
+    the measure stage's searches and the encode's run on the torch tier, the same bytes."""
+    from ds4quant.convert import encode as encode_stage
+
+    host = set()  # qtypes the encode stage encoded on the host
+    real = encode_stage.encode
+    monkeypatch.setattr(encode_stage, "encode", lambda q, *a, **k: (host.add(q), real(q, *a, **k))[1])
+    expert_qtypes = {"rocmfp2", "rocmfp2_mix", "rocmfp3"}
     got = {}
     for device in ("cpu", "torch-cpu"):
         opts = AdaptiveOptions(target_bpw=2.5625, routing=str(ROUTING), cache_dir=str(tmp_path / f"c-{device}"),
@@ -112,6 +119,11 @@ def test_convert_through_the_torch_search_equals_the_cpu_path(tmp_path):
         got[device] = (sha256_file(_gguf(out)), _cache_bytes(tmp_path / f"c-{device}"),
                        rep.adaptive.predicted_weighted_error)
         assert any(c.qtype == "rocmfp2_mix" for c in rep.plan)  # the MIX path was measured and chosen
+        # the encode stage ran the experts' searches on the device tier, and only there
+        chosen = {c.qtype for c in rep.plan} & expert_qtypes
+        assert chosen >= {"rocmfp2", "rocmfp2_mix"}
+        assert (host & chosen) == (set() if device == "torch-cpu" else chosen), (device, host)
+        host.clear()
     assert got["cpu"] == got["torch-cpu"]
 
 
