@@ -38,6 +38,7 @@ states grow with S x T, not with N). Printed as a projection.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -244,21 +245,52 @@ def _child_stream(a) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _clocked_layers(path):
+    """With ``path``: a ``_ModuleClock`` on every layer the streamed model
+    materializes (calibrate builds its layers itself), else None."""
+    if not path:
+        yield None
+        return
+    from ds4quant.runtime.stream.model import StreamedModel
+
+    clock, real = _ModuleClock(), StreamedModel.layer
+
+    @contextlib.contextmanager
+    def layer(self, *args, **kwargs):
+        with real(self, *args, **kwargs) as mod:
+            clock.attach(mod)
+            try:
+                yield mod
+            finally:
+                clock.detach()
+
+    StreamedModel.layer = layer
+    try:
+        yield clock
+    finally:
+        StreamedModel.layer = real
+
+
 def _layer_parts(events: list, origin: float) -> list:
-    """Per layer, from calibrate's (kind, item, time) events after ``origin``: the main
-    pass (to its last sequence), the noise and local errors, the probe branches (to
-    the layer's end)."""
-    parts, start, main_end, noise_end = [], origin, None, None
+    """Per layer, from calibrate's (kind, item, time) events after ``origin``: the
+    weights (to the layer materialized; the first layer's also holds calibrate's
+    set-up), the main pass (to its last sequence), the noise and local errors, the
+    probe branches (to the layer's end)."""
+    parts, start, ready, main_end, noise_end = [], origin, None, None, None
     for kind, item, t in events:
-        if kind == "tick" and ": sequence " in item and item.startswith("layer"):
+        if kind == "tick" and item.endswith("weights ready"):
+            ready = t
+        elif kind == "tick" and ": sequence " in item and item.startswith("layer"):
             main_end = t
         elif kind == "tick" and item.endswith("noise and local errors"):
             noise_end = t
         elif kind == "step" and item.startswith("layer"):
+            w = ready if ready is not None else start
             m = main_end if main_end is not None else t
             nz = noise_end if noise_end is not None else m
-            parts.append({"main": m - start, "noise_and_local": nz - m, "branches": t - nz})
-            start, main_end, noise_end = t, None, None
+            parts.append({"weights": w - start, "main": m - w, "noise_and_local": nz - m, "branches": t - nz})
+            start, ready, main_end, noise_end = t, None, None, None
     return parts
 
 
@@ -274,8 +306,13 @@ def _child_calibrate(a) -> int:
         events.append((str(getattr(ev.kind, "value", ev.kind)), str(ev.item), time.perf_counter()))
         progress(ev)
 
-    rep = calibrate(a.source, a.token_file, a.out, device=a.device, max_memory=a.max_memory,
-                    sensitivity_seqs=a.sensitivity_seqs, force=True, progress=record)
+    with _clocked_layers(a.profile) as clock, _profiled(a.profile):
+        rep = calibrate(a.source, a.token_file, a.out, device=a.device, max_memory=a.max_memory,
+                        sensitivity_seqs=a.sensitivity_seqs, force=True, progress=record)
+    if clock is not None:
+        with open(a.profile, "a") as f:
+            f.write("\nwall seconds by layer part, every run of a layer (main pass and branches)\n"
+                    + clock.table() + "\n")
     per_layer = [s["seconds"] for s in steps if s["item"].startswith("layer")]
     print(json.dumps({"seconds": time.perf_counter() - t0, "steps": steps, "seconds_per_layer": per_layer,
                       "layer_parts": _layer_parts(events, origin),
@@ -410,7 +447,8 @@ def main(argv=None) -> int:
     ap.add_argument("--project-seqs", type=int, default=None,
                     help="also project calibrate to this many calibration sequences (e.g. 128)")
     ap.add_argument("--profile", default=None,
-                    help="write torch.profiler's top operators of the reference step to this file")
+                    help="write torch.profiler's top operators and the seconds by layer part of the reference "
+                         "step to this file (calibrate's beside it, NAME_calibrate.EXT)")
     ap.add_argument("--skip", default="",
                     help="comma list of steps to skip: reference,calibrate,uniform,adaptive,candidate")
     ap.add_argument("--json-out", help="write the results here")
@@ -469,8 +507,11 @@ def main(argv=None) -> int:
             tok = work / f"tokens-{a.seqs}x{a.tokens}.txt"  # the reference step's tokens
             tok.write_text("".join(" ".join(map(str, q)) + "\n" for q in _token_seqs(cfg["vocab_size"], a.seqs,
                                                                                      a.tokens)))
+            prof = Path(a.profile).resolve() if a.profile else None
             res["calibrate"] = _run(me + ["--child", "calibrate", "--token-file", str(tok), "--out", str(cal),
-                                          "--sensitivity-seqs", str(a.sensitivity_seqs)] + common, env)
+                                          "--sensitivity-seqs", str(a.sensitivity_seqs)] + common
+                                    + (["--profile", str(prof.with_name(prof.stem + "_calibrate" + prof.suffix))]
+                                       if prof else []), env)
             save_partial()
         if not {"uniform", "adaptive"} <= skip:
             # numba compiles its kernels on a machine's first convert (100-150 s on a fresh GPU host) and
@@ -572,9 +613,14 @@ def _project_calibrate(r: dict, types: tuple, seqs: int, sens: int, main_seqs: i
         noise, _ = _by_type([p["noise_and_local"] for p in parts], here, there)
         branch_rates = [p["branches"] / (k - seqs) if k > seqs else p["main"] / seqs for p, k in zip(parts, n_here)]
         branch, measured = _by_type(branch_rates, here, there)
-        total = fixed + sum(mr * main_seqs + nz + br * (k - main_seqs)
-                            for mr, nz, br, k in zip(main, noise, branch, n_there))
+        # the weights: the first layer's part also holds calibrate's set-up, counted once; the later
+        # layers' worst (the first's, with one layer: an overestimate) for each of the others
+        weights = [p.get("weights", 0.0) for p in parts]
+        per_weights = max(weights[1:]) if len(weights) > 1 else weights[0]
+        total = fixed + weights[0] + per_weights * (FLASH_LAYERS - 1) + sum(
+            mr * main_seqs + nz + br * (k - main_seqs) for mr, nz, br, k in zip(main, noise, branch, n_there))
         return dict(out, seconds=total, by_parts=True, upper_bound=False, types_measured=sorted(measured),
+                    weights_first_layer=weights[0], weights_per_layer=per_weights,
                     seconds_per_main_seq_layer=max(main), noise_and_local_per_layer=max(noise),
                     seconds_per_branch_seq_layer=max(branch))
     rates, measured = _by_type([t / k for t, k in zip(layers, n_here)], here, there)

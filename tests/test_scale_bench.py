@@ -41,6 +41,7 @@ def test_scale_benchmark_runs_the_whole_pipeline_on_a_small_slice(tmp_path):
     # by them: two more main sequences cost each DS4 Flash layer two main sequence-layers at its type's rate
     parts = d["calibrate"]["layer_parts"]
     assert len(parts) == 2 and all(min(p.values()) >= 0 for p in parts)
+    assert set(parts[0]) == {"weights", "main", "noise_and_local", "branches"}
     for p, sec in zip(parts, d["calibrate"]["seconds_per_layer"]):
         assert sum(p.values()) == pytest.approx(sec, abs=1e-3)
     assert proj["calibrate"]["by_parts"] and not proj["calibrate"]["upper_bound"]

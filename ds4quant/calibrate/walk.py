@@ -201,6 +201,7 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
 
         states.device = stream.layer_device(L)
         with sm.layer(L, states.device, stream.plan.expert_cache_for(states.device)) as layer:
+            mark(f"layer {L}: weights ready")
             experts = layer.mlp.experts
             sums.attach(layer)
             try:
