@@ -83,6 +83,16 @@ SURFACES = ("gate", "up", "down")
 _TOKEN_RE = re.compile(r"[0-9]+")
 
 
+def _inside(path, folder: Path) -> bool:
+    if not path:
+        return False
+    try:
+        Path(os.fsdecode(path)).resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------
 # token input
 
@@ -381,5 +391,12 @@ def calibrate(
             progress(meter.finish())
         finished = True
         return report
+    except OSError as e:
+        if not _inside(e.filename, out):
+            raise
+        # a full or read-only OUT: one line, and the journal's finished layers kept for --resume
+        from ds4quant.convert.resume import fs_error
+
+        raise fs_error(e, out, out / WORK_DIR_NAME, created_out=False) from None
     finally:
         lock.release(remove=finished, remove_created=True)

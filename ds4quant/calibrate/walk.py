@@ -84,8 +84,13 @@ class _States:
         p.parent.mkdir(parents=True, exist_ok=True)
 
         def write(h=h.detach()) -> None:
-            with open(p, "wb") as f:
-                np.save(f, h.cpu().numpy())
+            try:
+                with open(p, "wb") as f:
+                    np.save(f, h.cpu().numpy())
+            except OSError as e:  # a failed write names its file (a full disk's error does not)
+                from ds4quant.artifact.atomic import with_path
+
+                raise with_path(e, p) from None
 
         while len(self._writes) >= self._PENDING:
             self._writes.pop(0).result()

@@ -117,6 +117,37 @@ def test_interrupted_after_a_layer_resumes_to_the_same_bytes(tiny, tmp_path):
     assert not (out / WORK).exists()
 
 
+def test_a_full_disk_mid_run_is_one_line_and_resumes_to_the_same_bytes(tiny, tmp_path, monkeypatch):
+    """The hidden states are written on a background thread: a full disk there
+    still ends the run with one line naming the file (exit 2), keeps the
+    finished layers, and --resume (space back) writes the uninterrupted bytes."""
+    import errno
+
+    import ds4quant.calibrate.walk as walk
+
+    d, toks = tiny
+    out = tmp_path / "full"
+    real, writes = walk.np.save, []
+
+    def save(f, arr, *a, **k):
+        writes.append(1)
+        if len(writes) > 14:  # the embeddings and two layers' states go in, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(f, arr, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(walk.np, "save", save)
+        r = CliRunner().invoke(cli, ["calibrate", str(SAMPLE), "--tokens", str(toks), "--out", str(out),
+                                     "--sensitivity-seqs", "2"])
+    assert r.exit_code == 2, (r.output, r.exception)
+    (line,) = [x for x in r.output.splitlines() if x.strip()]
+    assert "No space left on device" in line and f"{WORK}/states/" in line and "--resume" in line
+    assert json.loads((out / WORK / "journal.json").read_text())["finished"] >= 0
+    assert not any((out / f).exists() for f in FILES)
+    calibrate(SAMPLE, toks, out, sensitivity_seqs=2, resume=True)
+    _same(out, d / "full")
+
+
 def test_killed_mid_layer_resumes_to_the_same_bytes(tiny, tmp_path):
     """SIGKILL a CLI run as soon as its journal has a finished layer (the next
     layer is then under way); --resume writes the uninterrupted run's bytes."""
