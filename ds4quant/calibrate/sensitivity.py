@@ -154,9 +154,13 @@ def weighted_error(f: float, imp: np.ndarray, delta) -> float:
 
 
 # Noise draws made ahead of the expert being measured, on CPU threads (torch's
-# generator releases the GIL): at most this many bytes of float32 draws wait.
-_AHEAD_BYTES = 512 << 20
-_DRAW_THREADS = 4
+# generator releases the GIL): at most this many bytes of float32 draws wait,
+# (host, GPU). One DS4 Flash expert's draws (25 M) take about 0.1 s on one
+# core, so a GPU that measures an expert in less waits for them: there up to
+# 8 threads, with room for 10 experts' draws so that all of them have work;
+# the host's own math is the slower side, and its --max-memory budget tighter.
+_AHEAD_BYTES = (512 << 20, 1 << 30)
+_DRAW_THREADS = (4, 8)
 
 
 def scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float, weigh=None):
@@ -180,8 +184,9 @@ def scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float, weigh=None
     shapes = {"gate": (gu0.shape[0] // 2, gu0.shape[1]), "up": (gu0.shape[0] // 2, gu0.shape[1]),
               "down": tuple(down0.shape)}
     per_expert = 4 * sum(a * b for a, b in shapes.values())
-    threads = max(1, min(_DRAW_THREADS, os.cpu_count() or 1))
-    ahead = max(1, min(threads + 2, _AHEAD_BYTES // per_expert))
+    gpu = int(gu0.device.type != "cpu")
+    threads = max(1, min(_DRAW_THREADS[gpu], os.cpu_count() or 1))
+    ahead = max(1, min(threads + 2, _AHEAD_BYTES[gpu] // per_expert))
     n_exp = experts.num_experts
 
     def draw(e: int) -> dict:
