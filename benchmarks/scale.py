@@ -28,7 +28,7 @@ For each: wall seconds, seconds per layer (streamed passes: measured per
 layer; convert: wall / N, an upper bound since it includes the embedding
 and head), peak RSS of that child (its VmHWM: ru_maxrss would start from this
 process's size at fork), and on CUDA the peak GPU memory the child allocated.
-Then a PROJECTION to DS4 Flash's 43 layers (``_project``): each of its
+Then a PROJECTION to DS4 Flash's 43 layers (``scale_projection.project``): each of its
 layers at the rate the slice measured for its attention type (sliding window,
 CSA, HCA: ``--ratio-offset 2`` gives a CSA and an HCA layer) + the measured
 fixed part; peak memory is per layer, so it is projected flat (the hidden
@@ -38,7 +38,6 @@ states grow with S x T, not with N). Printed as a projection.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -50,7 +49,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FLASH_LAYERS = 43
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from scale_clocks import ModuleClock, clocked_layers, layer_parts, profiled, stage_clock, step_clock  # noqa: E402
+from scale_projection import FLASH_LAYERS, project  # noqa: E402
 
 
 def _status(pid="self") -> dict:
@@ -83,110 +85,12 @@ def _gpu_peak() -> int:
 # children
 
 
-class _profiled:
-    """torch.profiler over the pass when ``path`` is given: the top operators by
-    self device time and by self host time, written to ``path`` (where a
-    sequence-layer's time goes, without a debugger on the lent machine)."""
-
-    def __init__(self, path):
-        self.path, self.prof = path, None
-
-    def __enter__(self):
-        if self.path:
-            import torch
-            from torch.profiler import ProfilerActivity, profile
-
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self.prof = profile(activities=acts)
-            self.prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.prof is None:
-            return False
-        self.prof.__exit__(*exc)
-        ka = self.prof.key_averages()
-        parts = []
-        import torch
-
-        keys = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
-        for key in keys:
-            parts.append(f"sorted by {key}\n" + ka.table(sort_by=key, row_limit=30))
-        Path(self.path).write_text("\n\n".join(parts) + "\n")
-        return False
-
-
-class _ModuleClock:
-    """Wall seconds per layer part (attention, its compressor and indexer, router,
-    routed experts, shared expert, hyper-connections), the device synchronized
-    around each call: where a sequence-layer's time goes, by module. Only with
-    ``--profile`` (the synchronizations cost time of their own)."""
-
-    PARTS = ("", "self_attn", "mlp", "mlp.gate", "mlp.experts",
-             "mlp.shared_experts", "attn_hc", "ffn_hc", "input_layernorm", "post_attention_layernorm")
-
-    def __init__(self):
-        self.total: dict = {}
-        self.calls: dict = {}
-        self.handles: list = []
-
-    def attach(self, layer_module) -> None:
-        import torch
-
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-        mods = dict(layer_module.named_modules())
-        extra = [n for n in mods if n.endswith(("compressor", "indexer")) and n not in self.PARTS]
-        for part in self.PARTS + tuple(extra):
-            m = mods.get(part)
-            if m is None:
-                continue
-            name = part or "layer"
-            start: list = []
-
-            def pre(_m, _args, start=start):
-                sync()
-                start.append(time.perf_counter())
-
-            def post(_m, _args, _out, start=start, name=name):
-                sync()
-                self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - start.pop()
-                self.calls[name] = self.calls.get(name, 0) + 1
-
-            self.handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-
-    def detach(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-    def table(self) -> str:
-        whole = self.total.get("layer", 0.0) or 1.0
-        rows = [f"{'part':<28} {'calls':>6} {'seconds':>9} {'share of layer':>15}"]
-        for name, sec in sorted(self.total.items(), key=lambda kv: -kv[1]):
-            rows.append(f"{name:<28} {self.calls[name]:>6} {sec:>9.3f} {100 * sec / whole:>14.1f}%")
-        return "\n".join(rows)
-
-
 def _token_seqs(vocab: int, seqs: int, tokens: int) -> list:
     """The passes' seeded token ids: ``seqs`` sequences of ``tokens`` uniform draws."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     return [[int(t) for t in rng.integers(3, vocab, tokens)] for _ in range(seqs)]
-
-
-def _step_clock():
-    """(progress callback, steps): the seconds between a stage's STEP events (a layer, the head)."""
-    steps, last = [], [time.perf_counter()]
-
-    def progress(ev):
-        if str(getattr(ev.kind, "value", ev.kind)) != "step":
-            return
-        now = time.perf_counter()
-        steps.append({"item": ev.item, "seconds": now - last[0]})
-        last[0] = now
-
-    return progress, steps
 
 
 def _child_stream(a) -> int:
@@ -212,7 +116,7 @@ def _child_stream(a) -> int:
         logit_sum = [0.0]
         decoded: list = []  # experts decoded per layer: reached experts once each when the cache holds them
 
-        clock = _ModuleClock() if a.profile else None
+        clock = ModuleClock() if a.profile else None
 
         class Obs(Observer):
             def on_layer_start(self, layer, module):
@@ -227,9 +131,9 @@ def _child_stream(a) -> int:
             def on_logits(self, index, batch, logits):
                 logit_sum[0] += float(logits.double().sum())
 
-        progress, steps = _step_clock()
+        progress, steps = step_clock()
         t1 = time.perf_counter()
-        with _profiled(a.profile):
+        with profiled(a.profile):
             stream_forward(sm, batches, observer=Obs(), plan=plan, work_dir=a.work, progress=progress,
                            keep_logits=False)
         t2 = time.perf_counter()
@@ -245,60 +149,11 @@ def _child_stream(a) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def _clocked_layers(path):
-    """With ``path``: a ``_ModuleClock`` on every layer the streamed model
-    materializes (calibrate builds its layers itself), else None."""
-    if not path:
-        yield None
-        return
-    from ds4quant.runtime.stream.model import StreamedModel
-
-    clock, real = _ModuleClock(), StreamedModel.layer
-
-    @contextlib.contextmanager
-    def layer(self, *args, **kwargs):
-        with real(self, *args, **kwargs) as mod:
-            clock.attach(mod)
-            try:
-                yield mod
-            finally:
-                clock.detach()
-
-    StreamedModel.layer = layer
-    try:
-        yield clock
-    finally:
-        StreamedModel.layer = real
-
-
-def _layer_parts(events: list, origin: float) -> list:
-    """Per layer, from calibrate's (kind, item, time) events after ``origin``: the
-    weights (to the layer materialized; the first layer's also holds calibrate's
-    set-up), the main pass (to its last sequence), the noise and local errors, the
-    probe branches (to the layer's end)."""
-    parts, start, ready, main_end, noise_end = [], origin, None, None, None
-    for kind, item, t in events:
-        if kind == "tick" and item.endswith("weights ready"):
-            ready = t
-        elif kind == "tick" and ": sequence " in item and item.startswith("layer"):
-            main_end = t
-        elif kind == "tick" and item.endswith("noise and local errors"):
-            noise_end = t
-        elif kind == "step" and item.startswith("layer"):
-            w = ready if ready is not None else start
-            m = main_end if main_end is not None else t
-            nz = noise_end if noise_end is not None else m
-            parts.append({"weights": w - start, "main": m - w, "noise_and_local": nz - m, "branches": t - nz})
-            start, ready, main_end, noise_end = t, None, None, None
-    return parts
-
-
 def _child_calibrate(a) -> int:
     from ds4quant.calibrate import calibrate
 
     t0 = time.perf_counter()
-    progress, steps = _step_clock()
+    progress, steps = step_clock()
     origin = time.perf_counter()
     events: list = []
 
@@ -306,7 +161,7 @@ def _child_calibrate(a) -> int:
         events.append((str(getattr(ev.kind, "value", ev.kind)), str(ev.item), time.perf_counter()))
         progress(ev)
 
-    with _clocked_layers(a.profile) as clock, _profiled(a.profile):
+    with clocked_layers(a.profile) as clock, profiled(a.profile):
         rep = calibrate(a.source, a.token_file, a.out, device=a.device, max_memory=a.max_memory,
                         sensitivity_seqs=a.sensitivity_seqs, force=True, progress=record)
     if clock is not None:
@@ -315,28 +170,11 @@ def _child_calibrate(a) -> int:
                     + clock.table() + "\n")
     per_layer = [s["seconds"] for s in steps if s["item"].startswith("layer")]
     print(json.dumps({"seconds": time.perf_counter() - t0, "steps": steps, "seconds_per_layer": per_layer,
-                      "layer_parts": _layer_parts(events, origin),
+                      "layer_parts": layer_parts(events, origin),
                       "tokens": rep.tokens, "sensitivity_seqs": a.sensitivity_seqs,
                       "peak_rss_bytes": _status().get("VmHWM", 0), "peak_gpu_bytes": _gpu_peak(),
                       "cpu_seconds": _cpu_seconds()}))
     return 0
-
-
-def _stage_clock(t0: float):
-    """(progress callback, stages): per convert stage (measure, codebooks, encode, convert's
-    phases), the seconds from the start to its first and last event and the event count."""
-    stages: dict = {}
-
-    def progress(ev):
-        now = time.perf_counter() - t0
-        name = str(getattr(ev, "stage", "?"))
-        if name == "convert" and getattr(ev, "item", None):
-            name = "convert: " + " ".join(str(ev.item).split()[:2])
-        st = stages.setdefault(name, {"first": now, "last": now, "events": 0})
-        st["last"] = now
-        st["events"] += 1
-
-    return progress, stages
 
 
 def _child_convert(a) -> int:
@@ -345,7 +183,7 @@ def _child_convert(a) -> int:
 
     t0 = time.perf_counter()
     # the command's progress goes to a stage clock instead of the (absent) terminal: where its time goes
-    progress, stages = _stage_clock(t0)
+    progress, stages = stage_clock(t0)
     convert_cmd.command_progress = lambda as_json, wanted=True: progress
     args = ["convert", a.source, a.out, "--recipe", a.recipe, "--force", "--json"] + list(json.loads(a.extra))
     try:
@@ -474,7 +312,7 @@ def main(argv=None) -> int:
         if a.json_out:
             part = dict(res, partial=True)
             if "layers_in_slice" in res:
-                part["projection_43_layers"] = _project(res, res["layers_in_slice"])
+                part["projection_43_layers"] = project(res, res["layers_in_slice"])
             Path(a.json_out).write_text(json.dumps(part, indent=2) + "\n")
 
     res: dict = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
@@ -553,120 +391,11 @@ def main(argv=None) -> int:
     finally:
         if not a.keep and not a.work:
             shutil.rmtree(work, ignore_errors=True)
-    res["projection_43_layers"] = _project(res, n)
+    res["projection_43_layers"] = project(res, n)
     _print(res, n)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(res, indent=2) + "\n")
     return 0
-
-
-def seq_layers(n_layer: int, seqs: int, sens: int) -> list:
-    """Sequence-layers calibrate runs in each layer of an ``n_layer`` model: the
-    ``seqs`` main ones, plus the streamed sensitivity's branches alive there
-    (those that start at the layer and those carried into it, each over the
-    first ``sens`` sequences), as ``calibrate/walk.py`` runs them."""
-    if not sens:
-        return [seqs] * n_layer
-    from ds4quant.calibrate.sensitivity import make_pass
-
-    sp, k = make_pass("streamed", n_layer, sens), min(sens, seqs)
-    return [seqs + k * (len(sp.keys_entering(L)) + len(sp.keys_of(L))) for L in range(n_layer)]
-
-
-def flash_types(offset: int, n: int) -> tuple:
-    """(the slice's layers' attention types, DS4 Flash's 43): native compress-ratio
-    codes, 0 sliding window, 4 CSA, 128 HCA."""
-    sys.path.insert(0, str(REPO / "samples"))
-    from make_synthetic import DS4_FLASH_RATIOS
-
-    return tuple(DS4_FLASH_RATIOS[offset:offset + n]), tuple(DS4_FLASH_RATIOS)
-
-
-def _by_type(rates: list, here: tuple, there: tuple) -> tuple:
-    """(a rate per DS4 Flash layer, {type: rate} measured): each layer takes its
-    attention type's worst measured rate, a type the slice lacks the worst of all."""
-    worst: dict = {}
-    for t, r in zip(here, rates):
-        worst[t] = max(worst.get(t, r), r)
-    anything = max(rates)
-    return [worst.get(t, anything) for t in there], worst
-
-
-def _project_calibrate(r: dict, types: tuple, seqs: int, sens: int, main_seqs: int) -> dict:
-    """calibrate at 43 layers and ``main_seqs`` calibration sequences: per DS4
-    Flash layer its sequence-layers times its attention type's worst rate per
-    sequence-layer in the slice (the first layer's one-time costs, the noise
-    and local errors counted in it: an upper bound); the fixed part as measured."""
-    here, there = types
-    layers = r["seconds_per_layer"]
-    n_here = seq_layers(len(layers), seqs, sens)
-    n_there = seq_layers(FLASH_LAYERS, main_seqs, sens)
-    fixed = r["wall_seconds"] - sum(layers)
-    out = {"seq_layers": sum(n_there), "sequences": main_seqs,
-           "peak_rss_bytes": r["peak_rss_bytes"], "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
-    parts = r.get("layer_parts") or []
-    if len(parts) == len(layers) and seqs:
-        # by parts: the main pass per main sequence-layer, the noise and local errors once a layer
-        # (over the sensitivity sequences, whatever the main count), the branches per branch
-        # sequence-layer (a layer without branches takes the main rate)
-        main, _ = _by_type([p["main"] / seqs for p in parts], here, there)
-        noise, _ = _by_type([p["noise_and_local"] for p in parts], here, there)
-        branch_rates = [p["branches"] / (k - seqs) if k > seqs else p["main"] / seqs for p, k in zip(parts, n_here)]
-        branch, measured = _by_type(branch_rates, here, there)
-        # the weights: the first layer's part also holds calibrate's set-up, counted once; the later
-        # layers' worst (the first's, with one layer: an overestimate) for each of the others
-        weights = [p.get("weights", 0.0) for p in parts]
-        per_weights = max(weights[1:]) if len(weights) > 1 else weights[0]
-        total = fixed + weights[0] + per_weights * (FLASH_LAYERS - 1) + sum(
-            mr * main_seqs + nz + br * (k - main_seqs) for mr, nz, br, k in zip(main, noise, branch, n_there))
-        return dict(out, seconds=total, by_parts=True, upper_bound=False, types_measured=sorted(measured),
-                    weights_first_layer=weights[0], weights_per_layer=per_weights,
-                    seconds_per_main_seq_layer=max(main), noise_and_local_per_layer=max(noise),
-                    seconds_per_branch_seq_layer=max(branch))
-    rates, measured = _by_type([t / k for t, k in zip(layers, n_here)], here, there)
-    return dict(out, seconds=fixed + sum(k * rt for k, rt in zip(n_there, rates)), seconds_per_seq_layer=max(rates),
-                upper_bound=True, types_measured=sorted(measured))
-
-
-def _project(res: dict, n: int) -> dict:
-    """PROJECTION to 43 layers, memory flat in the layer count. The streamed passes: the fixed part
-    once, each DS4 Flash layer at its attention type's rate in the slice (the first layer counted
-    once as measured when later layers of its type exist); calibrate by its sequence-layers
-    (``_project_calibrate``; and at ``--project-seqs`` sequences); convert: the time to its first
-    measured expert once (set-up, kernel compiles), the rest / n x 43 (an upper bound: the
-    embedding and head counted per layer)."""
-    out = {}
-    st = res.get("settings", {})
-    types = flash_types(int(st.get("ratio_offset") or 0), n)
-    cal = res.get("calibrate")
-    if cal:
-        seqs, sens = int(st.get("seqs", 1)), int(cal.get("sensitivity_seqs", 0))
-        out["calibrate"] = _project_calibrate(cal, types, seqs, sens, seqs)
-        if st.get("project_seqs"):
-            out[f"calibrate_{st['project_seqs']}_seqs"] = _project_calibrate(cal, types, seqs, sens,
-                                                                              int(st["project_seqs"]))
-    for key in ("reference", "candidate"):
-        r = res.get(key)
-        if r:
-            # the first layer also pays one-time costs (kernel compiles, the device's first use): where a
-            # later layer of its type was measured it is counted once and the later layers give the rates
-            layers = r["seconds_per_layer"]
-            here, there = types
-            skip = 1 if here[0] in here[1:len(layers)] else 0
-            rates, measured = _by_type(layers[skip:], here[skip:len(layers)], there)
-            fixed = r["wall_seconds"] - sum(layers)
-            once = layers[0] - measured[here[0]] if skip else 0.0
-            out[key] = {"seconds": fixed + once + sum(rates), "seconds_per_layer": sum(rates) / FLASH_LAYERS,
-                        "types_measured": sorted(measured),
-                        "peak_rss_bytes": r["peak_rss_bytes"], "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
-    for key in ("uniform_convert", "adaptive_convert"):
-        r = res.get(key)
-        if r:
-            first = (r.get("stages") or {}).get("measure", {}).get("first", 0.0)
-            out[key] = {"seconds": first + (r["wall_seconds"] - first) / n * FLASH_LAYERS,
-                        "once_seconds": first, "peak_rss_bytes": r["peak_rss_bytes"],
-                        "peak_gpu_bytes": r.get("peak_gpu_bytes", 0)}
-    return out
 
 
 def _print(res: dict, n: int) -> None:

@@ -46,9 +46,9 @@ def test_scale_benchmark_runs_the_whole_pipeline_on_a_small_slice(tmp_path):
         assert sum(p.values()) == pytest.approx(sec, abs=1e-3)
     assert proj["calibrate"]["by_parts"] and not proj["calibrate"]["upper_bound"]
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import scale
+    from scale_projection import flash_types
 
-    here, there = scale.flash_types(0, 2)
+    here, there = flash_types(0, 2)
     main = {t: max(p["main"] / 2 for p, u in zip(parts, here) if u == t) for t in set(here)}
     extra = 2 * sum(main.get(t, max(main.values())) for t in there)
     assert proj["calibrate_4_seqs"]["seconds"] - proj["calibrate"]["seconds"] == pytest.approx(extra, rel=1e-9)
