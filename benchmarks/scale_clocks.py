@@ -8,7 +8,7 @@ import contextlib
 import time
 from pathlib import Path
 
-__all__ = ["ModuleClock", "clocked_layers", "layer_parts", "profiled", "stage_clock", "step_clock"]
+__all__ = ["ModuleClock", "calibrate_marks", "clocked_layers", "layer_parts", "profiled", "stage_clock", "step_clock"]
 
 
 class profiled:
@@ -134,6 +134,43 @@ def clocked_layers(path):
         yield clock
     finally:
         StreamedModel.layer = real
+
+
+@contextlib.contextmanager
+def calibrate_marks(events: list):
+    """While open, ("tick", "layer L: weights ready", time) when calibrate's
+    streamed model has materialized layer L, and ("tick", "layer L: noise and
+    local errors", time) when its sensitivity pass has measured the layer,
+    appended to ``events`` beside calibrate's own progress events (the
+    library's event stream stays as it is)."""
+    from ds4quant.calibrate import sensitivity
+    from ds4quant.runtime.stream.model import StreamedModel
+
+    real_layer = StreamedModel.layer
+    passes = {cls: cls.layer for cls in (sensitivity.StreamedPass, sensitivity.PerTensorPass)}
+
+    @contextlib.contextmanager
+    def layer(self, L, *args, **kwargs):
+        with real_layer(self, L, *args, **kwargs) as mod:
+            events.append(("tick", f"layer {L}: weights ready", time.perf_counter()))
+            yield mod
+
+    def measured(real):
+        def run(self, L, *args, **kwargs):
+            out = real(self, L, *args, **kwargs)
+            events.append(("tick", f"layer {L}: noise and local errors", time.perf_counter()))
+            return out
+        return run
+
+    StreamedModel.layer = layer
+    for cls, real in passes.items():
+        cls.layer = measured(real)
+    try:
+        yield events
+    finally:
+        StreamedModel.layer = real_layer
+        for cls, real in passes.items():
+            cls.layer = real
 
 
 def layer_parts(events: list, origin: float) -> list:

@@ -181,11 +181,6 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
         if progress is not None:
             progress(ev)
 
-    def mark(item: str) -> None:  # a sub-step of the layer done (no tokens): where a layer's time goes
-        ev = meter.tick(item, work=0, tokens=done_tokens)
-        if progress is not None:
-            progress(ev)
-
     if start == 0:  # the embeddings are cheap; a run killed before layer 0 finished redoes them
         for i, b in enumerate(batches):
             states.put(0, MAIN, i, sm.embed(b))
@@ -206,7 +201,6 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
 
         states.device = stream.layer_device(L)
         with sm.layer(L, states.device, stream.plan.expert_cache_for(states.device)) as layer:
-            mark(f"layer {L}: weights ready")
             experts = layer.mlp.experts
             sums.attach(layer)
             try:
@@ -227,7 +221,6 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
             if sens is not None:
                 piece, branches = sens.layer(L, experts, calls, sums)
                 calls.clear()
-                mark(f"layer {L}: noise and local errors")
                 for key in sens.keys_entering(L):
                     for i in range(n_sens):
                         states.put(L + 1, key, i, sm.run_layer(layer, batches[i], states.get(L, key, i)))
