@@ -321,9 +321,10 @@ def calibrate(
                "versions": {k: v for k, v in versions.items() if k != "ds4quant"},
                "device": stream.device, "sensitivity_method": method.value if sensitivity_seqs else None,
                "sensitivity_seqs": sensitivity_seqs}
-    out.mkdir(exist_ok=True)
     # one calibrate at a time per OUT, as convert: flock locks that die with their holder
-    from ds4quant.convert.outdir import OutLock
+    from ds4quant.convert.outdir import OutLock, make_out_dir
+
+    make_out_dir(out)
 
     lock = OutLock(out, command="calibrate").acquire()
     finished = False

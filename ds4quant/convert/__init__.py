@@ -40,7 +40,7 @@ from ds4quant.artifact import sha256_file, write_manifest
 from ds4quant.convert.assemble import assemble, codebook_table, manifest
 from ds4quant.convert.encode import mxfp4_payload, run_encode
 from ds4quant.convert.plan import fit_fixed_mix_books, plan_fingerprint, tensor_specs
-from ds4quant.convert.outdir import WORK_DIR, OutLock, check_no_overlap, clear_for_force
+from ds4quant.convert.outdir import WORK_DIR, OutLock, check_no_overlap, clear_for_force, make_out_dir
 from ds4quant.convert.report import ConvertReport, TensorResult, build_report
 from ds4quant.convert.tokenizer import tokenizer_kvs
 from ds4quant.convert.resume import (
@@ -158,12 +158,7 @@ def convert(
             tensor_types=[o.pattern + "=" + o.qtype for o in overrides], dense_type=rec.dense_qtype,
             imatrix_sha=imx_sha, routing_sha=routing_sha, adaptive=adaptive if rec.adaptive else None,
             sensitivity_sha=sens_sha)
-        created_out = not out.exists()
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OutputError(f"cannot create the output folder ({e.strerror or e}); nothing was written",
-                              where=str(e.filename or out)) from None
+        created_out = make_out_dir(out)
         lock = OutLock(out)
         try:
             lock.acquire()

@@ -105,6 +105,19 @@ def clear_for_force(out: Path, art_name: str) -> None:
             p.unlink()
 
 
+def make_out_dir(out: Path) -> bool:
+    """Create the output folder ``out`` (parents too) when absent; whether this
+    call created it. A folder that cannot be made is an OutputError naming it
+    (exit 2), with nothing written."""
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create the output folder ({e.strerror or e}); nothing was written",
+                          where=str(e.filename or out)) from None
+    return created
+
+
 class OutLock:
     """An exclusive lock on OUTDIR for the lifetime of one convert (see module doc).
 

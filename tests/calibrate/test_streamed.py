@@ -147,6 +147,28 @@ def test_a_full_disk_mid_run_is_one_line_and_resumes_to_the_same_bytes(tiny, tmp
     _same(out, d / "full")
 
 
+def test_an_output_folder_that_cannot_be_made_is_one_line(tiny, tmp_path, monkeypatch):
+    """OUT on a read-only file system: one line naming it, exit 2, nothing written."""
+    import errno
+    import pathlib
+
+    _d, toks = tiny
+    out = tmp_path / "ro"
+    real = pathlib.Path.mkdir
+
+    def mkdir(self, *a, **k):
+        if self == out:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    r = CliRunner().invoke(cli, ["calibrate", str(SAMPLE), "--tokens", str(toks), "--out", str(out)])
+    assert r.exit_code == 2, (r.output, r.exception)
+    (line,) = [x for x in r.output.splitlines() if x.strip()]
+    assert "Read-only file system" in line and str(out) in line and "nothing was written" in line
+    assert not out.exists()
+
+
 def test_killed_mid_layer_resumes_to_the_same_bytes(tiny, tmp_path):
     """SIGKILL a CLI run as soon as its journal has a finished layer (the next
     layer is then under way); --resume writes the uninterrupted run's bytes."""
