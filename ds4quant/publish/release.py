@@ -35,7 +35,7 @@ from typing import Optional
 from ds4quant.artifact import atomic_write_bytes, clear_stale_partials, publish_dir
 from ds4quant.artifact.overlap import check_no_overlap
 from ds4quant.artifact.sums import write_sums
-from ds4quant.errors import BadInputError, Ds4quantError, IntegrityError
+from ds4quant.errors import BadInputError, Ds4quantError, IntegrityError, OutputError
 from ds4quant.progress import ProgressFn
 from ds4quant.publish.card import model_card
 from ds4quant.publish.report import REPORT_DIR
@@ -122,27 +122,34 @@ def publish(
                                    where=str(art), hint="run ds4quant verify on it; publish refuses unsound artifacts")
     man = rep.manifest
     names = [f.name for f in man.files]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with publish_dir(out, overwrite=overwrite, may_replace=lambda o: _not_replaceable(o, (art, source, imatrix))) as tmp:
-        known = {}
-        for f in man.files:
-            dst = tmp / f.name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            known[f.name] = _copy_hashed(art / f.name, dst)
-            if known[f.name] != f.sha256:
-                raise IntegrityError("changed while it was copied (sha256 differs from manifest.json)",
-                                     where=str(art / f.name), hint="publish again")
-        man_shown = _release_manifest(art / MANIFEST, tmp / MANIFEST, man)
-        # the report and card describe the release, not where the artifact happened to be: no
-        # absolute path of this machine in anything that ships (artifact.portable)
-        shown = replace(rep, artifact=Path(out.name), files=tuple(tmp / n for n in names), manifest=man_shown,
-                        checks=_portable_checks(rep.checks, art, (art, source, imatrix)))
-        from ds4quant.publish.report import PLOT_BITS, PLOT_ERROR, PLOT_FIDELITY, PLOT_HIST, write_report
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        may_replace = lambda o: _not_replaceable(o, (art, source, imatrix))  # noqa: E731
+        with publish_dir(out, overwrite=overwrite, may_replace=may_replace) as tmp:
+            known = {}
+            for f in man.files:
+                dst = tmp / f.name
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                known[f.name] = _copy_hashed(art / f.name, dst)
+                if known[f.name] != f.sha256:
+                    raise IntegrityError("changed while it was copied (sha256 differs from manifest.json)",
+                                         where=str(art / f.name), hint="publish again")
+            man_shown = _release_manifest(art / MANIFEST, tmp / MANIFEST, man)
+            # the report and card describe the release, not where the artifact happened to be: no
+            # absolute path of this machine in anything that ships (artifact.portable)
+            shown = replace(rep, artifact=Path(out.name), files=tuple(tmp / n for n in names), manifest=man_shown,
+                            checks=_portable_checks(rep.checks, art, (art, source, imatrix)))
+            from ds4quant.publish.report import PLOT_BITS, PLOT_ERROR, PLOT_FIDELITY, PLOT_HIST, write_report
 
-        write_report(shown, tmp / REPORT_DIR, title=f"Verify report: {out.name}")
-        plots = tuple(f for f in (PLOT_ERROR, PLOT_BITS, PLOT_HIST, PLOT_FIDELITY) if (tmp / REPORT_DIR / f).is_file())
-        atomic_write_bytes(tmp / README, model_card(shown, out.name, hf_repo, plots).encode("utf-8"))
-        write_sums(tmp, known)
+            write_report(shown, tmp / REPORT_DIR, title=f"Verify report: {out.name}")
+            plots = tuple(f for f in (PLOT_ERROR, PLOT_BITS, PLOT_HIST, PLOT_FIDELITY)
+                          if (tmp / REPORT_DIR / f).is_file())
+            atomic_write_bytes(tmp / README, model_card(shown, out.name, hf_repo, plots).encode("utf-8"))
+            write_sums(tmp, known)
+    except OSError as e:
+        # a full disk, a read-only or unreachable OUT: the partial folder is gone (publish_dir)
+        raise OutputError(f"cannot write the release ({e.strerror or e}); nothing was published",
+                          where=str(e.filename or out)) from None
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     size = sum((out / f).stat().st_size for f in files)
     url = _upload(out, hf_repo, hub_token) if hf_repo is not None else None

@@ -165,6 +165,28 @@ def test_refusals_before_any_work(arts, tmp_path):
     assert res.exit_code == 2 and "release folder is inside the artifact" in res.output
 
 
+def test_a_full_disk_while_publishing_is_one_line_and_leaves_nothing(arts, tmp_path, monkeypatch):
+    """The disk fills while the artifact is copied: one line naming the file, exit 2,
+    no release folder and no partial one; the artifact untouched."""
+    import errno
+
+    import ds4quant.publish.release as release_mod
+
+    strix, _ = arts
+    before = {p.name: p.read_bytes() for p in strix.iterdir() if p.is_file()}
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+
+    monkeypatch.setattr(release_mod, "_copy_hashed", full)
+    res = CliRunner().invoke(cli, ["publish", str(strix), str(tmp_path / "rel")])
+    assert res.exit_code == 2, (res.output, res.exception)
+    (line,) = [x for x in res.output.splitlines() if x.strip()]
+    assert "No space left on device" in line and "rel.partial-" in line and "nothing was published" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert {p.name: p.read_bytes() for p in strix.iterdir() if p.is_file()} == before
+
+
 def test_unreachable_hub_fails_cleanly_and_leaves_the_release_complete(arts, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
