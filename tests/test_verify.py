@@ -448,6 +448,26 @@ def test_cli_report_option_without_source_uses_manifest_figures(arts, tmp_path):
     assert "convert-time figures recorded in manifest.json" in md
 
 
+def test_a_report_that_cannot_be_written_is_one_line_and_leaves_no_folder(arts, tmp_path, monkeypatch):
+    """The disk fills while the report is written: one line naming the file, exit 2,
+    and the report folder the run created is gone."""
+    import errno
+
+    import ds4quant.publish.report as report_mod
+
+    strix, _ = arts
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(report_mod, "atomic_write_bytes", full)
+    res = CliRunner().invoke(cli, ["verify", str(strix), "--report", str(tmp_path / "r")])
+    assert res.exit_code == 2, (res.output, res.exception)
+    (line,) = [x for x in res.output.splitlines() if x.strip()]
+    assert "No space left on device" in line and str(tmp_path / "r") in line and "nothing was written" in line
+    assert not (tmp_path / "r").exists()
+
+
 def test_split_sets_are_verified_file_by_file(tmp_path):
     from ds4quant.convert import convert
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ds4quant.artifact import atomic_write_bytes, atomic_write_json
-from ds4quant.errors import BadInputError
+from ds4quant.errors import BadInputError, OutputError
 from ds4quant.metrics import ErrorFigures
 from ds4quant.records import SURFACES, GroupRecord, VerifyReport
 
@@ -402,21 +402,33 @@ def check_report_dir(out_dir: "str | os.PathLike", artifact: "str | os.PathLike"
 def write_report(rep: VerifyReport, out_dir: "str | os.PathLike", *, runtime_section: Optional[str] = None,
                  title: Optional[str] = None) -> Path:
     """Write report.md, verify.json and the PNG plots into ``out_dir`` (created
-    if missing; its parent must exist). Returns the path of report.md."""
+    if missing; its parent must exist). Returns the path of report.md. A file
+    that cannot be written (a full disk, a read-only folder) is an OutputError
+    naming it; a folder this call created is removed again."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise BadInputError("exists and is not a folder", where=str(out))
     if not out.parent.is_dir():
         raise BadInputError(f"folder {out.parent} does not exist", where=str(out), hint="create it first")
-    out.mkdir(exist_ok=True)
-    plots = {}
-    for fname, fn in ((PLOT_ERROR, plot_error_per_layer), (PLOT_BITS, plot_bits_heatmap),
-                      (PLOT_HIST, plot_error_histogram), (PLOT_FIDELITY, plot_fidelity_per_layer)):
-        png = fn(rep)
-        if png is not None:
-            atomic_write_bytes(out / fname, png)
-            plots[fname] = fname
-        elif (out / fname).exists():
-            (out / fname).unlink()  # a stale plot from an earlier run would contradict this report
-    atomic_write_json(out / REPORT_JSON, rep.to_json())
-    return atomic_write_bytes(out / REPORT_MD, render_markdown(rep, plots, runtime_section, title).encode("utf-8"))
+    created = not out.exists()
+    try:
+        out.mkdir(exist_ok=True)
+        plots = {}
+        for fname, fn in ((PLOT_ERROR, plot_error_per_layer), (PLOT_BITS, plot_bits_heatmap),
+                          (PLOT_HIST, plot_error_histogram), (PLOT_FIDELITY, plot_fidelity_per_layer)):
+            png = fn(rep)
+            if png is not None:
+                atomic_write_bytes(out / fname, png)
+                plots[fname] = fname
+            elif (out / fname).exists():
+                (out / fname).unlink()  # a stale plot from an earlier run would contradict this report
+        atomic_write_json(out / REPORT_JSON, rep.to_json())
+        md = render_markdown(rep, plots, runtime_section, title).encode("utf-8")
+        return atomic_write_bytes(out / REPORT_MD, md)
+    except OSError as e:
+        if created:
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
+        raise OutputError(f"cannot write the report ({e.strerror or e})"
+                          + ("; nothing was written" if created else ""), where=str(e.filename or out)) from None
