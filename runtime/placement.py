@@ -46,7 +46,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant.artifact.atomic import atomic_write_bytes, json_bytes
-from ds4quant.errors import BadInputError, CorruptDataError, IntegrityError, UnsupportedFormatError
+from ds4quant.errors import BadInputError, CorruptDataError, IntegrityError, OutputError, UnsupportedFormatError
 from ds4quant.runtime.owners.kinds import OWNER_NAMES, OwnerName
 
 __all__ = [
@@ -494,7 +494,11 @@ def write_placement(path: "str | os.PathLike[str]", p: Placement) -> Path:
     """Write ``p`` as canonical JSON with its content hash, atomically."""
     if not isinstance(p, Placement):
         raise BadInputError(f"expected a Placement, got {type(p).__name__}")
-    return atomic_write_bytes(path, json_bytes(p.to_json()))
+    try:
+        return atomic_write_bytes(path, json_bytes(p.to_json()))
+    except OSError as e:  # a full disk, a read-only folder: the atomic write left nothing behind
+        raise OutputError(f"cannot write the placement ({e.strerror or e}); nothing was written",
+                          where=str(e.filename or path)) from None
 
 
 def as_placement(placement: Any, view) -> Placement:

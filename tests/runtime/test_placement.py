@@ -71,6 +71,28 @@ def test_round_trip_hash_and_owner_of(tmp_path):
         read_placement(tmp_path / "e.json")
 
 
+def test_a_placement_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk under ``ds4quant place --out``: one line naming the file, exit 2, no file."""
+    import errno
+
+    import ds4quant.runtime.placement as placement_mod
+    from ds4quant.convert import convert
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    art = tmp_path / "art"
+    convert(ROOT / "samples" / "ds4-tiny", art, "rocmfp3", threads=1)
+    monkeypatch.setattr(placement_mod, "atomic_write_bytes", full)
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(cli, ["place", str(art), "--routing", str(SAMPLE_ROUTING), "--owner", "cpu",
+                                 "--out", str(out)])
+    assert r.exit_code == 2, (r.output, r.exception)
+    (line,) = [x for x in r.output.splitlines() if x.strip()]
+    assert "No space left on device" in line and str(out) in line and "nothing was written" in line
+    assert not out.exists()
+
+
 def test_a_mapping_is_the_same_placement_as_its_file(tmp_path):
     """The mapping a caller (or a JSON document) writes and the file ``ds4quant place``
     writes are one type: equal records, equal hashes, the same owner of every expert."""
