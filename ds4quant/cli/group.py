@@ -67,6 +67,14 @@ class _Group(click.Group):
                 raise
             click.echo(f"ds4quant: error: {exc.one_line()}", err=True)
             ctx.exit(exit_code_of(exc))
+        except OSError as exc:
+            # the file system refused (full, read-only, gone) where no command named it yet: still one
+            # line naming the file, and the user-error code (the writes are atomic: nothing half-made)
+            if os.environ.get("DS4QUANT_DEBUG"):
+                raise
+            where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
+            click.echo(f"ds4quant: error: {where}{exc.strerror or exc}", err=True)
+            ctx.exit(2)
 
     def list_commands(self, ctx):
         names = list(self.commands)

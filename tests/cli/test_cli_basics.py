@@ -60,3 +60,19 @@ def test_user_error_is_one_line_and_exit_2(tmp_path):
     # An unknown subcommand is click's own usage error (exit 2 too).
     res = CliRunner().invoke(cli, ["no-such-command"])
     assert res.exit_code == 2
+
+
+def test_a_file_system_error_no_command_named_is_still_one_line_and_exit_2(monkeypatch):
+    """The group's last resort: an OSError (a full disk, say) that a command let through
+    becomes one line naming the file and the user-error code, not a traceback."""
+    import errno
+
+    import ds4quant.cli.formats as formats_cmd
+
+    def full(obj):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/result.json")
+
+    monkeypatch.setattr(formats_cmd, "emit_json", full)
+    res = CliRunner().invoke(cli, ["formats", "--json"])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert res.output.strip().splitlines() == ["ds4quant: error: /data/result.json: No space left on device"]
