@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from scale_clocks import (  # noqa: E402
-    ModuleClock, calibrate_marks, clocked_layers, layer_parts, profiled, stage_clock, step_clock,
+    ModuleClock, calibrate_marks, layer_parts, profiled, stage_clock, step_clock,
 )
 from scale_projection import FLASH_LAYERS, project  # noqa: E402
 
@@ -163,7 +163,8 @@ def _child_calibrate(a) -> int:
         events.append((str(getattr(ev.kind, "value", ev.kind)), str(ev.item), time.perf_counter()))
         progress(ev)
 
-    with calibrate_marks(events), clocked_layers(a.profile) as clock, profiled(a.profile):
+    clock = ModuleClock() if a.profile else None
+    with calibrate_marks(events, clock), profiled(a.profile):
         rep = calibrate(a.source, a.token_file, a.out, device=a.device, max_memory=a.max_memory,
                         sensitivity_seqs=a.sensitivity_seqs, force=True, progress=record)
     if clock is not None:

@@ -8,7 +8,7 @@ import contextlib
 import time
 from pathlib import Path
 
-__all__ = ["ModuleClock", "calibrate_marks", "clocked_layers", "layer_parts", "profiled", "stage_clock", "step_clock"]
+__all__ = ["ModuleClock", "calibrate_marks", "layer_parts", "profiled", "stage_clock", "step_clock"]
 
 
 class profiled:
@@ -110,39 +110,13 @@ def step_clock():
 
 
 @contextlib.contextmanager
-def clocked_layers(path):
-    """With ``path``: a ``ModuleClock`` on every layer the streamed model
-    materializes (calibrate builds its layers itself), else None."""
-    if not path:
-        yield None
-        return
-    from ds4quant.runtime.stream.model import StreamedModel
-
-    clock, real = ModuleClock(), StreamedModel.layer
-
-    @contextlib.contextmanager
-    def layer(self, *args, **kwargs):
-        with real(self, *args, **kwargs) as mod:
-            clock.attach(mod)
-            try:
-                yield mod
-            finally:
-                clock.detach()
-
-    StreamedModel.layer = layer
-    try:
-        yield clock
-    finally:
-        StreamedModel.layer = real
-
-
-@contextlib.contextmanager
-def calibrate_marks(events: list):
+def calibrate_marks(events: list, clock: "ModuleClock | None" = None):
     """While open, ("tick", "layer L: weights ready", time) when calibrate's
     streamed model has materialized layer L, and ("tick", "layer L: noise and
     local errors", time) when its sensitivity pass has measured the layer,
     appended to ``events`` beside calibrate's own progress events (the
-    library's event stream stays as it is)."""
+    library's event stream stays as it is); with ``clock``, that clock on every
+    layer calibrate materializes (it builds its layers itself)."""
     from ds4quant.calibrate import sensitivity
     from ds4quant.runtime.stream.model import StreamedModel
 
@@ -153,7 +127,13 @@ def calibrate_marks(events: list):
     def layer(self, L, *args, **kwargs):
         with real_layer(self, L, *args, **kwargs) as mod:
             events.append(("tick", f"layer {L}: weights ready", time.perf_counter()))
-            yield mod
+            if clock is not None:
+                clock.attach(mod)
+            try:
+                yield mod
+            finally:
+                if clock is not None:
+                    clock.detach()
 
     def measured(real):
         def run(self, L, *args, **kwargs):

@@ -34,6 +34,9 @@ from typing import Any, Callable, Iterator, Optional
 
 from ds4quant.errors import BadInputError, CorruptDataError, MissingDependencyError
 from ds4quant.runtime.torch_env import quiet_transformers, torch_threads  # noqa: F401  (public here too)
+# the eager experts' rows and down-projection input, one definition (the stream's, which reads
+# eager's stacked ``gate_up_proj`` too)
+from ds4quant.runtime.stream.source import expert_rows  # noqa: F401  (public here too)
 
 __all__ = [
     "ExpertCall", "ExpertCapture", "capture_experts", "check_dependencies", "expert_rows", "load_reference",
@@ -220,25 +223,6 @@ def swap_experts(model, layer: int, module):
     old = block.experts
     block.experts = module
     return old
-
-
-def expert_rows(experts, hidden, idx_t, e: int):
-    """The rows routed to expert ``e`` and its down-projection input, exactly as
-    the eager ``DeepseekV4Experts.forward`` computes them.
-
-    hidden: float32 [T, H]; idx_t: int64 [k, T] (top_k_index transposed, the
-    layout of eager's one-hot mask[e]). Returns (top_k_pos [n], token_idx [n],
-    x = hidden[token_idx] [n, H], act [n, I]) with rows in eager's order and
-    act = silu(clamp(gate, max=limit)) * clamp(up, -limit, limit).
-    """
-    import torch
-    import torch.nn.functional as F
-
-    pos, tok = torch.where(idx_t == e)
-    x = hidden[tok]
-    gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    act = experts.act_fn(gate.clamp(max=experts.limit)) * up.clamp(min=-experts.limit, max=experts.limit)
-    return pos, tok, x, act
 
 
 @dataclass(frozen=True)

@@ -59,12 +59,7 @@ def sum_sq(x) -> np.ndarray:
     Squares of float32 are exact in float64; numpy adds rows in order. On a GPU the
     same sums in the same order run there (``formats.search.column_square_sums_on_device``)
     and only the totals cross the link, not the rows."""
-    if x.device.type != "cpu" and _device_sums():
-        from ds4quant.formats.search import column_square_sums_on_device
-
-        return column_square_sums_on_device(x).cpu().numpy()
-    a = x.detach().cpu().numpy().astype(np.float64)
-    return np.square(a).sum(axis=0)
+    return _host(_col_sums(x))
 
 
 def _col_sums(x):
@@ -73,7 +68,8 @@ def _col_sums(x):
         from ds4quant.formats.search import column_square_sums_on_device
 
         return column_square_sums_on_device(x)
-    return sum_sq(x)
+    a = x.detach().cpu().numpy().astype(np.float64)
+    return np.square(a).sum(axis=0)
 
 
 def _host(s) -> np.ndarray:

@@ -23,6 +23,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+# the eager experts' rows and down-projection input: one definition, the stream's
+from ds4quant.runtime.stream.source import down_input, expert_rows  # noqa: F401  (expert_rows re-exported)
+
 __all__ = ["SURFACES", "ExpertNoise", "PerturbedExperts", "TensorNoise", "expert_output", "expert_rows", "expert_weights",
            "pert_weights", "rms", "surface_rows"]
 
@@ -169,29 +172,10 @@ def _Experts(src: PerturbedExperts):
     return _CLASS(src)
 
 
-def expert_rows(experts, hidden, idx_t, e: int):
-    """The rows routed to expert ``e`` and its down-projection input, as the
-    eager forward computes them: (top_k_pos, token_idx, x = hidden[token_idx],
-    act = silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)).
-    idx_t: top_k_index transposed [k, T] (eager's mask[e] layout)."""
-    import torch
-    import torch.nn.functional as F
-
-    pos, tok = torch.where(idx_t == e)
-    x = hidden[tok]
-    gu, _down = expert_weights(experts, e)
-    gate, up = F.linear(x, gu).chunk(2, dim=-1)
-    act = experts.act_fn(gate.clamp(max=experts.limit)) * up.clamp(min=-experts.limit, max=experts.limit)
-    return pos, tok, x, act
-
-
 def expert_output(experts_like, gu, down, x, w_rows):
     """An expert's contribution on its rows: down(act(gate_up x)) * routing weight (float32)."""
     import torch.nn.functional as F
 
-    gate, up = F.linear(x, gu).chunk(2, dim=-1)
-    act = experts_like.act_fn(gate.clamp(max=experts_like.limit)) * up.clamp(min=-experts_like.limit,
-                                                                             max=experts_like.limit)
-    return F.linear(act, down) * w_rows[:, None]
+    return F.linear(down_input(experts_like, x, gu), down) * w_rows[:, None]
 
 

@@ -331,16 +331,14 @@ class StreamedPass(SensitivityPass):
         noise = ExpertNoise()
         probes = [(g, m) for g in self.groups for m in self.scales] if L in self.probes else []
         err = dict.fromkeys(SURFACES, 0.0)
-        local = dict.fromkeys(SURFACES, 0.0)
-        local_probe = dict.fromkeys(probes, 0.0)
         add = {p: [torch.zeros_like(h) for h, _i, _w in calls] for p in probes}
         # each call's rows per expert, found once (one host synchronization a call)
         rows = [{e: (pos, tok) for e, pos, tok in rows_by_expert(idx, n_exp)} for _h, idx, _w in calls]
         # the local sums stay on the rows' device until the layer is done: float64 additions in the
         # same order as on the host, without a synchronization per expert and sequence
         dev = calls[0][0].device if calls else torch.device("cpu")
-        local = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in local}
-        local_probe = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in local_probe}
+        local = {s: torch.zeros((), dtype=torch.float64, device=dev) for s in SURFACES}
+        local_probe = {p: torch.zeros((), dtype=torch.float64, device=dev) for p in probes}
         for e, gu, down, d, terms in scaled_noise(noise, L, experts, self.rel_std, weighting.term):
             for s in SURFACES:
                 err[s] += terms[s]

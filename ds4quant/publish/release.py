@@ -112,7 +112,11 @@ def publish(
         raise BadInputError("publish takes an artifact folder (GGUF + manifest.json)", where=str(art),
                             hint="convert writes one: ds4quant convert SRC OUTDIR")
     out = check_release_folder(outdir, art, source=source, imatrix=imatrix, overwrite=overwrite)
-    stale = clear_stale_partials(out, may_remove_old=lambda o: _not_replaceable(o, (art, source, imatrix)))
+
+    def may_replace(o: Path) -> Optional[str]:  # why an old folder at ``o`` must stay (None: it may go)
+        return _not_replaceable(o, (art, source, imatrix))
+
+    stale = clear_stale_partials(out, may_remove_old=may_replace)
     rep = verify(art, source=source, imatrix=imatrix, threshold_db=threshold_db, fidelity=fidelity,
                  protocol=protocol, mode=mode, progress=progress, reference=reference)
     if not rep.ok:
@@ -124,7 +128,6 @@ def publish(
     names = [f.name for f in man.files]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        may_replace = lambda o: _not_replaceable(o, (art, source, imatrix))  # noqa: E731
         with publish_dir(out, overwrite=overwrite, may_replace=may_replace) as tmp:
             known = {}
             for f in man.files:

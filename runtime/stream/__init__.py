@@ -34,6 +34,7 @@ _FACE = {
     "SourceExperts": "ds4quant.runtime.stream.source",
     "EagerExperts": "ds4quant.runtime.stream.source",
     "expert_rows": "ds4quant.runtime.stream.source",
+    "down_input": "ds4quant.runtime.stream.source",
     "rows_by_expert": "ds4quant.runtime.stream.source",
     "ArtifactWeights": "ds4quant.runtime.stream.artifact",
     "Batch": "ds4quant.runtime.stream.model",

@@ -26,8 +26,8 @@ import numpy as np
 
 from ds4quant.errors import BadInputError, CorruptDataError
 
-__all__ = ["EagerExperts", "SourceExperts", "SourceWeights", "WeightProvider", "expert_rows", "rows_by_expert",
-           "GLOBAL_PARTS"]
+__all__ = ["EagerExperts", "SourceExperts", "SourceWeights", "WeightProvider", "down_input", "expert_rows",
+           "rows_by_expert", "GLOBAL_PARTS"]
 
 # The model's tensors outside the decoder layers, by the stage that uses them.
 GLOBAL_PARTS = {
@@ -262,8 +262,7 @@ class _ExpertsLoop(_experts_base()):  # type: ignore[misc]
         for e, pos, tok in rows_by_expert(top_k_index, self.num_experts):
             gate_up, down = self.expert_weights(e)  # once: a bounded cache's miss decodes all three
             x = hidden_states[tok]
-            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-            act = self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+            act = down_input(self, x, gate_up)
             if tap is not None:
                 tap(e, tok, x, act)
             y = F.linear(act, down) * top_k_weights[tok, pos, None]
@@ -344,23 +343,27 @@ class SourceExperts(_ExpertsLoop):
         self._cached = 0
 
 
-def expert_rows(experts, hidden, idx_t, e: int, gate_up=None):
+def expert_rows(experts, hidden, idx_t, e: int):
     """The rows routed to expert ``e`` and its down-projection input, exactly as the
     eager experts forward computes them, for a ``SourceExperts`` or an eager
     ``DeepseekV4Experts``.
 
     hidden: float32 [T, H]; idx_t: int64 [k, T] (top_k_index transposed). Returns
     (top_k_pos [n], token_idx [n], x = hidden[token_idx] [n, H], act [n, I]),
-    act = silu(clamp(gate, max=limit)) * clamp(up, -limit, limit). gate_up: the
-    expert's [2I, H] weights when the caller holds them already.
+    act = ``down_input``.
     """
     import torch
-    import torch.nn.functional as F
 
-    if gate_up is None:
-        gate_up = experts.expert_weights(e)[0] if hasattr(experts, "expert_weights") else experts.gate_up_proj[e]
+    gate_up = experts.expert_weights(e)[0] if hasattr(experts, "expert_weights") else experts.gate_up_proj[e]
     pos, tok = torch.where(idx_t == e)
     x = hidden[tok]
+    return pos, tok, x, down_input(experts, x, gate_up)
+
+
+def down_input(experts, x, gate_up):
+    """``silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)`` of rows ``x``
+    [n, H] through ``gate_up`` [2I, H], with the eager experts forward's ops."""
+    import torch.nn.functional as F
+
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    act = experts.act_fn(gate.clamp(max=experts.limit)) * up.clamp(min=-experts.limit, max=experts.limit)
-    return pos, tok, x, act
+    return experts.act_fn(gate.clamp(max=experts.limit)) * up.clamp(min=-experts.limit, max=experts.limit)
