@@ -39,18 +39,17 @@ Stats = tuple[float, float, Optional[float], Optional[float], int]
 def _encode(qt, x: np.ndarray, imp, books, kw: dict, backend) -> np.ndarray:
     """``formats.encode`` of one matrix, its search on ``backend``'s device where
     the device tiers cover the qtype (``formats.search``: the same bytes and
-    refusals); on CUDA only from ``DEVICE_MIN_WEIGHTS`` weights, as the measure
-    stage decides (smaller matrices are cheaper on the cores)."""
-    if backend is not None and backend.on_device:
+    refusals); on CUDA only matrices the measure stage would send there
+    (``plan.job.backend_for``)."""
+    if backend is not None:
         from ds4quant.formats import search
-        from ds4quant.formats.search import DeviceKind
-        from ds4quant.plan import job
+        from ds4quant.plan.job import backend_for
 
-        if backend.device is not DeviceKind.CUDA or x.size >= job.DEVICE_MIN_WEIGHTS:
-            if qt.is_mix and np.ndim(books) == 2:
-                return search.encode_mix(qt.name, x, imp, books, kw.get("mode", 1), backend)
-            if not qt.is_mix and search.scale_covers(qt.name):
-                return search.encode_scale(qt.name, x, imp, backend)
+        backend = backend_for(backend, x.size)
+        if backend.on_device and qt.is_mix and np.ndim(books) == 2:
+            return search.encode_mix(qt.name, x, imp, books, kw.get("mode", 1), backend)
+        if backend.on_device and not qt.is_mix and search.scale_covers(qt.name):
+            return search.encode_scale(qt.name, x, imp, backend)
     return encode(qt.name, x, imp, books, **kw)
 
 

@@ -181,15 +181,22 @@ class ExpertJob:
         return self.resident().sums(y)
 
 
+def backend_for(backend: Backend, weights: int) -> Backend:
+    """Where a matrix of ``weights`` weights is searched on ``backend``: a CUDA
+    device takes matrices of at least ``DEVICE_MIN_WEIGHTS`` weights, smaller
+    ones stay on the CPU cores, where they are cheaper (the same bytes)."""
+    if backend.device is DeviceKind.CUDA and weights < DEVICE_MIN_WEIGHTS:
+        return NUMBA
+    return backend
+
+
 def measure_candidates(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, qtypes: Sequence[str],
                        opts: AdaptiveOptions, seed: str, backend: Backend = NUMBA) -> list:
     """[(qtype, Measure, (books, mode) or None)] of one expert matrix for each
     of ``qtypes`` in order, the matrix uploaded to the backend's device once
     for all of them (a CUDA device takes matrices of at least
     ``DEVICE_MIN_WEIGHTS`` weights); call it inside ``worker_stream(backend)``."""
-    if backend.device is DeviceKind.CUDA and x.size < DEVICE_MIN_WEIGHTS:
-        backend = NUMBA
-    return ExpertJob(x, imp, err_w, opts, seed, backend).run(qtypes)
+    return ExpertJob(x, imp, err_w, opts, seed, backend_for(backend, x.size)).run(qtypes)
 
 
 def measure_matrix(x: np.ndarray, imp: Optional[np.ndarray], err_w: np.ndarray, qtype: str,
