@@ -9,7 +9,7 @@
 # seconds per layer, peak host RSS, peak GPU memory, and the projection to 43 layers.
 # SKIP=adaptive (steps to skip: reference,calibrate,uniform,adaptive,candidate), RECIPE=mxfp4 (the uniform
 # recipe), CANDIDATE_OF=uniform (the candidate pass over the uniform artifact, before the adaptive convert),
-# SENS=N (calibrate's sensitivity sequences), PROJECT_SEQS=N (calibrate projected at N sequences, default 128), PROFILE=1 (torch.profiler's top operators of the reference step),
+# SENS=N (calibrate's sensitivity sequences), BATCH=N (calibrate's --batch-size and the streamed passes' batch), PROJECT_SEQS=N (calibrate projected at N sequences, default 128), PROFILE=1 (torch.profiler's top operators of the reference step),
 # TESTS="file::test ..." (GPU tests run first, T_TESTS seconds at most), EXPERTS=N (fewer routed experts), RATIO_OFFSET=K (the slice starts at DS4 Flash's layer K: 2 gives a CSA and an HCA layer), SOURCE=DIR (an existing slice), KEEP=1 (keep
 # /tmp/scaleN for a next call on the same warm machine).
 # Everything that comes back is under $OUT (one JSON and one text file per N, device.txt).
@@ -32,7 +32,7 @@ for N in ${LAYERS:-2 4}; do
   timeout "${T_EACH:-3000}" python3 benchmarks/scale.py --layers "$N" --seqs "${SEQS:-64}" --tokens "${TOKENS:-2048}" \
       --device "${DEVICE:-cuda}" --max-memory "${MAXMEM:-32G}" --adaptive-candidates "${CANDIDATES:-default}" \
       ${SKIP:+--skip "$SKIP"} ${RECIPE:+--recipe "$RECIPE"} ${CANDIDATE_OF:+--candidate-of "$CANDIDATE_OF"} \
-      ${SENS:+--sensitivity-seqs "$SENS"} ${PROFILE:+--profile "$OUT/profile_flash${N}.txt"} \
+      ${SENS:+--sensitivity-seqs "$SENS"} ${BATCH:+--batch-size "$BATCH"} ${PROFILE:+--profile "$OUT/profile_flash${N}.txt"} \
       --project-seqs "${PROJECT_SEQS:-128}" ${EXPERTS:+--experts "$EXPERTS"} ${RATIO_OFFSET:+--ratio-offset "$RATIO_OFFSET"} ${SOURCE:+--source "$SOURCE"} \
       --work "/tmp/scale$N" --json-out "$OUT/scale_flash${N}_${CARD:-gpu}.json" > "$OUT/scale_flash${N}_${CARD:-gpu}.txt" 2>&1
   echo "N=$N rc=$? $(( $(date +%s) - t0 )) s"; tail -40 "$OUT/scale_flash${N}_${CARD:-gpu}.txt"

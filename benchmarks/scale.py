@@ -9,12 +9,13 @@ ds4-flash --layers N``: real shapes, random weights; or ``--source DIR``),
 each step runs in its own child process:
 
 1. reference: the layer-streamed reference forward (``runtime.stream``,
-   ``SourceWeights``) over S sequences x T tokens, one sequence per batch, as
-   ``ds4quant reference --stream`` runs it (no observer but the logits' sum);
+   ``SourceWeights``) over S sequences x T tokens, one sequence per batch
+   (``--batch-size``: that many), as ``ds4quant reference --stream`` runs it
+   (no observer but the logits' sum);
 2. calibrate: ``ds4quant calibrate`` itself over the same S x T tokens
    (imatrix, routing profile, and the streamed sensitivity probes over the
-   first ``--sensitivity-seqs`` sequences), seconds per layer from its
-   progress events;
+   first ``--sensitivity-seqs`` sequences, which run alone; the rest in
+   calibrate's batches), seconds per layer from its progress events;
 3. uniform convert (``ds4quant convert --recipe R``, default --jobs/threads);
 4. adaptive convert (``--recipe adaptive``, candidates ``--adaptive-candidates``,
    with calibrate's imatrix, routing profile and sensitivity when step 2 ran);
@@ -113,7 +114,7 @@ def _child_stream(a) -> int:
     with weights as w:
         sm = StreamedModel(w, device=a.device, threads=a.threads)
         seqs = _token_seqs(w.config.vocab_size, a.seqs, a.tokens)
-        batches = sm.batches(seqs)
+        batches = sm.batches(seqs, batch_size=a.batch_size or 1)
         plan = plan_memory(w, [b.shape for b in batches], a.max_memory, a.device)
         logit_sum = [0.0]
         decoded: list = []  # experts decoded per layer: reached experts once each when the cache holds them
@@ -166,14 +167,15 @@ def _child_calibrate(a) -> int:
     clock = ModuleClock() if a.profile else None
     with calibrate_marks(events, clock), profiled(a.profile):
         rep = calibrate(a.source, a.token_file, a.out, device=a.device, max_memory=a.max_memory,
-                        sensitivity_seqs=a.sensitivity_seqs, force=True, progress=record)
+                        sensitivity_seqs=a.sensitivity_seqs, force=True, progress=record, batch_size=a.batch_size)
     if clock is not None:
         with open(a.profile, "a") as f:
             f.write("\nwall seconds by layer part, every run of a layer (main pass and branches)\n"
                     + clock.table() + "\n")
     per_layer = [s["seconds"] for s in steps if s["item"].startswith("layer")]
     print(json.dumps({"seconds": time.perf_counter() - t0, "steps": steps, "seconds_per_layer": per_layer,
-                      "layer_parts": layer_parts(events, origin),
+                      "layer_parts": layer_parts(events, origin, min(a.sensitivity_seqs, a.seqs)),
+                      "batch": rep.batch,
                       "tokens": rep.tokens, "sensitivity_seqs": a.sensitivity_seqs,
                       "peak_rss_bytes": _status().get("VmHWM", 0), "peak_gpu_bytes": _gpu_peak(),
                       "cpu_seconds": _cpu_seconds()}))
@@ -275,6 +277,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-memory", default=None, help="streamed passes' budget, e.g. 6G")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (streamed passes and adaptive convert)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the streamed passes")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="sequences per batch: calibrate's --batch-size (default its own: 1 on the CPU, on a GPU "
+                         "as many as fit up to 8) and the streamed passes' (default 1)")
     ap.add_argument("--recipe", default="rocmfp2-strix", help="uniform recipe (default rocmfp2-strix)")
     ap.add_argument("--adaptive-candidates", default="rocmfp2,rocmfp3,rocmfp4",
                     help="adaptive convert's --candidates ('default': convert's own list)")
@@ -339,6 +344,8 @@ def main(argv=None) -> int:
             common += ["--max-memory", a.max_memory]
         if a.threads:
             common += ["--threads", str(a.threads)]
+        if a.batch_size:
+            common += ["--batch-size", str(a.batch_size)]
         uni, ada, cal = work / "uniform", work / "adaptive", work / "calib"
         if "reference" not in skip:
             res["reference"] = _run(me + ["--child", "stream"] + common

@@ -153,25 +153,33 @@ def calibrate_marks(events: list, clock: "ModuleClock | None" = None):
             cls.layer = real
 
 
-def layer_parts(events: list, origin: float) -> list:
+def layer_parts(events: list, origin: float, singles: int = 0) -> list:
     """Per layer, from calibrate's (kind, item, time) events after ``origin``: the
     weights (to the layer materialized; the first layer's also holds calibrate's
     set-up), the main pass (to its last sequence), the noise and local errors, the
-    probe branches (to the layer's end)."""
-    parts, start, ready, main_end, noise_end = [], origin, None, None, None
+    probe branches (to the layer's end). With ``singles`` (the sensitivity
+    sequences, which run alone before the batched rest) the main pass is also
+    split there: ``main_singles`` to sequence ``singles``'s tick, ``main_batched``
+    after it."""
+    parts, start, ready, main_end, noise_end, single_end = [], origin, None, None, None, None
     for kind, item, t in events:
         if kind == "tick" and item.endswith("weights ready"):
             ready = t
         elif kind == "tick" and ": sequence " in item and item.startswith("layer"):
             main_end = t
+            if singles and item.split(": sequence ")[1].split("/")[0] == str(singles):
+                single_end = t
         elif kind == "tick" and item.endswith("noise and local errors"):
             noise_end = t
         elif kind == "step" and item.startswith("layer"):
             w = ready if ready is not None else start
             m = main_end if main_end is not None else t
             nz = noise_end if noise_end is not None else m
-            parts.append({"weights": w - start, "main": m - w, "noise_and_local": nz - m, "branches": t - nz})
-            start, ready, main_end, noise_end = t, None, None, None
+            part = {"weights": w - start, "main": m - w, "noise_and_local": nz - m, "branches": t - nz}
+            if single_end is not None:
+                part.update(main_singles=single_end - w, main_batched=m - single_end)
+            parts.append(part)
+            start, ready, main_end, noise_end, single_end = t, None, None, None, None
     return parts
 
 

@@ -63,7 +63,15 @@ def _project_calibrate(r: dict, types: tuple, seqs: int, sens: int, main_seqs: i
         # by parts: the main pass per main sequence-layer, the noise and local errors once a layer
         # (over the sensitivity sequences, whatever the main count), the branches per branch
         # sequence-layer (a layer without branches takes the main rate)
-        main, _ = _by_type([p["main"] / seqs for p in parts], here, there)
+        k_single = min(sens, seqs)
+        if seqs > k_single and all("main_batched" in p for p in parts):
+            # calibrate runs the sensitivity sequences alone and the rest in batches: each at its own rate
+            single, _ = _by_type([p["main_singles"] / k_single for p in parts], here, there)
+            batched, _ = _by_type([p["main_batched"] / (seqs - k_single) for p in parts], here, there)
+            main = [(sr * k_single + br * (main_seqs - k_single)) / main_seqs for sr, br in zip(single, batched)]
+            out.update(seconds_per_single_seq_layer=max(single), seconds_per_batched_seq_layer=max(batched))
+        else:
+            main, _ = _by_type([p["main"] / seqs for p in parts], here, there)
         noise, _ = _by_type([p["noise_and_local"] for p in parts], here, there)
         branch_rates = [p["branches"] / (k - seqs) if k > seqs else p["main"] / seqs for p, k in zip(parts, n_here)]
         branch, measured = _by_type(branch_rates, here, there)

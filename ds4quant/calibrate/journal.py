@@ -47,6 +47,7 @@ FIXED: Mapping[str, str] = MappingProxyType({
     "device": "--device",
     "sensitivity_method": "--sensitivity-method",
     "sensitivity_seqs": "--sensitivity-seqs",
+    "batch": "--batch-size",
 })
 
 
@@ -97,6 +98,16 @@ class Journal:
             raise ResumeMismatchError("cannot resume: " + "; ".join(diff), where=str(path),
                                       hint="run with the journal's inputs, or start over with --force")
         return cls(work, stored, finished)
+
+    @staticmethod
+    def stored_option(work: Path, key: str):
+        """Option ``key`` of the journal in ``work``, or None where it has none
+        (``resume`` checks the journal; this only reads what it can)."""
+        try:
+            value = json.loads((work / JOURNAL).read_text())["options"].get(key)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
     # -- paths -----------------------------------------------------------------------
     def sums_path(self, layer: int) -> Path:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from ds4quant.errors import BadInputError
 
-__all__ = ["Stream", "open_stream"]
+__all__ = ["GPU_BATCHES", "Stream", "open_stream", "pick_batch"]
 
 
 def _check_device(text: str) -> str:
@@ -37,11 +37,16 @@ def _check_device(text: str) -> str:
     return f"cuda:{index}"
 
 
+#: the batches ``open_stream`` tries on a GPU when none is given, largest first
+GPU_BATCHES = (8, 4, 2, 1)
+
+
 @dataclass(frozen=True)
 class Stream:
     source: Path
     device: str
     plan: Any  # runtime.stream.MemoryPlan
+    batch: int = 1  # sequences the main pass runs together (``walk.batch_groups``)
 
     def layer_device(self, layer: int) -> str:
         """Where layer ``layer`` runs (the CPU when a GPU is too small for it)."""
@@ -61,19 +66,50 @@ class Stream:
 
 
 def open_stream(source: Path, cfg, seq_lens: Sequence[int], device: str = "cpu",
-                max_memory: "int | str | None" = None) -> Stream:
-    """Check ``device`` and fit sequences of ``seq_lens`` tokens (batch 1 each)
-    into ``max_memory`` (bytes or SIZE text; None: no bound) for ``source``."""
+                max_memory: "int | str | None" = None, *, batch: Optional[int] = None, singles: int = 0) -> Stream:
+    """Check ``device`` and fit sequences of ``seq_lens`` tokens into
+    ``max_memory`` (bytes or SIZE text; None: no bound) for ``source``, the
+    first ``singles`` alone and the rest in batches of ``batch``
+    (``walk.batch_groups``). batch None: 1 on the CPU (the whole model's
+    bits); on a GPU the largest of ``GPU_BATCHES`` that keeps every layer and
+    its decoded experts where batch 1 keeps them."""
     from ds4quant.runtime.reference import check_dependencies
     from ds4quant.runtime.stream import SourceWeights, plan_memory
 
     check_dependencies(cfg.expert_dtype is not None or cfg.fp8_block is not None, needed_by="calibrate")
     name = _check_device(device)
+    if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
+        raise BadInputError(f"the batch size must be an int >= 1, got {batch!r}", where="--batch-size")
     from ds4quant.calibrate.collect import statistics_bytes
+    from ds4quant.calibrate.walk import batch_groups
+
+    def plan_for(b: int):
+        shapes = [(len(g), seq_lens[g[0]]) for g in batch_groups(seq_lens, singles, b)]
+        return plan_memory(weights, shapes, max_memory, name, reserved=statistics_bytes(weights.config))
 
     with SourceWeights(source) as weights:
-        plan = plan_memory(weights, [(1, n) for n in seq_lens], max_memory, name,
-                           reserved=statistics_bytes(weights.config))
-    return Stream(Path(source), name, plan)
+        if batch is not None or name == "cpu":
+            b = batch or 1
+            return Stream(Path(source), name, plan_for(b), b)
+        b, plan = pick_batch(plan_for)
+        return Stream(Path(source), name, plan, b)
 
 
+def pick_batch(plan_for, batches: Sequence[int] = GPU_BATCHES) -> tuple:
+    """(batch, plan): the largest of ``batches`` whose plan (``plan_for(b)``,
+    a ``MemoryPlan``) fits the budget and keeps every layer and its decoded
+    experts where batch 1 keeps them (a batch that pushes a layer to the CPU
+    or evicts decoded experts costs more than it saves); else 1."""
+    from ds4quant.errors import BudgetError
+
+    one = plan_for(1)
+    for b in sorted(set(batches), reverse=True):
+        if b <= 1:
+            break
+        try:
+            plan = plan_for(b)
+        except BudgetError:
+            continue
+        if plan.layer_devices == one.layer_devices and plan.gpu_expert_cache == one.gpu_expert_cache:
+            return b, plan
+    return 1, one

@@ -32,13 +32,17 @@ Resume: the work folder ``OUT/.ds4quant-work`` journals every finished layer
 unfinished layer with the same bytes, and refuses when the source, tokens or
 options changed.
 
-Determinism: every sequence runs alone (batch 1) on one torch thread, its
-sums are taken in float64 and added in sequence order (torch's CPU kernels
-give different bits for different intra-op thread counts:
+Determinism: on the CPU every sequence runs alone (batch 1) on one torch
+thread, its sums are taken in float64 and added in sequence order (torch's
+CPU kernels give different bits for different intra-op thread counts:
 docs/reference-model.md#determinism); the streamed layer gives the whole
-model's bits (``ds4quant.runtime.stream``), so the files are
-the bytes a whole-model run writes. Only ``report.json``'s ``run`` block
-(seconds, device) differs between runs.
+model's bits (``ds4quant.runtime.stream``), so the files are the bytes a
+whole-model run writes. Only ``report.json``'s ``run`` block (seconds,
+device) differs between runs. On a GPU the sequences after the sensitivity
+ones run in batches (``batch_size``; by default as many as fit, at most 8):
+fewer, larger expert calls, each batch's sums added in order. A batch
+changes the last bits as the device does; the batch is in ``report.json``
+and the journal, and a resumed run keeps it.
 
 Example::
 
@@ -201,6 +205,7 @@ class CalibrationReport:
     seconds: float
     device: str
     resumed_at: int = 0
+    batch: int = 1  # sequences the main pass ran together (the sensitivity ones alone)
 
     @property
     def unreached_count(self) -> int:
@@ -216,7 +221,7 @@ class CalibrationReport:
                        "sequences": self.sequences, "tokens": self.tokens},
             "model": {"n_layer": self.n_layer, "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
                       "hash_layers": list(self.hash_layers), "dtype": "float32", "experts_implementation": "eager",
-                      "batch": 1, "torch_threads": 1},
+                      "batch": self.batch, "torch_threads": 1},
             "versions": dict(self.versions),
             "files": dict(self.files),
             "sha256": dict(self.sha256),
@@ -267,6 +272,7 @@ def calibrate(
     progress: Optional[ProgressFn] = None,
     sensitivity_seqs: int = SENSITIVITY_SEQS,
     sensitivity_method: "Method | str" = Method.STREAMED,
+    batch_size: Optional[int] = None,
 ) -> CalibrationReport:
     """Run ``tokens`` through the streamed reference model of ``source_dir``
     and write the imatrix (GGUF and Lucebox layouts), routing profile (CSV +
@@ -286,7 +292,10 @@ def calibrate(
     routed-expert tensor's KL gain (``sensitivity.json``, which ``convert
     --sensitivity`` reads); 0 skips it. sensitivity_method: "streamed" (a
     constant number of branches) or "per-tensor" (one branch per tensor;
-    small models), see ``ds4quant.calibrate.sensitivity``. ``out_dir`` is
+    small models), see ``ds4quant.calibrate.sensitivity``. batch_size: the
+    sequences after the sensitivity ones run this many at a time (same-length
+    neighbours; None: 1 on the CPU, on a GPU as many as fit up to 8, and on
+    resume the journal's). ``out_dir`` is
     created if its parent exists; every file in it is replaced atomically.
 
         rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "calib")
@@ -313,14 +322,18 @@ def calibrate(
         cfg = src.config
         fingerprint = src.fingerprint()
     seqs, tokens_file = _seqs_of(tokens, cfg)
-    stream = open_stream(src_path, cfg, [len(s) for s in seqs], device, max_memory)
+    if resume and batch_size is None:  # a resumed run keeps its batch, whatever fits now
+        batch_size = Journal.stored_option(out / WORK_DIR_NAME, "batch")
+    n_single = min(sensitivity_seqs, len(seqs))
+    stream = open_stream(src_path, cfg, [len(s) for s in seqs], device, max_memory, batch=batch_size,
+                         singles=n_single)
     tokens_sha = _tokens_sha256(seqs)
     versions = _versions()
     options = {"source": fingerprint, "tokens": tokens_sha, "tokens_file": tokens_file,
                "tool_version": versions["ds4quant"],
                "versions": {k: v for k, v in versions.items() if k != "ds4quant"},
                "device": stream.device, "sensitivity_method": method.value if sensitivity_seqs else None,
-               "sensitivity_seqs": sensitivity_seqs}
+               "sensitivity_seqs": sensitivity_seqs, "batch": stream.batch}
     # one calibrate at a time per OUT, as convert: flock locks that die with their holder
     from ds4quant.convert.outdir import OutLock, make_out_dir
 
@@ -355,7 +368,7 @@ def calibrate(
             n_layer, n_expert, k, tot.slots.astype(np.uint64), tokens=tot.tokens,
             source={"model": src_path.name, "fingerprint": fingerprint, "tokens_file": tokens_file,
                     "tokens_sha256": tokens_sha, "sequences": len(seqs), "hash_layers": list(hash_layers),
-                    "reference": "transformers DeepseekV4ForCausalLM fp32 eager, batch 1"},
+                    "reference": f"transformers DeepseekV4ForCausalLM fp32 eager, batch {stream.batch}"},
         )
         write_imatrix_gguf(out / IMATRIX_FILE, im)
         write_imatrix_lucebox(out / IMATRIX_LUCEBOX_FILE, im)
@@ -384,7 +397,7 @@ def calibrate(
             dense_tensors=tuple(sorted(tot.dense)),
             files=MappingProxyType({**files, "report": REPORT_FILE}),
             sha256=MappingProxyType(sha), versions=MappingProxyType(versions), seconds=seconds,
-            device=stream.device, resumed_at=resumed_at,
+            device=stream.device, resumed_at=resumed_at, batch=stream.batch,
         )
         atomic_write_json(out / REPORT_FILE, report.to_json())
         shutil.rmtree(work, ignore_errors=True)

@@ -4,8 +4,9 @@ journal that lets a killed run resume.
 
 Per layer L (materialized once): each sequence's hidden streams are read
 from the work folder, run through the layer with the hooks of
-``collect.LayerSums`` recording (batch 1, in sequence order), and written as
-layer L+1's input. Then the sensitivity pass (if any) measures the layer on
+``collect.LayerSums`` recording (in sequence order; the sensitivity
+sequences alone, the rest in ``batch_groups`` of up to ``batch`` sequences of
+one length), and written as layer L+1's input. Then the sensitivity pass (if any) measures the layer on
 the captured experts calls of its sequences, the branches alive at L go
 through the unperturbed layer and the branches that start at L through the
 perturbed one. The layer's sums and sensitivity piece are saved, the journal
@@ -13,9 +14,9 @@ records the layer finished, its input states are dropped. After the last
 layer the head runs: the ``output.weight`` sums, the reference
 log-probabilities of the sensitivity sequences and each branch's KL.
 
-Memory: one materialized layer, one sequence's hidden streams and the
+Memory: one materialized layer, one batch's hidden streams and the
 sensitivity sequences' captured experts calls; every hidden state lives in
-the work folder (``journal``).
+the work folder (``journal``), one file per sequence whatever the batch.
 """
 
 from __future__ import annotations
@@ -32,9 +33,29 @@ from ds4quant.calibrate.journal import Journal
 from ds4quant.calibrate.sensitivity import SensitivityPass, kl_sum, ref_logp
 from ds4quant.progress import Meter, ProgressFn
 
-__all__ = ["WalkResult", "walk"]
+__all__ = ["WalkResult", "batch_groups", "walk"]
 
 MAIN = "main"
+
+
+def batch_groups(seq_lens: Sequence[int], singles: int, batch: int) -> list[tuple[int, ...]]:
+    """The sequences the main pass runs together, in sequence order: each of
+    the first ``singles`` alone (the sensitivity pass captures their experts
+    calls one sequence at a time), then runs of up to ``batch`` consecutive
+    sequences of one length, so no batch is padded (a pad row would count in
+    the sums). Batch 1 gives the whole-model run's bits; a larger batch
+    changes the last bits (docs/reference-model.md#determinism) for the
+    speed of fewer, larger expert calls on a GPU."""
+    out: list[tuple[int, ...]] = [(i,) for i in range(min(singles, len(seq_lens)))]
+    group: list[int] = []
+    for i in range(len(out), len(seq_lens)):
+        if group and (len(group) == batch or seq_lens[i] != seq_lens[group[0]]):
+            out.append(tuple(group))
+            group = []
+        group.append(i)
+    if group:
+        out.append(tuple(group))
+    return out
 
 
 @dataclass
@@ -109,6 +130,13 @@ class _States:
         arr = pending.result() if pending is not None else np.load(self._path(layer, key, i))
         return torch.from_numpy(arr).to(self.device)
 
+    def get_many(self, layer: int, key: str, seqs: Sequence[int]):
+        """The states of ``seqs`` as one batch [len(seqs), S, hc, H] on the device."""
+        import torch
+
+        parts = [self.get(layer, key, i) for i in seqs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def flush(self) -> None:
         """Every state put so far is in its file (a failed write raises here)."""
         while self._writes:
@@ -164,6 +192,9 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
     n_layer, n_exp = cfg.num_hidden_layers, cfg.n_routed_experts
     batches = sm.batches(seqs, batch_size=1)
     n_sens = min(sens.seqs, len(seqs)) if sens is not None else 0
+    groups = batch_groups([len(s) for s in seqs], n_sens, stream.batch)
+    grouped = [batches[g[0]] if len(g) == 1 else sm.batches([seqs[i] for i in g], batch_size=len(g))[0]
+               for g in groups]
     tokens = sum(len(s) for s in seqs)
     start = journal.finished + 1
     meter = meter or meter_for(n_layer, journal, seqs)
@@ -205,17 +236,21 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
             sums.attach(layer)
             try:
                 with _experts_hook(experts, on_experts):
-                    for i, b in enumerate(batches):
-                        h = states.get(L, MAIN, i)
-                        if i + 1 < len(batches):
-                            states.prefetch(L, MAIN, i + 1)
-                        rec.update(on=True, i=i)
+                    for gi, (g, b) in enumerate(zip(groups, grouped)):
+                        h = states.get_many(L, MAIN, g)
+                        if gi + 1 < len(groups):
+                            for i in groups[gi + 1]:
+                                states.prefetch(L, MAIN, i)
+                        # a sensitivity sequence is always alone in its group
+                        rec.update(on=True, i=g[0] if len(g) == 1 else n_sens)
                         sums.begin()
                         out = sm.run_layer(layer, b, h)
                         sums.end()
                         rec["on"] = False
-                        states.put(L + 1, MAIN, i, out)
-                        tick(f"layer {L}", i)
+                        for j, i in enumerate(g):
+                            states.put(L + 1, MAIN, i, out[j:j + 1])
+                        for i in g:
+                            tick(f"layer {L}", i)
             finally:
                 sums.detach()
             if sens is not None:

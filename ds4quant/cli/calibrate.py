@@ -29,9 +29,12 @@ METHODS = ("streamed", "per-tensor")
 @click.option("--sensitivity-method", type=click.Choice(METHODS), default="streamed", show_default=True,
               help="streamed: whole-layer probes turn each tensor's local error into KL (a constant number of "
                    "passes); per-tensor: one perturbed run per routed tensor (small models).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Sequences run through a layer together after the sensitivity ones (same length only; default: "
+                   "1 on the CPU, whose bits are then the whole model's; on a GPU as many as fit, up to 8).")
 @json_option(help="Print the report as one JSON object; no progress.")
 def calibrate_cmd(source: str, tokens_file: str, out_dir: str, device: str, max_memory, resume: bool, force: bool,
-                  sensitivity_seqs, sensitivity_method: str, as_json: bool) -> None:
+                  sensitivity_seqs, sensitivity_method: str, batch_size, as_json: bool) -> None:
     """Run token sequences through the reference model (transformers
     DeepSeek-V4 layers, fp32, on the source dequantized exactly) of SOURCE,
     one decoder layer at a time, and write an imatrix (E[x^2] per input
@@ -54,13 +57,14 @@ def calibrate_cmd(source: str, tokens_file: str, out_dir: str, device: str, max_
     progress = command_progress(as_json)
     extra = {} if sensitivity_seqs is None else {"sensitivity_seqs": sensitivity_seqs}
     rep = calibrate(source, tokens_file, out_dir, device=device, max_memory=max_memory, resume=resume, force=force,
-                    progress=progress, sensitivity_method=sensitivity_method, **extra)
+                    progress=progress, sensitivity_method=sensitivity_method, batch_size=batch_size, **extra)
     if as_json:
         emit_json(rep.to_json())
         return
     click.echo(f"wrote {', '.join(os.path.join(rep.out_dir, f) for f in rep.files.values())}")
     resumed = f", resumed at layer {rep.resumed_at}" if rep.resumed_at else ""
-    click.echo(f"{rep.sequences} sequences, {rep.tokens} tokens, {rep.seconds:.1f} s on {rep.device}{resumed}")
+    batched = f", batches of {rep.batch}" if rep.batch > 1 else ""
+    click.echo(f"{rep.sequences} sequences, {rep.tokens} tokens, {rep.seconds:.1f} s on {rep.device}{batched}{resumed}")
     never = {k.split(".")[1]: v for k, v in rep.unreached.items() if k.endswith("ffn_gate_exps.weight") and v}
     if never:
         detail = "; ".join(f"layer {layer}: {' '.join(map(str, v))}" for layer, v in never.items())
