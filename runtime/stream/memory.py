@@ -14,7 +14,9 @@ hidden states. ``plan_memory`` adds these up against ``max_memory``:
   (``expert_cache``; None: no bound).
 
 On a CUDA device a layer whose weights and working set exceed the GPU's free
-memory runs on the CPU (``layer_devices``). A layer on the GPU keeps its
+memory runs on the CPU (``layer_devices``); a layer on the GPU has its working
+set there, so the host budget counts only its weights in transit and one
+batch's hidden states. A layer on the GPU keeps its
 decoded experts there (as bfloat16 when they are FP4: exact), so their bound
 is what the GPU has left beside the layer (``gpu_expert_cache``), and the host
 holds only the expert in transit.
@@ -82,7 +84,9 @@ class MemoryPlan:
         """Host bytes the plan expects at most."""
         hidden = self.hidden_bytes if self.store_kind == "ram" else 2 * self.batch_hidden_bytes
         piece = max(max(self.layer_bytes, default=0) + self._host_cache, self.global_bytes)
-        return PROCESS_BYTES + self.reserved_bytes + piece + self.working_bytes + hidden
+        # a layer on the GPU keeps its working set there
+        work = self.working_bytes if any(d == "cpu" for d in self.layer_devices) else 0
+        return PROCESS_BYTES + self.reserved_bytes + piece + work + hidden
 
     def make_store(self, work_dir=None):
         """The hidden-state store the plan chose (a memmap needs ``work_dir``)."""
@@ -158,20 +162,30 @@ def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: An
     glob = max(int(weights.global_bytes("embed")), int(weights.global_bytes("head")))
     store, cache = "ram", None
     base = PROCESS_BYTES + int(reserved)
+    devices = tuple(device for _ in layer_min)
+    free = None
+    if device.startswith("cuda"):
+        free = gpu_free if gpu_free is not None else _free_gpu(device)
+        devices = tuple(device if need + work + 2 * batch_max <= free else "cpu" for need in layer_min)
+    # a layer on the GPU has its working set there: the host holds its weights in transit and
+    # one batch's hidden states, not the attention scores
+    host_work = [work if d == "cpu" else 0 for d in devices]
     if budget is not None:
-        floor = base + work + 2 * batch_max
         for L, need in enumerate(layer_min):
-            if floor + need > budget:
-                raise BudgetError(f"layer {L} needs {_gib(floor + need)} ({_gib(need)} of weights with one decoded "
-                                  f"expert, {_gib(work)} working set, {_gib(2 * batch_max)} of one batch's hidden "
-                                  f"states, {_gib(base)} for the process and what it keeps), more than --max-memory "
-                                  f"{_gib(budget)}", where="--max-memory")
+            floor_l = base + host_work[L] + 2 * batch_max
+            if floor_l + need > budget:
+                raise BudgetError(f"layer {L} needs {_gib(floor_l + need)} ({_gib(need)} of weights with one decoded "
+                                  f"expert, {_gib(host_work[L])} working set, {_gib(2 * batch_max)} of one batch's "
+                                  f"hidden states, {_gib(base)} for the process and what it keeps), more than "
+                                  f"--max-memory {_gib(budget)}", where="--max-memory")
+        work_h = max(host_work, default=0)
+        floor = base + work_h + 2 * batch_max
         if floor + glob > budget:
             raise BudgetError(f"the embedding/head needs {_gib(floor + glob)} ({_gib(glob)} of weights), more than "
                               f"--max-memory {_gib(budget)}", where="--max-memory")
         piece = max(max(layer_min, default=0), glob)
-        if base + piece + work + hidden_total <= budget:
-            left = budget - (base + work + hidden_total + max(layer_min, default=0))
+        if base + piece + work_h + hidden_total <= budget:
+            left = budget - (base + work_h + hidden_total + max(layer_min, default=0))
         else:
             store = "memmap"
             left = budget - (floor + max(layer_min, default=0))
@@ -181,11 +195,8 @@ def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: An
         left -= 2 * max(one_expert, default=0) + budget // 16
         need_all = max(all_experts, default=0)
         cache = None if left >= need_all else max(0, left)
-    devices = tuple(device for _ in layer_min)
     gpu_cache = None
-    if device.startswith("cuda"):
-        free = gpu_free if gpu_free is not None else _free_gpu(device)
-        devices = tuple(device if need + work + 2 * batch_max <= free else "cpu" for need in layer_min)
+    if free is not None:
         on_gpu = [L for L, d in enumerate(devices) if d != "cpu"]
         if on_gpu:
             # FP4 experts are kept as bfloat16 there (half their float32 bytes); the

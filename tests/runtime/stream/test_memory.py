@@ -130,7 +130,8 @@ def test_a_gpu_layer_keeps_its_experts_on_the_gpu(flash_mini):
         assert host.expert_cache is not None  # the host alone cannot keep a layer's experts
         roomy = plan_memory(w, shapes, "600M", device="cuda:0", gpu_free=8 << 30)
         assert set(roomy.layer_devices) == {"cuda:0"} and roomy.gpu_expert_cache is None
-        assert roomy.expert_cache_for("cuda:0") is None and roomy.expert_cache_for("cpu") == host.expert_cache
+        # (the host bound no longer pays for a working set the GPU holds)
+        assert roomy.expert_cache_for("cuda:0") is None and roomy.expert_cache_for("cpu") >= host.expert_cache
         assert roomy.peak_bytes < host.peak_bytes  # the host holds one expert in transit, not a cache
         all_bf16 = roomy.all_experts_bytes[0] // 2
         small = max(roomy.layer_bytes) + roomy.working_bytes + 2 * roomy.batch_hidden_bytes
@@ -139,3 +140,24 @@ def test_a_gpu_layer_keeps_its_experts_on_the_gpu(flash_mini):
         assert tight.to_json()["gpu_expert_cache"] == tight.gpu_expert_cache
         none = plan_memory(w, shapes, "600M", device="cuda:0", gpu_free=small // 2)
         assert set(none.layer_devices) == {"cpu"} and none.peak_bytes == host.peak_bytes
+
+
+def test_a_gpu_layers_working_set_is_not_charged_to_the_host(flash_mini):
+    """A layer on the GPU has its attention scores there: a host budget too small for a
+    batch's working set refuses the CPU run but not the GPU one, and a GPU too small for
+    the layer sends it back to the CPU, whose budget then pays for the working set."""
+    from ds4quant.runtime.stream.memory import PROCESS_BYTES, working_bytes
+
+    with SourceWeights(flash_mini) as w:
+        shapes = [(8, 256)]
+        work = working_bytes(w.config, 8, 256)
+        free = plan_memory(w, shapes)  # no budget: the sizes
+        need = PROCESS_BYTES + 2 * free.batch_hidden_bytes + max(max(free.layer_bytes), free.global_bytes)
+        budget = need + work - 1
+        with pytest.raises(BudgetError, match="needs"):
+            plan_memory(w, shapes, budget)
+        gpu = plan_memory(w, shapes, budget, device="cuda:0", gpu_free=64 << 30)
+        assert set(gpu.layer_devices) == {"cuda:0"} and gpu.working_bytes == work
+        assert gpu.peak_bytes <= budget
+        with pytest.raises(BudgetError, match="needs"):
+            plan_memory(w, shapes, budget, device="cuda:0", gpu_free=1 << 20)
