@@ -14,8 +14,8 @@ each step runs in its own child process:
    (no observer but the logits' sum);
 2. calibrate: ``ds4quant calibrate`` itself over the same S x T tokens
    (imatrix, routing profile, and the streamed sensitivity probes over the
-   first ``--sensitivity-seqs`` sequences, which run alone; the rest in
-   calibrate's batches), seconds per layer from its progress events;
+   first ``--sensitivity-seqs`` sequences; all in calibrate's batches),
+   seconds per layer from its progress events;
 3. uniform convert (``ds4quant convert --recipe R``, default --jobs/threads);
 4. adaptive convert (``--recipe adaptive``, candidates ``--adaptive-candidates``,
    with calibrate's imatrix, routing profile and sensitivity when step 2 ran);

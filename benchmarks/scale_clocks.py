@@ -153,13 +153,13 @@ def calibrate_marks(events: list, clock: "ModuleClock | None" = None):
             cls.layer = real
 
 
-def layer_parts(events: list, origin: float, singles: int = 0) -> list:
+def layer_parts(events: list, origin: float, sens: int = 0) -> list:
     """Per layer, from calibrate's (kind, item, time) events after ``origin``: the
     weights (to the layer materialized; the first layer's also holds calibrate's
     set-up), the main pass (to its last sequence), the noise and local errors, the
-    probe branches (to the layer's end). With ``singles`` (the sensitivity
-    sequences, which run alone before the batched rest) the main pass is also
-    split there: ``main_singles`` to sequence ``singles``'s tick, ``main_batched``
+    probe branches (to the layer's end). With ``sens`` (the sensitivity
+    sequences, which run first, their experts calls captured) the main pass is
+    also split there: ``main_sens`` to sequence ``sens``'s tick, ``main_rest``
     after it."""
     parts, start, ready, main_end, noise_end, single_end = [], origin, None, None, None, None
     for kind, item, t in events:
@@ -167,7 +167,7 @@ def layer_parts(events: list, origin: float, singles: int = 0) -> list:
             ready = t
         elif kind == "tick" and ": sequence " in item and item.startswith("layer"):
             main_end = t
-            if singles and item.split(": sequence ")[1].split("/")[0] == str(singles):
+            if sens and item.split(": sequence ")[1].split("/")[0] == str(sens):
                 single_end = t
         elif kind == "tick" and item.endswith("noise and local errors"):
             noise_end = t
@@ -177,7 +177,7 @@ def layer_parts(events: list, origin: float, singles: int = 0) -> list:
             nz = noise_end if noise_end is not None else m
             part = {"weights": w - start, "main": m - w, "noise_and_local": nz - m, "branches": t - nz}
             if single_end is not None:
-                part.update(main_singles=single_end - w, main_batched=m - single_end)
+                part.update(main_sens=single_end - w, main_rest=m - single_end)
             parts.append(part)
             start, ready, main_end, noise_end, single_end = t, None, None, None, None
     return parts

@@ -63,13 +63,16 @@ def _project_calibrate(r: dict, types: tuple, seqs: int, sens: int, main_seqs: i
         # by parts: the main pass per main sequence-layer, the noise and local errors once a layer
         # (over the sensitivity sequences, whatever the main count), the branches per branch
         # sequence-layer (a layer without branches takes the main rate)
-        k_single = min(sens, seqs)
-        if seqs > k_single and all("main_batched" in p for p in parts):
-            # calibrate runs the sensitivity sequences alone and the rest in batches: each at its own rate
-            single, _ = _by_type([p["main_singles"] / k_single for p in parts], here, there)
-            batched, _ = _by_type([p["main_batched"] / (seqs - k_single) for p in parts], here, there)
-            main = [(sr * k_single + br * (main_seqs - k_single)) / main_seqs for sr, br in zip(single, batched)]
-            out.update(seconds_per_single_seq_layer=max(single), seconds_per_batched_seq_layer=max(batched))
+        k_sens = min(sens, seqs)
+        # the sensitivity sequences (their calls captured; alone in runs before --batch-size
+        # grouped them, "main_singles") and the rest, each at its own rate
+        first = [p.get("main_sens", p.get("main_singles")) for p in parts]
+        rest = [p.get("main_rest", p.get("main_batched")) for p in parts]
+        if seqs > k_sens > 0 and None not in first and None not in rest:
+            sr, _ = _by_type([f / k_sens for f in first], here, there)
+            rr, _ = _by_type([r / (seqs - k_sens) for r in rest], here, there)
+            main = [(a * k_sens + b * (main_seqs - k_sens)) / main_seqs for a, b in zip(sr, rr)]
+            out.update(seconds_per_sens_seq_layer=max(sr), seconds_per_rest_seq_layer=max(rr))
         else:
             main, _ = _by_type([p["main"] / seqs for p in parts], here, there)
         noise, _ = _by_type([p["noise_and_local"] for p in parts], here, there)

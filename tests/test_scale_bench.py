@@ -39,21 +39,21 @@ def test_scale_benchmark_runs_the_whole_pipeline_on_a_small_slice(tmp_path):
     assert proj["calibrate"]["seq_layers"] == 2 * 43 + 16 + 2 * 168
     # calibrate's layers timed by parts (main pass, noise and local errors, probe branches), and projected
     # by them: two more main sequences cost each DS4 Flash layer two main sequence-layers at its type's rate
-    # (the main pass split where the sensitivity sequence, run alone, ends and the batched rest begins)
+    # (the main pass split where the sensitivity sequence ends and the rest begins)
     parts = d["calibrate"]["layer_parts"]
     whole = ("weights", "main", "noise_and_local", "branches")
     assert len(parts) == 2 and all(min(p.values()) >= 0 for p in parts)
-    assert set(parts[0]) == set(whole) | {"main_singles", "main_batched"}
+    assert set(parts[0]) == set(whole) | {"main_sens", "main_rest"}
     for p, sec in zip(parts, d["calibrate"]["seconds_per_layer"]):
         assert sum(p[k] for k in whole) == pytest.approx(sec, abs=1e-3)
-        assert p["main_singles"] + p["main_batched"] == pytest.approx(p["main"], abs=1e-9)
+        assert p["main_sens"] + p["main_rest"] == pytest.approx(p["main"], abs=1e-9)
     assert proj["calibrate"]["by_parts"] and not proj["calibrate"]["upper_bound"]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from scale_projection import flash_types
 
-    # two more main sequences cost each layer two sequence-layers at its type's batched rate
+    # two more main sequences cost each layer two sequence-layers at its type's rate after the sensitivity ones
     here, there = flash_types(0, 2)
-    main = {t: max(p["main_batched"] / 1 for p, u in zip(parts, here) if u == t) for t in set(here)}
+    main = {t: max(p["main_rest"] / 1 for p, u in zip(parts, here) if u == t) for t in set(here)}
     extra = 2 * sum(main.get(t, max(main.values())) for t in there)
     assert proj["calibrate_4_seqs"]["seconds"] - proj["calibrate"]["seconds"] == pytest.approx(extra, rel=1e-9)
     assert d["adaptive_convert"]["calibrated"] is True
@@ -65,7 +65,7 @@ def test_scale_benchmark_runs_the_whole_pipeline_on_a_small_slice(tmp_path):
     assert "PROJECTION to 43 layers" in res.stdout and "whole pipeline" in res.stdout
 
 
-def test_layer_parts_split_the_main_pass_where_the_single_sequences_end():
+def test_layer_parts_split_the_main_pass_where_the_sensitivity_sequences_end():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from scale_clocks import layer_parts
 
@@ -73,8 +73,8 @@ def test_layer_parts_split_the_main_pass_where_the_single_sequences_end():
           ("tick", "layer 0: sequence 2/4", 3.0), ("tick", "layer 0: sequence 3/4", 3.5),
           ("tick", "layer 0: sequence 4/4", 3.5), ("tick", "layer 0: noise and local errors", 4.0),
           ("step", "layer 0", 6.0), ("tick", "layer 1: sequence 4/4", 7.0), ("step", "layer 1", 7.5)]
-    one, two = layer_parts(ev, 0.0, singles=2)
+    one, two = layer_parts(ev, 0.0, sens=2)
     assert one == {"weights": 1.0, "main": 2.5, "noise_and_local": 0.5, "branches": 2.0,
-                   "main_singles": 2.0, "main_batched": 0.5}
-    assert two == {"weights": 0.0, "main": 1.0, "noise_and_local": 0.0, "branches": 0.5}  # no single tick seen
+                   "main_sens": 2.0, "main_rest": 0.5}
+    assert two == {"weights": 0.0, "main": 1.0, "noise_and_local": 0.0, "branches": 0.5}  # no split tick seen
     assert set(layer_parts(ev, 0.0)[0]) == {"weights", "main", "noise_and_local", "branches"}

@@ -66,10 +66,10 @@ class Stream:
 
 
 def open_stream(source: Path, cfg, seq_lens: Sequence[int], device: str = "cpu",
-                max_memory: "int | str | None" = None, *, batch: Optional[int] = None, singles: int = 0) -> Stream:
+                max_memory: "int | str | None" = None, *, batch: Optional[int] = None, split: int = 0) -> Stream:
     """Check ``device`` and fit sequences of ``seq_lens`` tokens into
     ``max_memory`` (bytes or SIZE text; None: no bound) for ``source``, the
-    first ``singles`` alone and the rest in batches of ``batch``
+    in batches of ``batch`` that keep the first ``split`` apart
     (``walk.batch_groups``). batch None: 1 on the CPU (the whole model's
     bits); on a GPU the largest of ``GPU_BATCHES`` that keeps every layer and
     its decoded experts where batch 1 keeps them."""
@@ -84,7 +84,7 @@ def open_stream(source: Path, cfg, seq_lens: Sequence[int], device: str = "cpu",
     from ds4quant.calibrate.walk import batch_groups
 
     def plan_for(b: int):
-        shapes = [(len(g), seq_lens[g[0]]) for g in batch_groups(seq_lens, singles, b)]
+        shapes = [(len(g), seq_lens[g[0]]) for g in batch_groups(seq_lens, split, b)]
         return plan_memory(weights, shapes, max_memory, name, reserved=statistics_bytes(weights.config))
 
     with SourceWeights(source) as weights:

@@ -103,7 +103,8 @@ def probe_layers(n_layer: int, max_probes: int = MAX_PROBES) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Branch:
     """A perturbed run starting at ``layer``: ``experts(base, i)`` is the
-    layer's experts module for sensitivity sequence ``i``."""
+    layer's experts module for the sensitivity sequences of captured call
+    ``i`` (one call a batch of them)."""
 
     key: str
     layer: int
@@ -230,7 +231,8 @@ class SensitivityPass:
 
     ``layer(L, experts, calls, sums)`` runs after layer L's reference pass,
     with the layer's experts module, the captured experts calls of the
-    sensitivity sequences ([(hidden, top_k_index, top_k_weights)]) and the
+    sensitivity sequences ([(hidden, top_k_index, top_k_weights)], one a
+    batch of them, in order) and the
     layer's finished sums; it returns the layer's piece (name -> float64
     array, journaled) and the branches that start at L. ``keys_entering(L)``
     are the branches alive when layer L begins (carried through it).

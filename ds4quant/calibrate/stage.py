@@ -38,9 +38,10 @@ CPU kernels give different bits for different intra-op thread counts:
 docs/reference-model.md#determinism); the streamed layer gives the whole
 model's bits (``ds4quant.runtime.stream``), so the files are the bytes a
 whole-model run writes. Only ``report.json``'s ``run`` block (seconds,
-device) differs between runs. On a GPU the sequences after the sensitivity
-ones run in batches (``batch_size``; by default as many as fit, at most 8):
-fewer, larger expert calls, each batch's sums added in order. A batch
+device) differs between runs. On a GPU the sequences run in batches
+(``batch_size``; by default as many as fit, at most 8; the sensitivity
+sequences and their branches among themselves): fewer, larger expert calls,
+each batch's sums added in order. A batch
 changes the last bits as the device does; the batch is in ``report.json``
 and the journal, and a resumed run keeps it.
 
@@ -293,9 +294,9 @@ def calibrate(
     --sensitivity`` reads); 0 skips it. sensitivity_method: "streamed" (a
     constant number of branches) or "per-tensor" (one branch per tensor;
     small models), see ``ds4quant.calibrate.sensitivity``. batch_size: the
-    sequences after the sensitivity ones run this many at a time (same-length
-    neighbours; None: 1 on the CPU, on a GPU as many as fit up to 8, and on
-    resume the journal's). ``out_dir`` is
+    sequences run this many at a time (same-length neighbours, the
+    sensitivity ones among themselves; None: 1 on the CPU, on a GPU as many
+    as fit up to 8, and on resume the journal's). ``out_dir`` is
     created if its parent exists; every file in it is replaced atomically.
 
         rep = calibrate("samples/ds4-tiny", "samples/tokens.txt", "calib")
@@ -326,7 +327,7 @@ def calibrate(
         batch_size = Journal.stored_option(out / WORK_DIR_NAME, "batch")
     n_single = min(sensitivity_seqs, len(seqs))
     stream = open_stream(src_path, cfg, [len(s) for s in seqs], device, max_memory, batch=batch_size,
-                         singles=n_single)
+                         split=n_single)
     tokens_sha = _tokens_sha256(seqs)
     versions = _versions()
     options = {"source": fingerprint, "tokens": tokens_sha, "tokens_file": tokens_file,

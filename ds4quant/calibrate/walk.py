@@ -4,9 +4,9 @@ journal that lets a killed run resume.
 
 Per layer L (materialized once): each sequence's hidden streams are read
 from the work folder, run through the layer with the hooks of
-``collect.LayerSums`` recording (in sequence order; the sensitivity
-sequences alone, the rest in ``batch_groups`` of up to ``batch`` sequences of
-one length), and written as layer L+1's input. Then the sensitivity pass (if any) measures the layer on
+``collect.LayerSums`` recording (in sequence order, in ``batch_groups`` of up
+to ``batch`` sequences of one length; the sensitivity sequences among
+themselves), and written as layer L+1's input. Then the sensitivity pass (if any) measures the layer on
 the captured experts calls of its sequences, the branches alive at L go
 through the unperturbed layer and the branches that start at L through the
 perturbed one. The layer's sums and sensitivity piece are saved, the journal
@@ -38,18 +38,19 @@ __all__ = ["WalkResult", "batch_groups", "walk"]
 MAIN = "main"
 
 
-def batch_groups(seq_lens: Sequence[int], singles: int, batch: int) -> list[tuple[int, ...]]:
-    """The sequences the main pass runs together, in sequence order: each of
-    the first ``singles`` alone (the sensitivity pass captures their experts
-    calls one sequence at a time), then runs of up to ``batch`` consecutive
-    sequences of one length, so no batch is padded (a pad row would count in
-    the sums). Batch 1 gives the whole-model run's bits; a larger batch
-    changes the last bits (docs/reference-model.md#determinism) for the
-    speed of fewer, larger expert calls on a GPU."""
-    out: list[tuple[int, ...]] = [(i,) for i in range(min(singles, len(seq_lens)))]
+def batch_groups(seq_lens: Sequence[int], split: int, batch: int) -> list[tuple[int, ...]]:
+    """The sequences a layer runs together, in sequence order: runs of up to
+    ``batch`` consecutive sequences of one length, so no batch is padded (a
+    pad row would count in the sums), and none mixes the first ``split``
+    (the sensitivity sequences, whose experts calls the sensitivity pass
+    captures and whose branches run in the same groups) with the rest. Batch
+    1 gives the whole-model run's bits; a larger batch changes the last bits
+    (docs/reference-model.md#determinism) for the speed of fewer, larger
+    expert calls on a GPU."""
+    out: list[tuple[int, ...]] = []
     group: list[int] = []
-    for i in range(len(out), len(seq_lens)):
-        if group and (len(group) == batch or seq_lens[i] != seq_lens[group[0]]):
+    for i, n in enumerate(seq_lens):
+        if group and (len(group) == batch or n != seq_lens[group[0]] or i == split):
             out.append(tuple(group))
             group = []
         group.append(i)
@@ -199,6 +200,9 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
     groups = batch_groups([len(s) for s in seqs], n_sens, stream.batch)
     grouped = [batches[g[0]] if len(g) == 1 else sm.batches([seqs[i] for i in g], batch_size=len(g))[0]
                for g in groups]
+    # the sensitivity sequences' groups come first: their experts calls are captured, one a group,
+    # and their branches run in the same groups
+    n_sg = sum(1 for g in groups if g[0] < n_sens)
     tokens = sum(len(s) for s in seqs)
     start = journal.finished + 1
     meter = meter or meter_for(n_layer, journal, seqs)
@@ -231,7 +235,7 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
             if not rec["on"]:
                 return
             sums.on_experts(module, hidden, idx)
-            if rec["i"] < n_sens:
+            if rec["i"] < n_sg:
                 calls.append((hidden.detach().clone(), idx.detach().clone(), weights.detach().clone()))
 
         states.device = stream.layer_device(L)
@@ -245,8 +249,7 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
                         if gi + 1 < len(groups):
                             for i in groups[gi + 1]:
                                 states.prefetch(L, MAIN, i)
-                        # a sensitivity sequence is always alone in its group
-                        rec.update(on=True, i=g[0] if len(g) == 1 else n_sens)
+                        rec.update(on=True, i=gi)
                         sums.begin()
                         out = sm.run_layer(layer, b, h)
                         sums.end()
@@ -261,16 +264,19 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
                 piece, branches = sens.layer(L, experts, calls, sums)
                 calls.clear()
                 for key in sens.keys_entering(L):
-                    for i in range(n_sens):
-                        states.put(L + 1, key, i, sm.run_layer(layer, batches[i], states.get(L, key, i)))
+                    for gi in range(n_sg):
+                        out = sm.run_layer(layer, grouped[gi], states.get_many(L, key, groups[gi]))
+                        for j, i in enumerate(groups[gi]):
+                            states.put(L + 1, key, i, out[j:j + 1])
                 for br in branches:
-                    for i in range(n_sens):
-                        layer.mlp.experts = br.experts(experts, i)
+                    for gi in range(n_sg):
+                        layer.mlp.experts = br.experts(experts, gi)
                         try:
-                            out = sm.run_layer(layer, batches[i], states.get(L, MAIN, i))
+                            out = sm.run_layer(layer, grouped[gi], states.get_many(L, MAIN, groups[gi]))
                         finally:
                             layer.mlp.experts = experts
-                        states.put(L + 1, br.key, i, out)
+                        for j, i in enumerate(groups[gi]):
+                            states.put(L + 1, br.key, i, out[j:j + 1])
                 _save_npz(journal.sens_path(L), piece)
         from ds4quant.artifact.atomic import atomic_write_bytes
 

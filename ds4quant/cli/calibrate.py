@@ -30,8 +30,9 @@ METHODS = ("streamed", "per-tensor")
               help="streamed: whole-layer probes turn each tensor's local error into KL (a constant number of "
                    "passes); per-tensor: one perturbed run per routed tensor (small models).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
-              help="Sequences run through a layer together after the sensitivity ones (same length only; default: "
-                   "1 on the CPU, whose bits are then the whole model's; on a GPU as many as fit, up to 8).")
+              help="Sequences run through a layer together (same length only, the sensitivity ones among "
+                   "themselves; default: 1 on the CPU, whose bits are then the whole model's; on a GPU as many as "
+                   "fit, up to 8).")
 @json_option(help="Print the report as one JSON object; no progress.")
 def calibrate_cmd(source: str, tokens_file: str, out_dir: str, device: str, max_memory, resume: bool, force: bool,
                   sensitivity_seqs, sensitivity_method: str, batch_size, as_json: bool) -> None:

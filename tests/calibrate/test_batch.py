@@ -1,5 +1,5 @@
-"""calibrate --batch-size: the sequences after the sensitivity ones run through
-each layer together (same length only). The statistics are the batch-1 run's
+"""calibrate --batch-size: sequences run through each layer together (same
+length only; the sensitivity sequences, and their branches, among themselves). The statistics are the batch-1 run's
 up to float rounding, every token counts once, the batch is recorded, and a
 resumed run keeps it."""
 
@@ -31,17 +31,19 @@ WORK = ".ds4quant-work"
 LENGTHS = (40, 40, 40, 23, 40, 40, 40)
 
 
-def test_groups_keep_the_sensitivity_sequences_alone_and_never_pad():
-    assert batch_groups([5, 5, 5, 5, 5], 2, 8) == [(0,), (1,), (2, 3, 4)]
+def test_groups_keep_the_sensitivity_sequences_apart_and_never_pad():
+    assert batch_groups([5, 5, 5, 5, 5], 2, 8) == [(0, 1), (2, 3, 4)]
     assert batch_groups([5] * 7, 0, 3) == [(0, 1, 2), (3, 4, 5), (6,)]
+    assert batch_groups([5] * 7, 4, 3) == [(0, 1, 2), (3,), (4, 5, 6)]
     # a length change ends a batch: no row is padding
     assert batch_groups([5, 5, 4, 4, 4, 5], 0, 8) == [(0, 1), (2, 3, 4), (5,)]
     assert batch_groups([5, 5, 5], 1, 1) == [(0,), (1,), (2,)]
-    assert batch_groups([5, 5], 4, 8) == [(0,), (1,)]
-    for lens, singles, b in (([3, 3, 2, 3, 3, 3], 1, 2), ([1] * 9, 2, 4)):
-        g = batch_groups(lens, singles, b)
+    assert batch_groups([5, 5], 4, 8) == [(0, 1)]
+    for lens, split, b in (([3, 3, 2, 3, 3, 3], 1, 2), ([1] * 9, 2, 4), ([2] * 10, 5, 3)):
+        g = batch_groups(lens, split, b)
         assert [i for grp in g for i in grp] == list(range(len(lens)))
         assert all(len(grp) <= b and len({lens[i] for i in grp}) == 1 for grp in g)
+        assert all(len({i < split for i in grp}) == 1 for grp in g)
 
 
 class _Plan:
@@ -73,8 +75,8 @@ def runs(tmp_path_factory):
     toks = d / "tokens.txt"
     toks.write_text("\n".join(" ".join(map(str, [0] + rng.integers(3, vocab, n - 1).tolist())) for n in LENGTHS)
                     + "\n")
-    one = calibrate(SAMPLE, toks, d / "b1", sensitivity_seqs=1)
-    three = calibrate(SAMPLE, toks, d / "b3", sensitivity_seqs=1, batch_size=3)
+    one = calibrate(SAMPLE, toks, d / "b1", sensitivity_seqs=3)
+    three = calibrate(SAMPLE, toks, d / "b3", sensitivity_seqs=3, batch_size=3)
     return d, toks, one, three
 
 
@@ -100,7 +102,7 @@ def test_batched_statistics_are_batch_ones_up_to_rounding(runs):
 
 def test_a_batched_run_is_deterministic(runs, tmp_path):
     d, toks, _one, _three = runs
-    calibrate(SAMPLE, toks, tmp_path / "again", sensitivity_seqs=1, batch_size=3)
+    calibrate(SAMPLE, toks, tmp_path / "again", sensitivity_seqs=3, batch_size=3)
     for f in ("imatrix.gguf", "imatrix.lucebox.dat", "routing.csv", "routing.json", "sensitivity.json"):
         assert (tmp_path / "again" / f).read_bytes() == (d / "b3" / f).read_bytes(), f
 
@@ -120,18 +122,18 @@ def test_a_resumed_batched_run_keeps_its_batch_and_bytes(runs, tmp_path):
     d, toks, _one, _three = runs
     out = tmp_path / "r"
     with pytest.raises(_Stop):
-        calibrate(SAMPLE, toks, out, sensitivity_seqs=1, batch_size=3, progress=_stop_after(1))
+        calibrate(SAMPLE, toks, out, sensitivity_seqs=3, batch_size=3, progress=_stop_after(1))
     assert json.loads((out / WORK / "journal.json").read_text())["options"]["batch"] == 3
     # another batch would give other bits: refused, naming it
     res = CliRunner().invoke(cli, ["calibrate", str(SAMPLE), "--tokens", str(toks), "--out", str(out),
-                                   "--sensitivity-seqs", "1", "--batch-size", "2", "--resume"])
+                                   "--sensitivity-seqs", "3", "--batch-size", "2", "--resume"])
     assert res.exit_code == 2
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and "--batch-size: journal 3, this run 2" in lines[0], res.output
     with pytest.raises(ResumeMismatchError, match="--batch-size"):
-        calibrate(SAMPLE, toks, out, sensitivity_seqs=1, batch_size=1, resume=True)
+        calibrate(SAMPLE, toks, out, sensitivity_seqs=3, batch_size=1, resume=True)
     # without --batch-size the journal's batch is kept
-    rep = calibrate(SAMPLE, toks, out, sensitivity_seqs=1, resume=True)
+    rep = calibrate(SAMPLE, toks, out, sensitivity_seqs=3, resume=True)
     assert rep.batch == 3 and rep.resumed_at == 2
     for f in ("imatrix.gguf", "imatrix.lucebox.dat", "routing.csv", "routing.json", "sensitivity.json"):
         assert (out / f).read_bytes() == (d / "b3" / f).read_bytes(), f
