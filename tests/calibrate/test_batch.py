@@ -23,7 +23,7 @@ from ds4quant.calibrate.model import pick_batch  # noqa: E402
 from ds4quant.calibrate.walk import batch_groups  # noqa: E402
 from ds4quant.cli import cli  # noqa: E402
 from ds4quant.errors import BudgetError, ResumeMismatchError  # noqa: E402
-from ds4quant.progress import EventKind  # noqa: E402
+from tests.calibrate.interrupt import Stop, stop_after  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "ds4-tiny"
@@ -107,22 +107,11 @@ def test_a_batched_run_is_deterministic(runs, tmp_path):
         assert (tmp_path / "again" / f).read_bytes() == (d / "b3" / f).read_bytes(), f
 
 
-class _Stop(Exception):
-    pass
-
-
-def _stop_after(layer: int):
-    def progress(ev):
-        if ev.kind is EventKind.STEP and ev.item == f"layer {layer}":
-            raise _Stop
-    return progress
-
-
 def test_a_resumed_batched_run_keeps_its_batch_and_bytes(runs, tmp_path):
     d, toks, _one, _three = runs
     out = tmp_path / "r"
-    with pytest.raises(_Stop):
-        calibrate(SAMPLE, toks, out, sensitivity_seqs=3, batch_size=3, progress=_stop_after(1))
+    with pytest.raises(Stop):
+        calibrate(SAMPLE, toks, out, sensitivity_seqs=3, batch_size=3, progress=stop_after(1))
     assert json.loads((out / WORK / "journal.json").read_text())["options"]["batch"] == 3
     # another batch would give other bits: refused, naming it
     res = CliRunner().invoke(cli, ["calibrate", str(SAMPLE), "--tokens", str(toks), "--out", str(out),

@@ -28,6 +28,7 @@ from ds4quant.calibrate import calibrate  # noqa: E402
 from ds4quant.cli import cli  # noqa: E402
 from ds4quant.errors import BadInputError, ResumeMismatchError  # noqa: E402
 from ds4quant.progress import EventKind  # noqa: E402
+from tests.calibrate.interrupt import Stop, stop_after  # noqa: E402
 from tests.calibrate.whole_model import whole_model_files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,17 +71,6 @@ def test_streamed_files_are_the_whole_model_bytes(sample, tmp_path):
 SAMPLE = SAMPLES / "ds4-tiny"
 
 
-class _Stop(Exception):
-    pass
-
-
-def _stop_after(layer: int):
-    def progress(ev):
-        if ev.kind is EventKind.STEP and ev.item == f"layer {layer}":
-            raise _Stop
-    return progress
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
@@ -100,8 +90,8 @@ def _same(a: Path, b: Path) -> None:
 def test_interrupted_after_a_layer_resumes_to_the_same_bytes(tiny, tmp_path):
     d, toks = tiny
     out = tmp_path / "c"
-    with pytest.raises(_Stop):
-        calibrate(SAMPLE, toks, out, sensitivity_seqs=2, progress=_stop_after(1))
+    with pytest.raises(Stop):
+        calibrate(SAMPLE, toks, out, sensitivity_seqs=2, progress=stop_after(1))
     journal = json.loads((out / WORK / "journal.json").read_text())
     assert journal["finished"] == 1 and (out / WORK / "states" / "2").is_dir()
     with pytest.raises(BadInputError, match="interrupted calibrate run"):  # neither --resume nor --force
@@ -201,8 +191,8 @@ def test_killed_mid_layer_resumes_to_the_same_bytes(tiny, tmp_path):
 
 
 def _interrupted(toks: Path, out: Path, source: Path = SAMPLE) -> None:
-    with pytest.raises(_Stop):
-        calibrate(source, toks, out, sensitivity_seqs=2, progress=_stop_after(0))
+    with pytest.raises(Stop):
+        calibrate(source, toks, out, sensitivity_seqs=2, progress=stop_after(0))
 
 
 def test_changed_tokens_refuse_to_resume_naming_them(tiny, tmp_path):
