@@ -66,13 +66,16 @@ class Stream:
 
 
 def open_stream(source: Path, cfg, seq_lens: Sequence[int], device: str = "cpu",
-                max_memory: "int | str | None" = None, *, batch: Optional[int] = None, split: int = 0) -> Stream:
+                max_memory: "int | str | None" = None, *, batch: Optional[int] = None, split: int = 0,
+                sensitivity=None) -> Stream:
     """Check ``device`` and fit sequences of ``seq_lens`` tokens into
-    ``max_memory`` (bytes or SIZE text; None: no bound) for ``source``, the
-    in batches of ``batch`` that keep the first ``split`` apart
-    (``walk.batch_groups``). batch None: 1 on the CPU (the whole model's
-    bits); on a GPU the largest of ``GPU_BATCHES`` that keeps every layer and
-    its decoded experts where batch 1 keeps them."""
+    ``max_memory`` (bytes or SIZE text; None: no bound) for ``source``, in
+    batches of ``batch`` that keep the first ``split`` (the sensitivity
+    sequences) apart (``walk.batch_groups``), with calibrate's statistics and,
+    given ``sensitivity`` (its method), the sensitivity pass's memory over the
+    first ``split`` sequences reserved. batch None: 1 on the CPU (the whole
+    model's bits); on a GPU the largest of ``GPU_BATCHES`` that keeps every
+    layer and its decoded experts where batch 1 keeps them."""
     from ds4quant.runtime.reference import check_dependencies
     from ds4quant.runtime.stream import SourceWeights, plan_memory
 
@@ -83,9 +86,14 @@ def open_stream(source: Path, cfg, seq_lens: Sequence[int], device: str = "cpu",
     from ds4quant.calibrate.collect import statistics_bytes
     from ds4quant.calibrate.walk import batch_groups
 
+    from ds4quant.calibrate.sensitivity import sensitivity_bytes
+
     def plan_for(b: int):
         shapes = [(len(g), seq_lens[g[0]]) for g in batch_groups(seq_lens, split, b)]
-        return plan_memory(weights, shapes, max_memory, name, reserved=statistics_bytes(weights.config))
+        host, dev = (0, 0) if sensitivity is None else sensitivity_bytes(weights.config, seq_lens[:split],
+                                                                          sensitivity, name)
+        return plan_memory(weights, shapes, max_memory, name, reserved=statistics_bytes(weights.config) + host,
+                           gpu_reserved=dev)
 
     with SourceWeights(source) as weights:
         if batch is not None or name == "cpu":

@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -66,7 +66,8 @@ from ds4quant.calibrate.experts import (
 from ds4quant.errors import BadInputError
 from ds4quant.names import stack_name
 
-__all__ = ["Method", "MAX_PROBES", "PROBE_SCALES", "REL_STD", "SensitivityPass", "probe_layers", "make_pass", "kl_sum", "ref_logp"]
+__all__ = ["Method", "MAX_PROBES", "PROBE_SCALES", "REL_STD", "SensitivityPass", "probe_layers", "make_pass", "kl_sum",
+           "ref_logp", "sensitivity_bytes"]
 
 # The noise level relative to each expert matrix's RMS: rocmfp2's relative
 # error on the shipped samples (SQNR about 10 dB). Sensitivity is measured
@@ -216,6 +217,37 @@ def scaled_noise(noise: ExpertNoise, L: int, experts, rel_std: float, weigh=None
             else:  # the device orders its own work
                 done = {s: surface(s, e, ws[s], z[s]) for s in SURFACES}
             yield e, gu, down, {s: done[s][0] for s in SURFACES}, {s: done[s][1] for s in SURFACES}
+
+
+def sensitivity_bytes(config, seq_lens: Sequence[int], method: "Method | str", device: str = "cpu") -> tuple[int, int]:
+    """(host, device) bytes the sensitivity pass holds beside the stream at most
+    (a transformers DeepSeek-V4 config; ``seq_lens``: the sensitivity
+    sequences' lengths; ``device``: where the layers run). The captured experts
+    calls (hidden rows, routing) and, for the streamed method, each probe
+    branch's per-token change; per expert, its three surfaces' float64 noise and
+    the perturbed copies of its weights; the per-tensor method keeps every
+    expert's noise of the three surfaces for its branches, in host memory.
+    The streamed method's draws made ahead are host memory wherever the layer
+    runs; the rest is on the device (the host's when it is the CPU)."""
+    if not seq_lens:
+        return 0, 0
+    m = Method(method)
+    h, inter = int(config.hidden_size), int(config.moe_intermediate_size)
+    k, n_exp = int(config.num_experts_per_tok), int(config.n_routed_experts)
+    tokens = int(sum(seq_lens))
+    calls = tokens * (4 * h + 12 * k)  # float32 rows, int64 top-k ids, float32 top-k weights
+    gate_up = 2 * inter * h * 4
+    gpu = int(not str(device).startswith("cpu"))
+    if m is Method.PER_TENSOR:  # numpy's float64 noise, on the host wherever the layer runs
+        host = 3 * n_exp * inter * h * 8
+        return (host, calls + 3 * gate_up) if gpu else (host + calls + 3 * gate_up, 0)
+    else:
+        branches = len(PROBE_GROUPS) * len(PROBE_SCALES)
+        work = branches * tokens * h * 4 + 3 * inter * h * 8 + (len(SURFACES) + branches) * gate_up
+        ahead = _AHEAD_BYTES[gpu] + 3 * inter * h * 4  # the draws waiting, and the one in use
+    if gpu:
+        return ahead, calls + work
+    return ahead + calls + work, 0
 
 
 def kl_sum(ref_logp, logits) -> float:

@@ -327,7 +327,7 @@ def calibrate(
         batch_size = Journal.stored_option(out / WORK_DIR_NAME, "batch")
     n_single = min(sensitivity_seqs, len(seqs))
     stream = open_stream(src_path, cfg, [len(s) for s in seqs], device, max_memory, batch=batch_size,
-                         split=n_single)
+                         split=n_single, sensitivity=method if n_single else None)
     tokens_sha = _tokens_sha256(seqs)
     versions = _versions()
     options = {"source": fingerprint, "tokens": tokens_sha, "tokens_file": tokens_file,

@@ -133,7 +133,7 @@ def _free_gpu(device: str) -> int:
 
 
 def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: Any = None, device: str = "cpu",
-                *, gpu_free: Optional[int] = None, reserved: int = 0) -> MemoryPlan:
+                *, gpu_free: Optional[int] = None, reserved: int = 0, gpu_reserved: int = 0) -> MemoryPlan:
     """Fit a run of ``batch_shapes`` ([(B, S)] per batch, e.g. ``[b.shape for b in
     sm.batches(...)]``) over ``weights`` into ``max_memory`` (bytes, a size text
     such as "6G", or None for no bound) on ``device``.
@@ -142,7 +142,8 @@ def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: An
     the hidden states in a memmap, naming it and the bytes it needs.
     gpu_free: the free bytes of the CUDA device (default: asked of torch).
     reserved: host bytes the caller holds beside the stream for the whole run
-    (calibrate's per-expert statistics), counted like the process's own."""
+    (calibrate's per-expert statistics), counted like the process's own;
+    gpu_reserved: what it holds on the CUDA device (taken off its free bytes)."""
     from ds4quant.runtime.stream.model import parse_device
 
     device = parse_device(device)
@@ -165,7 +166,7 @@ def plan_memory(weights, batch_shapes: Sequence[tuple[int, int]], max_memory: An
     devices = tuple(device for _ in layer_min)
     free = None
     if device.startswith("cuda"):
-        free = gpu_free if gpu_free is not None else _free_gpu(device)
+        free = (gpu_free if gpu_free is not None else _free_gpu(device)) - int(gpu_reserved)
         devices = tuple(device if need + work + 2 * batch_max <= free else "cpu" for need in layer_min)
     # a layer on the GPU has its working set there: the host holds its weights in transit and
     # one batch's hidden states, not the attention scores
