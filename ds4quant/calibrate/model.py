@@ -84,9 +84,8 @@ def open_stream(source: Path, cfg, seq_lens: Sequence[int], device: str = "cpu",
     if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
         raise BadInputError(f"the batch size must be an int >= 1, got {batch!r}", where="--batch-size")
     from ds4quant.calibrate.collect import statistics_bytes
-    from ds4quant.calibrate.walk import batch_groups
-
     from ds4quant.calibrate.sensitivity import sensitivity_bytes
+    from ds4quant.calibrate.walk import batch_groups
 
     def plan_for(b: int):
         shapes = [(len(g), seq_lens[g[0]]) for g in batch_groups(seq_lens, split, b)]

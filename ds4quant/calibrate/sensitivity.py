@@ -241,10 +241,9 @@ def sensitivity_bytes(config, seq_lens: Sequence[int], method: "Method | str", d
     if m is Method.PER_TENSOR:  # numpy's float64 noise, on the host wherever the layer runs
         host = 3 * n_exp * inter * h * 8
         return (host, calls + 3 * gate_up) if gpu else (host + calls + 3 * gate_up, 0)
-    else:
-        branches = len(PROBE_GROUPS) * len(PROBE_SCALES)
-        work = branches * tokens * h * 4 + 3 * inter * h * 8 + (len(SURFACES) + branches) * gate_up
-        ahead = _AHEAD_BYTES[gpu] + 3 * inter * h * 4  # the draws waiting, and the one in use
+    branches = len(PROBE_GROUPS) * len(PROBE_SCALES)
+    work = branches * tokens * h * 4 + 3 * inter * h * 8 + (len(SURFACES) + branches) * gate_up
+    ahead = _AHEAD_BYTES[gpu] + 3 * inter * h * 4  # the draws waiting, and the one in use
     if gpu:
         return ahead, calls + work
     return ahead + calls + work, 0

@@ -41,9 +41,9 @@ whole-model run writes. Only ``report.json``'s ``run`` block (seconds,
 device) differs between runs. On a GPU the sequences run in batches
 (``batch_size``; by default as many as fit, at most 8; the sensitivity
 sequences and their branches among themselves): fewer, larger expert calls,
-each batch's sums added in order. A batch
-changes the last bits as the device does; the batch is in ``report.json``
-and the journal, and a resumed run keeps it.
+each batch's sums added in order. A batch changes the last bits as the
+device does; the batch is in ``report.json`` and the journal, and a resumed
+run keeps it.
 
 Example::
 
@@ -206,7 +206,7 @@ class CalibrationReport:
     seconds: float
     device: str
     resumed_at: int = 0
-    batch: int = 1  # sequences the main pass ran together (the sensitivity ones alone)
+    batch: int = 1  # sequences run through a layer together (``walk.batch_groups``)
 
     @property
     def unreached_count(self) -> int:
@@ -325,9 +325,9 @@ def calibrate(
     seqs, tokens_file = _seqs_of(tokens, cfg)
     if resume and batch_size is None:  # a resumed run keeps its batch, whatever fits now
         batch_size = Journal.stored_option(out / WORK_DIR_NAME, "batch")
-    n_single = min(sensitivity_seqs, len(seqs))
+    n_sens = min(sensitivity_seqs, len(seqs))
     stream = open_stream(src_path, cfg, [len(s) for s in seqs], device, max_memory, batch=batch_size,
-                         split=n_single, sensitivity=method if n_single else None)
+                         split=n_sens, sensitivity=method if n_sens else None)
     tokens_sha = _tokens_sha256(seqs)
     versions = _versions()
     options = {"source": fingerprint, "tokens": tokens_sha, "tokens_file": tokens_file,

@@ -6,10 +6,10 @@ Per layer L (materialized once): each sequence's hidden streams are read
 from the work folder, run through the layer with the hooks of
 ``collect.LayerSums`` recording (in sequence order, in ``batch_groups`` of up
 to ``batch`` sequences of one length; the sensitivity sequences among
-themselves), and written as layer L+1's input. Then the sensitivity pass (if any) measures the layer on
-the captured experts calls of its sequences, the branches alive at L go
-through the unperturbed layer and the branches that start at L through the
-perturbed one. The layer's sums and sensitivity piece are saved, the journal
+themselves), and written as layer L+1's input. Then the sensitivity pass (if
+any) measures the layer on the captured experts calls of its sequences, the
+branches alive at L go through the unperturbed layer and the branches that
+start at L through the perturbed one, in the same batches. The layer's sums and sensitivity piece are saved, the journal
 records the layer finished, its input states are dropped. After the last
 layer the head runs: the ``output.weight`` sums, the reference
 log-probabilities of the sensitivity sequences and each branch's KL.
@@ -87,8 +87,9 @@ class _States:
     computes (at most ``_PENDING`` writes in flight, holding their tensors);
     ``flush`` waits for every write, and the journal records a layer finished
     only after it. Reads and writes have a thread each: a layer reads only
-    states written before the last ``flush`` (its own inputs), so a read never
-    waits for a write, and a batched layer's many files move at twice the rate."""
+    states written before the last ``flush`` (its own inputs), so a read
+    never needs to wait for a write, and a batch's reads do not queue behind
+    the previous batch's writes."""
 
     _PENDING = 2
 
