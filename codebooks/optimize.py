@@ -303,6 +303,7 @@ def fit_optimized(
     impl: str = "fast",
     backend: Backend = NUMBA,
     inputs=None,
+    histogram=None,
 ) -> OptimizedFit:
     """Fit one expert's book pair (and mode) for the MIX encoder's own error.
 
@@ -320,6 +321,10 @@ def fit_optimized(
         (the Triton tier), ``encoding`` holds the choices as uint8 tensors there.
     inputs: the matrices and importance already on the backend's device, as
         ``formats.search.to_device`` gives them (one (X, W) a matrix).
+    histogram: a zero-argument callable giving the reference fitter's
+        ``Histogram`` of these matrices and importance, which does not depend
+        on the levels: a caller fitting both MIX qtypes of one expert builds
+        it once (the same books as ``fit_reference``).
     Returns an OptimizedFit whose error is <= the reference books' error.
     """
     qt = formats.get_qtype(qtype)
@@ -361,7 +366,7 @@ def fit_optimized(
         fit = full
 
     try:
-        ref_books, _ = fit_reference(mats, L, imps)
+        ref_books = histogram().fit(L).books if histogram is not None else fit_reference(mats, L, imps)[0]
     except CodebookError:
         ref_books = None
     uniform = project(np.tile(np.linspace(-1.0, 1.0, L), (2, 1)))

@@ -2,7 +2,8 @@
 
 A job owns what the candidates of one expert matrix share: the matrix, its
 importance and error weights, the backend the searches run on, the one
-upload of them to its device (``Resident``), the candidate loop and the MIX
+upload of them to its device (``Resident``), the reference fitter's
+histogram (one for both MIX qtypes), the candidate loop and the MIX
 codebook fits. For each candidate it encodes the matrix the way convert
 will (MIX with books fitted for this expert and surface) and takes the
 float64 error sums, weighted per column by ``err_w``, here and only here.
@@ -109,6 +110,7 @@ class ExpertJob:
         self.x, self.imp, self.err_w = x, imp, err_w
         self.opts, self.seed, self.backend = opts, seed, backend
         self._resident: Optional[Resident] = None
+        self._hist = None
 
     def run(self, qtypes: Sequence[str]) -> list:
         """[(qtype, Measure, (books, mode) or None)] for each of ``qtypes``, in order."""
@@ -118,6 +120,17 @@ class ExpertJob:
         if self._resident is None:
             self._resident = Resident(self.x, self.imp, self.err_w, self.backend)
         return self._resident
+
+    def histogram(self):
+        """The reference fitter's histogram of the matrix and its importance,
+        built once for both MIX qtypes (it does not depend on the levels)."""
+        if self._hist is None:
+            from ds4quant.codebooks import Histogram
+
+            h = Histogram()
+            h.add(self.x, self.imp)
+            self._hist = h
+        return self._hist
 
     def on_device(self, qt) -> bool:
         """Whether ``qt``'s search runs on the backend's device."""
@@ -162,15 +175,15 @@ class ExpertJob:
     def _fit(self, qt):
         """(books, mode, ref_books_error or None, the encoder's choices for
         them on the matrix or None) for a MIX qtype."""
-        from ds4quant.codebooks import fit_optimized, fit_reference
+        from ds4quant.codebooks import fit_optimized
 
         opts = self.opts
         if opts.fitter is Fitter.REFERENCE:
-            books, _ = fit_reference([self.x], qt.codebook_levels, self.imp)
-            return books, 1, None, None
+            return self.histogram().fit(qt.codebook_levels).books, 1, None, None
         fit = fit_optimized([self.x], qt.name, self.imp, seed=self.seed, iterations=opts.fit_iterations,
                             restarts=opts.fit_restarts, max_rows=opts.fit_max_rows, backend=self.backend,
-                            inputs=[self.resident().halves()] if self.backend.on_device else None)
+                            inputs=[self.resident().halves()] if self.backend.on_device else None,
+                            histogram=self.histogram)
         return fit.books, fit.mode, fit.reference_error, fit.encoding
 
     def _sums(self, y) -> Sums:
