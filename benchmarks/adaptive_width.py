@@ -35,7 +35,7 @@ from _adaptive_ds4shape import DOWN, GATE_UP, _measure_all, fp4_matrix, importan
 # (module, attribute, label): where the device path's work happens
 PHASES = (
     ("ds4quant.plan.job", "ExpertJob._fit", "MIX: the whole codebook fit"),
-    ("ds4quant.codebooks.optimize", "fit_reference", "MIX: reference fitter (host histogram)"),
+    ("ds4quant.plan.job", "ExpertJob.histogram", "MIX: reference fitter's histogram (host, once a matrix)"),
     ("ds4quant.formats.search", "terms_stats", "MIX: Lloyd sums (host)"),
     ("ds4quant.formats.search", "pairwise_sum", "MIX: Lloyd step totals (host)"),
     ("ds4quant.formats.search.torch_batch", "choose_batched", "MIX: Lloyd step search + copies"),
