@@ -243,7 +243,9 @@ def sensitivity_bytes(config, seq_lens: Sequence[int], method: "Method | str", d
         return (host, calls + 3 * gate_up) if gpu else (host + calls + 3 * gate_up, 0)
     branches = len(PROBE_GROUPS) * len(PROBE_SCALES)
     work = branches * tokens * h * 4 + 3 * inter * h * 8 + (len(SURFACES) + branches) * gate_up
-    ahead = _AHEAD_BYTES[gpu] + 3 * inter * h * 4  # the draws waiting, and the one in use
+    # the draws waiting (``scaled_noise``: at most its byte cap, at most a few experts), and the one in use
+    per_expert = 3 * inter * h * 4
+    ahead = min(_AHEAD_BYTES[gpu], (_DRAW_THREADS[gpu] + 2) * per_expert) + per_expert
     if gpu:
         return ahead, calls + work
     return ahead + calls + work, 0

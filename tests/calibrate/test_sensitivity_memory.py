@@ -66,11 +66,17 @@ def test_a_budget_without_room_for_the_pass_is_refused_up_front(tmp_path):
         host, _ = sensitivity_bytes(w.config, [30, 30], "streamed", "cpu")
         assert with_pass.plan.reserved_bytes == statistics_bytes(w.config) + host
     assert with_pass.plan.peak_bytes == bare.plan.peak_bytes + host
-    budget = str(bare.plan.peak_bytes + host // 2)
+    # the least budget the stream alone runs in (one expert decoded at a time), and not a byte more
+    from ds4quant.runtime.stream.memory import PROCESS_BYTES
+
+    p = bare.plan
+    least = (PROCESS_BYTES + p.reserved_bytes + p.working_bytes + 2 * p.batch_hidden_bytes
+             + max(max(p.layer_bytes), p.global_bytes))
+    budget = str(least + host - 1)
     res = CliRunner().invoke(cli, ["calibrate", str(SAMPLE), "--tokens", str(toks), "--out", str(tmp_path / "c"),
                                    "--sensitivity-seqs", "2", "--max-memory", budget])
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
     assert "--max-memory: layer" in res.output and not (tmp_path / "c").exists()
-    # the same budget holds the stream without the pass
+    # the same budget holds the stream without the pass (fewer decoded experts kept)
     rep = calibrate(SAMPLE, toks, tmp_path / "ok", sensitivity_seqs=0, max_memory=budget)
     assert rep.tokens == 90
