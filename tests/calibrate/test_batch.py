@@ -138,3 +138,30 @@ def test_a_bad_batch_size_is_refused(runs, tmp_path):
     with pytest.raises(BadInputError, match="batch size must be an int >= 1"):
         calibrate(SAMPLE, toks, tmp_path / "y", batch_size=True)
     assert not (tmp_path / "y").exists()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_the_default_batch_is_taken_and_agrees_with_batch_one(runs, tmp_path):
+    """On a GPU calibrate batches by default (as many as fit, up to 8; here the
+    sensitivity group of 3 and the runs of one length after it): every token
+    counted once, and the statistics those of batch 1 on the same GPU up to
+    float rounding."""
+    d, toks, _one, _three = runs
+    auto = calibrate(SAMPLE, toks, tmp_path / "auto", sensitivity_seqs=3, device="cuda")
+    one = calibrate(SAMPLE, toks, tmp_path / "one", sensitivity_seqs=3, device="cuda", batch_size=1)
+    from ds4quant.calib.routing import read_routing_json
+
+    assert auto.batch == 8 and one.batch == 1
+    # every token fills its k slots in every layer; a routing near-tie may flip in the last bits
+    ra, rb = (read_routing_json(tmp_path / r / "routing.json").counts.astype(np.int64) for r in ("one", "auto"))
+    assert np.array_equal(ra.sum(axis=1), rb.sum(axis=1)) and np.abs(ra - rb).sum() <= 0.01 * ra.sum()
+    a, b = read_imatrix(tmp_path / "one" / "imatrix.gguf"), read_imatrix(tmp_path / "auto" / "imatrix.gguf")
+    for name, ea in a.entries.items():
+        if not np.array_equal(np.asarray(ea.counts), np.asarray(b.entries[name].counts)):
+            continue  # a flipped near-tie moved a row: not comparable
+        va, vb = np.asarray(ea.values, np.float64), np.asarray(b.entries[name].values, np.float64)
+        assert np.abs(va - vb).max() <= 1e-2 * np.abs(va).max(), name
+    sa = read_sensitivity(tmp_path / "one" / "sensitivity.json")
+    sb = read_sensitivity(tmp_path / "auto" / "sensitivity.json")
+    for k, g in sa.gains.items():
+        assert abs(sb.gains[k] - g) <= 1e-2 * abs(g), k
