@@ -13,7 +13,10 @@ in every layer, and hashes the routed experts' outputs in call order.
 
 Batches are formed as the whole-model harness forms them (every evaluation
 sequence in one right-padded batch; protocol trials in chunks of 64 padded
-with eos), so on CPU the logits are the whole model's bits.
+with eos), so on CPU the logits are the whole model's bits. An evaluation
+larger than ``BATCH_TOKENS`` padded tokens, which no whole model at DS4
+Flash's size runs, goes in consecutive batches of at most that many
+(``eval_batch``), so one batch's working set stays bounded.
 """
 
 from __future__ import annotations
@@ -25,6 +28,22 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from ds4quant.runtime.stream.model import Observer
+
+
+#: the most padded tokens (rows x longest row) one evaluation batch holds: DS4 Flash's
+#: 16k-token evaluation is one batch, a larger one several. The rule reads the sequences
+#: alone, so a reference base and every candidate get the same batches on any machine (a
+#: row's bits depend on its batch neighbours: docs/reference-model.md#determinism).
+BATCH_TOKENS = 16384
+
+
+def eval_batch(seqs: Sequence[Sequence[int]]) -> int:
+    """Rows per evaluation batch: all of them while they hold at most
+    ``BATCH_TOKENS`` padded tokens, else as many as that holds (at least one)."""
+    width = max((len(s) for s in seqs), default=1)
+    if len(seqs) * width <= BATCH_TOKENS:
+        return max(1, len(seqs))
+    return max(1, BATCH_TOKENS // width)
 
 
 class _Hooks(Observer):
@@ -157,7 +176,8 @@ def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, e
     """Logits at ``positions`` [(row, position)] of ``seqs`` through ``sm``
     (with ``moe``: its MoE blocks recorded or compared, see ``MoeTrace``), within
     the host budget ``max_memory`` (``plan_memory``: on a GPU the decoded experts
-    are kept there; hidden states past the budget go to a temporary memmap)."""
+    are kept there; hidden states past the budget go to a temporary memmap), in
+    batches of ``batch_size`` rows (default ``eval_batch``)."""
     import contextlib
     import tempfile
 
@@ -166,7 +186,7 @@ def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, e
     from ds4quant.runtime.stream.memory import plan_memory
     from ds4quant.runtime.stream.model import stream_forward
 
-    bs = batch_size or len(seqs)
+    bs = batch_size or eval_batch(seqs)
     want: dict = {}
     order = []
     for r, c in positions:
@@ -181,6 +201,10 @@ def streamed_logits(sm, seqs: Sequence[Sequence[int]], positions, pad: int, *, e
         stream_forward(sm, batches, observer=obs, keep_logits=False, plan=plan, work_dir=work)
     parts = [obs.kept[b] for b in sorted(obs.kept)]
     logits = torch.cat(parts) if parts else torch.zeros((0, int(sm.config.vocab_size)))
+    if any(a > b for a, b in zip(order, order[1:])):
+        # positions not in row order: the batches' rows come back in ``positions``' order
+        by_batch = sorted(range(len(order)), key=order.__getitem__)  # stable: each batch's own order
+        logits = logits[torch.argsort(torch.tensor(by_batch))]
     return StreamedPass(logits, obs.routed.hexdigest())
 
 

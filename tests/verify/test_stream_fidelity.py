@@ -124,3 +124,47 @@ def test_streamed_passes_on_the_gpu(mx):
     cpu = verify(mx, **kw).fidelity
     gpu = verify(mx, device="cuda", **kw).fidelity
     assert abs(gpu.kl.kld_mean - cpu.kl.kld_mean) < 0.01 and abs(gpu.kl.same_top1 - cpu.kl.same_top1) < 0.05
+
+
+def test_a_large_evaluation_goes_in_bounded_batches(mx, monkeypatch):
+    """Past ``BATCH_TOKENS`` padded tokens the evaluation runs in consecutive batches of
+    at most that many, fixed by the sequences alone (so a base and its candidates get the
+    same batches anywhere); the figures stay the one-batch run's up to float rounding."""
+    import ds4quant.runtime.stream.model as model
+    import ds4quant.runtime.stream_fidelity as sf
+    from ds4quant.verify import verify
+
+    assert sf.eval_batch([[1] * 10] * 4) == 4  # 40 tokens: one batch
+    kw = dict(source=COPY, fidelity=True, mode="exact", stream=True)
+    one = verify(mx, **kw).fidelity
+    monkeypatch.setattr(sf, "BATCH_TOKENS", 25)
+    assert sf.eval_batch([[1] * 10] * 4) == 2 and sf.eval_batch([[1] * 30] * 3) == 1
+    shapes: list = []
+    real = model.stream_forward
+
+    def spy(sm, batches, **k):
+        shapes.append([tuple(b.shape) for b in batches])
+        return real(sm, batches, **k)
+
+    monkeypatch.setattr(model, "stream_forward", spy)
+    split = verify(mx, **kw).fidelity
+    assert shapes and all(len(s) > 1 and all(r * w <= 25 or r == 1 for r, w in s) for s in shapes)
+    assert split.kl.same_top1 == one.kl.same_top1 and abs(split.kl.kld_mean - one.kl.kld_mean) < 1e-6
+
+
+def test_positions_in_any_order_come_back_in_that_order():
+    """streamed_logits returns the logits in the order of ``positions``, also when they
+    are not in row order across batches."""
+    import torch
+
+    from ds4quant.runtime.stream import SourceWeights, StreamedModel
+    from ds4quant.runtime.stream_fidelity import streamed_logits
+
+    seqs = [[0, 5, 9, 11], [0, 7, 3], [0, 4, 4, 8, 2]]
+    pos = [(0, 1), (0, 2), (1, 1), (2, 0), (2, 3)]
+    shuffled = [pos[i] for i in (3, 0, 4, 2, 1)]
+    with SourceWeights(COPY) as w:
+        sm = StreamedModel(w, threads=1)
+        a = streamed_logits(sm, seqs, pos, 0, batch_size=2).logits
+        b = streamed_logits(sm, seqs, shuffled, 0, batch_size=2).logits
+    assert torch.equal(b, a[[3, 0, 4, 2, 1]])
