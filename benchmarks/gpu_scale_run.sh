@@ -36,5 +36,9 @@ for N in ${LAYERS:-2 4}; do
       --project-seqs "${PROJECT_SEQS:-128}" ${EXPERTS:+--experts "$EXPERTS"} ${RATIO_OFFSET:+--ratio-offset "$RATIO_OFFSET"} ${SOURCE:+--source "$SOURCE"} \
       --work "/tmp/scale$N" --json-out "$OUT/scale_flash${N}_${CARD:-gpu}.json" > "$OUT/scale_flash${N}_${CARD:-gpu}.txt" 2>&1
   echo "N=$N rc=$? $(( $(date +%s) - t0 )) s"; tail -40 "$OUT/scale_flash${N}_${CARD:-gpu}.txt"
-  [ "${KEEP:-0}" = 1 ] || rm -rf "/tmp/scale$N"
+  # a SOURCE inside the work folder (a slice an earlier step kept) stays for the next step
+  if [ "${KEEP:-0}" != 1 ]; then
+    case "${SOURCE:-}" in "/tmp/scale$N"/*) find "/tmp/scale$N" -mindepth 1 -maxdepth 1 ! -path "${SOURCE%/}" -exec rm -rf {} + ;;
+                          *) rm -rf "/tmp/scale$N" ;; esac
+  fi
 done
