@@ -64,13 +64,10 @@ def _project_calibrate(r: dict, types: tuple, seqs: int, sens: int, main_seqs: i
         # (over the sensitivity sequences, whatever the main count), the branches per branch
         # sequence-layer (a layer without branches takes the main rate)
         k_sens = min(sens, seqs)
-        # the sensitivity sequences (their calls captured; alone in runs before --batch-size
-        # grouped them, "main_singles") and the rest, each at its own rate
-        first = [p.get("main_sens", p.get("main_singles")) for p in parts]
-        rest = [p.get("main_rest", p.get("main_batched")) for p in parts]
-        if seqs > k_sens > 0 and None not in first and None not in rest:
-            sr, _ = _by_type([f / k_sens for f in first], here, there)
-            rr, _ = _by_type([r / (seqs - k_sens) for r in rest], here, there)
+        if seqs > k_sens > 0 and all("main_rest" in p for p in parts):
+            # the sensitivity sequences (their calls captured) and the rest, each at its own rate
+            sr, _ = _by_type([p["main_sens"] / k_sens for p in parts], here, there)
+            rr, _ = _by_type([p["main_rest"] / (seqs - k_sens) for p in parts], here, there)
             main = [(a * k_sens + b * (main_seqs - k_sens)) / main_seqs for a, b in zip(sr, rr)]
             out.update(seconds_per_sens_seq_layer=max(sr), seconds_per_rest_seq_layer=max(rr))
         else:

@@ -9,8 +9,9 @@ to ``batch`` sequences of one length; the sensitivity sequences among
 themselves), and written as layer L+1's input. Then the sensitivity pass (if
 any) measures the layer on the captured experts calls of its sequences, the
 branches alive at L go through the unperturbed layer and the branches that
-start at L through the perturbed one, in the same batches. The layer's sums and sensitivity piece are saved, the journal
-records the layer finished, its input states are dropped. After the last
+start at L through the perturbed one, in the same batches. The layer's sums
+and sensitivity piece are saved, the journal records the layer finished, its
+input states are dropped. After the last
 layer the head runs: the ``output.weight`` sums, the reference
 log-probabilities of the sensitivity sequences and each branch's KL.
 
@@ -142,6 +143,11 @@ class _States:
         parts = [self.get(layer, key, i) for i in seqs]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def put_many(self, layer: int, key: str, seqs: Sequence[int], h) -> None:
+        """``put`` each sequence's row of the batch ``h`` [len(seqs), S, hc, H]."""
+        for j, i in enumerate(seqs):
+            self.put(layer, key, i, h[j:j + 1])
+
     def flush(self) -> None:
         """Every state put so far is in its file (a failed write raises here)."""
         while self._writes:
@@ -255,8 +261,7 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
                         out = sm.run_layer(layer, b, h)
                         sums.end()
                         rec["on"] = False
-                        for j, i in enumerate(g):
-                            states.put(L + 1, MAIN, i, out[j:j + 1])
+                        states.put_many(L + 1, MAIN, g, out)
                         for i in g:
                             tick(f"layer {L}", i)
             finally:
@@ -267,17 +272,18 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
                 for key in sens.keys_entering(L):
                     for gi in range(n_sg):
                         out = sm.run_layer(layer, grouped[gi], states.get_many(L, key, groups[gi]))
-                        for j, i in enumerate(groups[gi]):
-                            states.put(L + 1, key, i, out[j:j + 1])
-                for br in branches:
-                    for gi in range(n_sg):
+                        states.put_many(L + 1, key, groups[gi], out)
+                for gi in range(n_sg):
+                    if not branches:
+                        break
+                    h = states.get_many(L, MAIN, groups[gi])  # read once for every branch starting here
+                    for br in branches:
                         layer.mlp.experts = br.experts(experts, gi)
                         try:
-                            out = sm.run_layer(layer, grouped[gi], states.get_many(L, MAIN, groups[gi]))
+                            out = sm.run_layer(layer, grouped[gi], h)
                         finally:
                             layer.mlp.experts = experts
-                        for j, i in enumerate(groups[gi]):
-                            states.put(L + 1, br.key, i, out[j:j + 1])
+                        states.put_many(L + 1, br.key, groups[gi], out)
                 _save_npz(journal.sens_path(L), piece)
         from ds4quant.artifact.atomic import atomic_write_bytes
 
