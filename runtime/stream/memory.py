@@ -16,10 +16,10 @@ hidden states. ``plan_memory`` adds these up against ``max_memory``:
 On a CUDA device a layer whose weights and working set exceed the GPU's free
 memory runs on the CPU (``layer_devices``); a layer on the GPU has its working
 set there, so the host budget counts only its weights in transit and one
-batch's hidden states. A layer on the GPU keeps its
-decoded experts there (as bfloat16 when they are FP4: exact), so their bound
-is what the GPU has left beside the layer (``gpu_expert_cache``), and the host
-holds only the expert in transit.
+batch's hidden states. A layer on the GPU keeps its decoded experts there (as
+bfloat16 when they are FP4: exact), so their bound is what the GPU has left
+beside the layer (``gpu_expert_cache``), and the host holds only the expert
+in transit.
 
 The working set is an estimate from the shapes (eager attention's score
 matrices dominate: heads x S x (S + compressed entries) floats, a few
