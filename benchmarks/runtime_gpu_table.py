@@ -16,6 +16,8 @@ Rows per (recipe, batch):
   for that call (decode-step graph / grouped matrix-vector / tensor-core
   prefill / the float32 tl.dot kernels), graphed where the path is graphable;
 * ``fast run_slots``: the owner end to end (host staging, copies, kernels);
+* ``fast run_slots_device``: the owner end to end on rows already on the
+  device (``run_slots_device``: what a layer on the GPU hands it);
 * ``exact kernel`` / ``exact run_slots``: exact mode the same way (per-slot
   kernels at decode sizes, the grouped kernels of ``exact_grouped`` at prefill
   sizes; the definition's path where no kernel applies);
@@ -273,12 +275,17 @@ def main(argv=None) -> int:
             label, fk = fast_kernel(torch, owner, x, ids)
             timed(f"ours fast kernel ({label})", fk, qbytes)
             timed("ours fast run_slots", lambda: owner.run_slots(0, xn, ids, "fast"), qbytes, graph=False)
+            timed("ours fast run_slots_device", lambda: owner.run_slots_device(0, x, ids, "fast"), qbytes,
+                  graph=False)
             ex = owner.exact_set(0, ids)
             if ex is not None:
                 di = torch.from_numpy(ids).to(dev)
                 timed(f"ours exact kernel ({ex[0]})", lambda: owner.exact_device(0, x, di, ex[0]), qbytes)
             timed("ours exact run_slots" + ("" if ex is not None else " (definition)"),
                   lambda: owner.run_slots(0, xn, ids, "exact"), qbytes, graph=False)
+            if ex is not None:  # the definition's path takes seconds at prefill sizes: timed once above
+                timed("ours exact run_slots_device", lambda: owner.run_slots_device(0, x, ids, "exact"), qbytes,
+                      graph=False)
 
             # the whole layer on the device: routing + routed experts + combine + shared expert
             try:

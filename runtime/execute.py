@@ -60,22 +60,41 @@ def combine(weights, slots, held: Optional[np.ndarray] = None, shared=None):
     return torch.from_numpy(np.ascontiguousarray(acc, dtype=np.float32))
 
 
-def _canonical_sum(w: np.ndarray, y: np.ndarray, keep: Optional[np.ndarray]) -> np.ndarray:
+def combine_on_device(weights, slots, held: Optional[np.ndarray] = None, shared=None):
+    """``combine`` on the slots' device (torch ops, one kernel each: every product and every
+    sum rounded once, as numpy's ufuncs round them), so the same bits without a host copy."""
+    import torch
+
+    y = slots.to(torch.float32)
+    w = weights.to(device=y.device, dtype=torch.float32)
+    keep = None
+    if held is not None and not np.asarray(held, dtype=bool).all():
+        keep = torch.from_numpy(np.ascontiguousarray(held, dtype=bool)).to(y.device)
+    acc = _canonical_sum(w, y, keep, torch)
+    if shared is not None:
+        acc = acc + shared.to(device=y.device, dtype=torch.float32)
+    return acc.contiguous()
+
+
+def _canonical_sum(w, y, keep, xp=np):
+    """The canonical sum over a token's slots; xp: numpy (host arrays) or torch (tensors)."""
     T, K = w.shape[0], w.shape[1]
+    if K == 0:
+        return np.zeros((T, y.shape[2]), np.float32) if xp is np else y.new_zeros((T, y.shape[2]))
     if keep is None:
-        acc = w[:, 0:1] * y[:, 0, :] if K else np.zeros((T, y.shape[2]), np.float32)
+        acc = w[:, 0:1] * y[:, 0, :]
         for k in range(1, K):
             acc = acc + w[:, k:k + 1] * y[:, k, :]
         return acc
-    acc = np.zeros((T, y.shape[2]), dtype=np.float32)
-    started = np.zeros((T, 1), dtype=bool)
+    acc = xp.zeros_like(y[:, 0, :])
+    started = keep[:, 0:1] & False
     for k in range(K):
         term = w[:, k:k + 1] * y[:, k, :]
         # a token's first held slot starts its sum as fl32(w*y), never 0 + fl32(w*y)
         # (which would turn -0 into +0); a slot held elsewhere is skipped
-        nxt = np.where(started, acc + term, term)
+        nxt = xp.where(started, acc + term, term)
         hk = keep[:, k:k + 1]
-        acc = np.where(hk, nxt, acc)
+        acc = xp.where(hk, nxt, acc)
         started = started | hk
     return acc
 
@@ -97,7 +116,7 @@ def _submit_order(names: Sequence[str], home: str) -> list[str]:
 def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[str, object],
               table: Sequence[str], mode: Mode, pool: Optional[Executor] = None, *,
               home: Optional[str] = None, shared=None, overlap: bool = False,
-              timings: Optional[list] = None) -> LayerResult:
+              timings: Optional[list] = None, device_rows: Optional[bool] = None) -> LayerResult:
     """Run one layer's routed experts.
 
     hidden float32 [T,H], top_k_index int64 [T,k], top_k_weights float32 [T,k]
@@ -106,6 +125,9 @@ def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[st
     (one worker per owner); shared: float32 [T,H] added after the routed sum.
     overlap: overlapped submission (``runtime.overlap``; same bytes either way);
     timings: a list that receives one ``overlap.BranchTiming`` per branch.
+    device_rows: keep the rows on ``hidden``'s device (each owner's ``run_slots_device``,
+    the combine there; the same bytes). None: when ``hidden`` is on a GPU and every owner
+    of the call runs there; True: required (refused when an owner does not run there).
     """
     import torch
 
@@ -131,6 +153,13 @@ def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[st
     if unknown:
         raise BadInputError(f"layer {layer}: the placement names owners {unknown} this runtime does not have")
     home = home if home is not None else (names[0] if names else None)
+    dev = hidden.device
+    takes = all(_takes_device(owners[n], dev) for n in names)
+    if device_rows and not takes:
+        raise BadInputError(f"layer {layer}: device rows need every owner of the call on {dev}, "
+                            f"got {[n for n in names if not _takes_device(owners[n], dev)]}")
+    if takes and (device_rows or (device_rows is None and dev.type != "cpu")):
+        return _run_on_device(layer, hidden, idx, top_k_weights, owners, names, who, held, mode, shared, timings)
 
     import ds4quant.runtime.overlap as ov
 
@@ -166,3 +195,41 @@ def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[st
     out = combine(top_k_weights.detach().cpu(), slots_t, held=None if held.all() else held, shared=shared)
     miss = tuple((int(t), int(k), int(idx[t, k])) for t, k in zip(*np.nonzero(~held)))
     return LayerResult(out=out, slots=slots_t, held=held, missing=miss)
+
+
+def _takes_device(owner, dev) -> bool:
+    """Whether ``owner`` runs slots on device tensors of ``dev`` (its optional
+    ``run_slots_device``, docs/runtime.md#device-rows)."""
+    return getattr(owner, "run_slots_device", None) is not None and getattr(owner, "device", None) == dev
+
+
+def _run_on_device(layer, hidden, idx, top_k_weights, owners, names, who, held, mode, shared, timings):
+    """run_layer with the hidden states on a device every owner of the call runs on: each
+    owner's rows are gathered, run and scattered there, the canonical combine runs there,
+    and no row crosses the host; the bytes are the host path's."""
+    import torch
+
+    T, K = idx.shape
+    H = hidden.shape[1]
+    dev = hidden.device
+    x = hidden.detach().to(torch.float32).contiguous()
+    flat = idx.reshape(-1)
+    tok = torch.arange(T, device=dev).repeat_interleave(K)
+    slots = torch.zeros((T * K, H), dtype=torch.float32, device=dev)
+    for name in names:  # one device: the owners' launches queue on it in turn
+        sel = np.nonzero(who == name)[0]
+        seld = torch.from_numpy(sel).to(dev)
+        t0 = time.perf_counter()
+        y = owners[name].run_slots_device(layer, x.index_select(0, tok.index_select(0, seld)), flat[sel], mode)
+        if tuple(y.shape) != (sel.shape[0], H):
+            raise ShapeError(f"layer {layer}: an owner returned {tuple(y.shape)} for {sel.shape[0]} slots of "
+                             f"width {H}")
+        slots.index_copy_(0, seld, y.to(torch.float32))
+        if timings is not None:
+            import ds4quant.runtime.overlap as ov
+
+            timings.extend(ov.timings_of([(name, t0, t0, time.perf_counter())], {name: sel.shape[0]}))
+    slots = slots.view(T, K, H)
+    out = combine_on_device(top_k_weights.detach(), slots, held=None if held.all() else held, shared=shared)
+    miss = tuple((int(t), int(k), int(idx[t, k])) for t, k in zip(*np.nonzero(~held)))
+    return LayerResult(out=out, slots=slots, held=held, missing=miss)

@@ -277,32 +277,20 @@ class ExactKernelsMixin:
         return self._stage_out(pin_y)
 
     def exact_kernels_call(self, layer: int, x, ids: np.ndarray, ready):
-        """float32 (n, H) numpy through the exact kernels, or None (the caller takes the
-        definition's path: a layer or batch the kernels do not cover, or a rerun)."""
+        """float32 (n, H) host rows through the exact kernels on a CUDA device (staged through
+        the pinned buffers), or None (the caller takes the definition's path: a layer or batch
+        the kernels do not cover, or a rerun). Device rows: ``run_slots_device``."""
         import torch
 
         got = self.exact_set(layer, ids)
         if got is None:
             return None
-        kind = got[0]
         xn = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
         xn = np.ascontiguousarray(xn, dtype=np.float32)
         if xn.ndim != 2 or xn.shape[0] != ids.shape[0]:
             return None  # the definition's path raises the shape error
         with self._lock:
-            if self.device.type == "cuda":
-                y = self._exact_cuda(layer, xn, ids, ready, kind)
-            else:  # the CPU device (interpreter tests): eager launches
-                ready.fire()
-                xt, it = torch.from_numpy(xn), torch.from_numpy(ids)
-                yt, bad = self.exact_device(layer, xt, it, kind)
-                if int(bad[0]):
-                    yt = self.exact_patched(layer, xt, it, kind)
-                    if yt is not None:
-                        self.exact_stats["patched"] += 1
-                else:
-                    self.exact_stats["kernel"] += 1
-                y = None if yt is None else yt.numpy()
+            y = self._exact_cuda(layer, xn, ids, ready, got[0])
         if y is None:
             self.exact_stats["rerun"] += 1
         return y

@@ -62,6 +62,7 @@ import numpy as np
 from ds4quant.errors import BadInputError, MissingDependencyError, ShapeError
 from ds4quant.runtime.mode import Mode
 from ds4quant.runtime.owners.base import ExpertStack
+from ds4quant.runtime.owners.cuda_device import DeviceSlotsMixin
 from ds4quant.runtime.owners.cuda_exact import ExactKernelsMixin
 from ds4quant.runtime.owners.cuda_prefill import PrefillMixin
 from ds4quant.runtime.owners.torch_owner import DEFAULT_SWIGLU_LIMIT, TorchOwner
@@ -104,7 +105,7 @@ def _need_triton():
     return moe_triton
 
 
-class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
+class CudaOwner(DeviceSlotsMixin, ExactKernelsMixin, PrefillMixin, TorchOwner):
     """Owner protocol on a CUDA/ROCm device; see the module docstring."""
 
     def __init__(self, device: str = "cuda:0", identity: Optional[str] = None,
@@ -567,48 +568,25 @@ class CudaOwner(ExactKernelsMixin, PrefillMixin, TorchOwner):
 
         mode = Mode.parse(mode, where=self.identity)
         ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+        if self.device.type != "cuda":  # the CPU device (interpreter tests): nothing to stage
+            ready.fire()
+            xt = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+            return self.run_slots_device(layer, xt.to(device=self.device, dtype=torch.float32), ids,
+                                         mode).numpy()
         if mode is Mode.EXACT:
             y = self.exact_kernels_call(layer, x, ids, ready)
             if y is not None:
                 return y
             ready.fire()  # the definition's path: its input copy is inside torch_exact
             return super().run_slots(layer, x, expert_ids, mode)
-        if self.device.type == "cuda":
-            xn = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
-            if xn.ndim != 2 or xn.shape[0] != ids.shape[0]:
-                raise ShapeError(f"run_slots: x {tuple(xn.shape)} and {ids.shape[0]} expert ids disagree")
-            if ids.shape[0] == 0:
-                ready.fire()
-                return np.zeros(xn.shape, np.float32)
-            with self._lock:
-                y = self._fast_cuda(layer, xn, ids, ready)
-            if y is None:
-                return super().run_slots(layer, x, expert_ids, mode)
-            return y
-        ready.fire()
-        xt = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-        xt = xt.to(device=self.device, dtype=torch.float32).contiguous()
-        if xt.ndim != 2 or xt.shape[0] != ids.shape[0]:
-            raise ShapeError(f"run_slots: x {tuple(xt.shape)} and {ids.shape[0]} expert ids disagree")
+        xn = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
+        if xn.ndim != 2 or xn.shape[0] != ids.shape[0]:
+            raise ShapeError(f"run_slots: x {tuple(xn.shape)} and {ids.shape[0]} expert ids disagree")
+        if ids.shape[0] == 0:
+            ready.fire()
+            return np.zeros(xn.shape, np.float32)
         with self._lock:
-            gem = self.gemv_set(layer) if 0 < ids.shape[0] <= self.gemv_max_slots else None
-            gp = self.grouped_plan(layer, ids) if gem is None else None
-            if gem is not None and self._all_resident(gem[4], ids):
-                # the CPU device (interpreter tests): the decode-step kernels, eager
-                y = self.gemv_device(layer, torch.from_numpy(group_t(xt.numpy())), torch.from_numpy(ids))
-            elif gp is not None:  # the grouped kernels, eager
-                order, groups = gp
-                ys = self.grouped_device(layer, torch.from_numpy(group_t(xt.numpy()[order])),
-                                         torch.from_numpy(groups))
-                y = torch.empty_like(ys)
-                y[torch.from_numpy(order)] = ys
-            else:
-                pf = self.prefill_set(layer) if self.prefill_wanted(layer, ids) else None
-                y = None
-                if pf is not None and self._all_resident(pf[4], ids):  # the prefill kernels
-                    y = self.prefill_device(layer, xt, torch.from_numpy(ids))
-                if y is None:
-                    y = self.fast_device(layer, xt, ids)
+            y = self._fast_cuda(layer, xn, ids, ready)
         if y is None:
             return super().run_slots(layer, x, expert_ids, mode)
-        return y.cpu().numpy()
+        return y

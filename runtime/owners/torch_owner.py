@@ -162,13 +162,27 @@ class TorchOwner:
 
     def run_slots(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, mode: Mode) -> np.ndarray:
         import torch
-        from ds4quant.runtime.owners import torch_exact
-        from ds4quant.runtime.swiglu import swiglu_fast
 
         mode = Mode.parse(mode, where=self.identity)
         xt = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         xt = xt.to(device=self.device, dtype=torch.float32)
-        ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+        return self.torch_slots(layer, xt, np.asarray(expert_ids, dtype=np.int64).reshape(-1), mode).cpu().numpy()
+
+    def run_slots_device(self, layer: int, x, expert_ids, mode: Mode):
+        """run_slots on rows already on this owner's device: x float32 (n, H) tensor there,
+        expert_ids int64 (n,) -> float32 (n, H) tensor there, run_slots' bytes."""
+        mode = Mode.parse(mode, where=self.identity)
+        x, ids = device_rows(self, x, expert_ids)
+        return self.torch_slots(layer, x, ids, mode)
+
+    def torch_slots(self, layer: int, xt, ids: np.ndarray, mode: Mode):
+        """run_slots on a float32 (n, H) tensor on this owner's device -> a tensor there:
+        each selected expert decoded with ``formats.decode_torch`` (numba on the CPU device),
+        then the definition's exact products or fast mode's matmuls."""
+        import torch
+        from ds4quant.runtime.owners import torch_exact
+        from ds4quant.runtime.swiglu import swiglu_fast
+
         if xt.ndim != 2 or xt.shape[0] != ids.shape[0]:
             raise ShapeError(f"run_slots: x {tuple(xt.shape)} and {ids.shape[0]} expert ids disagree")
         out = torch.zeros_like(xt)
@@ -184,4 +198,20 @@ class TorchOwner:
                 else:
                     y = swiglu_fast(xs @ wg.T, xs @ wu.T, self.swiglu_limit) @ wd.T
                 out.index_copy_(0, rows, y)
-        return out.cpu().numpy()
+        return out
+
+
+def device_rows(owner, x, expert_ids):
+    """(x float32 contiguous, ids int64 (n,) host) for ``run_slots_device``; refuses rows that
+    are not a tensor on ``owner.device`` or that disagree with the ids in number."""
+    import torch
+
+    if not isinstance(x, torch.Tensor) or x.device != owner.device:
+        where = x.device if isinstance(x, torch.Tensor) else "the host"
+        raise BadInputError(f"run_slots_device: the rows are on {where}, this owner runs on {owner.device}",
+                            where=owner.identity)
+    ids = (expert_ids.detach().cpu().numpy() if isinstance(expert_ids, torch.Tensor)
+           else np.asarray(expert_ids)).astype(np.int64, copy=False).reshape(-1)
+    if x.ndim != 2 or x.shape[0] != ids.shape[0]:
+        raise ShapeError(f"run_slots: x {tuple(x.shape)} and {ids.shape[0]} expert ids disagree")
+    return x.to(torch.float32).contiguous(), ids
