@@ -199,8 +199,11 @@ def run_layer(layer: int, hidden, top_k_index, top_k_weights, owners: Mapping[st
 
 def _takes_device(owner, dev) -> bool:
     """Whether ``owner`` runs slots on device tensors of ``dev`` (its optional
-    ``run_slots_device``, docs/runtime.md#device-rows)."""
-    return getattr(owner, "run_slots_device", None) is not None and getattr(owner, "device", None) == dev
+    ``run_slots_device``, docs/gpu.md#device)."""
+    from ds4quant.runtime.owners.torch_owner import same_device
+
+    where = getattr(owner, "device", None)
+    return getattr(owner, "run_slots_device", None) is not None and where is not None and same_device(where, dev)
 
 
 def _run_on_device(layer, hidden, idx, top_k_weights, owners, names, who, held, mode, shared, timings):

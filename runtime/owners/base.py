@@ -93,6 +93,12 @@ class Owner(Protocol):
     # compute is), and returning the same bytes as run_slots. A failure before
     # the fire just raises (the executor wakes the waiter with it).
 
+    # Optional (rows that stay on a device, docs/gpu.md#device): an owner with a torch
+    # ``device`` may define
+    #     run_slots_device(layer, x, expert_ids, mode) -> torch.Tensor
+    # taking x as a float32 tensor on that device and returning run_slots' bytes there.
+    # runtime.execute.run_layer calls it when the hidden states are on that device.
+
     def resident_bytes(self) -> int:
         """Bytes of expert data (and decode tables) this owner holds."""
 

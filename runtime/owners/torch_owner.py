@@ -201,12 +201,25 @@ class TorchOwner:
         return out
 
 
+def same_device(a, b) -> bool:
+    """Whether torch devices a and b are one device ("cuda" is the current CUDA device)."""
+    import torch
+
+    def norm(d):
+        d = torch.device(d)
+        if d.index is None and d.type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return d
+
+    return norm(a) == norm(b)
+
+
 def device_rows(owner, x, expert_ids):
     """(x float32 contiguous, ids int64 (n,) host) for ``run_slots_device``; refuses rows that
     are not a tensor on ``owner.device`` or that disagree with the ids in number."""
     import torch
 
-    if not isinstance(x, torch.Tensor) or x.device != owner.device:
+    if not isinstance(x, torch.Tensor) or not same_device(x.device, owner.device):
         where = x.device if isinstance(x, torch.Tensor) else "the host"
         raise BadInputError(f"run_slots_device: the rows are on {where}, this owner runs on {owner.device}",
                             where=owner.identity)

@@ -15,17 +15,19 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or HIP device")]
 
 from . import _synth as S  # noqa: E402
+from .test_prefill_exact_cuda import DEV, H, N_EXP, _layer  # noqa: E402
 
-LAYER = 3
-EXPERTS = tuple(range(0, 16))
+LAYER = 0
+EXPERTS = tuple(range(N_EXP))
 
 
 def _owner(qtype):
+    """A CUDA owner holding a DS4-sized layer of random valid bytes (no encoder run)."""
     pytest.importorskip("triton")
     from ds4quant.runtime.owners.cuda_owner import CudaOwner
 
-    o = CudaOwner("cuda:0")
-    stacks, entries = S.layer_stacks(qtype, LAYER, EXPERTS)
+    stacks, entries = _layer(qtype, seed=11)
+    o = CudaOwner(DEV)
     for st in stacks.values():
         o.add_stack(st)
     for t, ent in entries.items():
@@ -33,8 +35,12 @@ def _owner(qtype):
     return o
 
 
-# 1 and 9 slots: the decode step; 40 over 16 experts: grouped; 600: the prefill kernels
-SLOTS = (1, 9, 40, 600)
+def _tokens(n, seed):
+    return np.random.default_rng(seed).standard_normal((n, H)).astype(np.float32)
+
+
+# 1 and 9 slots: the decode step; 60 over 32 experts: grouped; 600: the prefill kernels
+SLOTS = (1, 9, 60, 600)
 
 
 @pytest.mark.parametrize("qtype", ["rocmfp2", "rocmfp4", "rocmfp3_mix"])
@@ -43,12 +49,13 @@ def test_device_rows_give_the_host_rows_bytes(qtype, mode):
     o = _owner(qtype)
     for n in SLOTS:
         ids = S.rng_for("ids", n).choice(EXPERTS, size=n).astype(np.int64)
-        x = S.tokens(n, seed=n)
+        x = _tokens(n, n)
         host = o.run_slots(LAYER, x, ids, mode)
-        dev = o.run_slots_device(LAYER, torch.from_numpy(x).to("cuda:0"), ids, mode)
+        dev = o.run_slots_device(LAYER, torch.from_numpy(x).to(DEV), ids, mode)
         assert dev.device.type == "cuda"
         assert dev.cpu().numpy().tobytes() == host.tobytes(), f"{qtype} {mode} {n} slots"
         S.record_gpu(test="device_rows", qtype=qtype, mode=mode, slots=n, sha=S.sha32(host))
+    o.close()
 
 
 @pytest.mark.parametrize("mode", ["fast", "exact"])
@@ -61,9 +68,10 @@ def test_a_layer_on_device_hidden_states_gives_the_cpu_calls_bytes(mode):
     for T in (1, 100):
         idx = torch.from_numpy(rng.choice(EXPERTS, size=(T, 6)).astype(np.int64))
         w = torch.from_numpy(rng.uniform(0, 1, (T, 6)).astype(np.float32))
-        hidden = torch.from_numpy(S.tokens(T, seed=T))
+        hidden = torch.from_numpy(_tokens(T, T))
         host = run_layer(LAYER, hidden, idx, w, {"cuda:0": o}, table, mode)
-        dev = run_layer(LAYER, hidden.to("cuda:0"), idx.to("cuda:0"), w.to("cuda:0"), {"cuda:0": o}, table, mode)
+        dev = run_layer(LAYER, hidden.to(DEV), idx.to(DEV), w.to(DEV), {"cuda:0": o}, table, mode)
         assert dev.out.device.type == "cuda" and host.out.device.type == "cpu"
         assert dev.out.cpu().numpy().tobytes() == host.out.numpy().tobytes(), f"{mode} T={T}"
         assert dev.slots.cpu().numpy().tobytes() == host.slots.numpy().tobytes(), f"{mode} T={T}"
+    o.close()
