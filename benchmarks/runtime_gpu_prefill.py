@@ -14,7 +14,8 @@ expert 2048, seeded random valid bytes). For each recipe and batch:
   alike) and ``prefill_bm`` (slots of one expert per program), graphed;
 * ``fast permuted`` per tile: the same call through ``prefill_permuted``
   (``prefill_kernel = "permuted"``, ``prefill_tile_permuted``: rows, bytes
-  per step, warps, stages, row blocks of a slot tile together), with its
+  per step, warps, stages, row blocks of a slot tile together, loads a step
+  ahead), with its
   largest difference from the tile kernel's output (``rel_to_tiles``);
 * ``exact grouped`` per tile: ``CudaOwner.exact_device`` on the grouped
   kernels with ``exact_grouped_tile`` (rows, warps, stages), graphed; every
@@ -45,11 +46,11 @@ FAST_TILES = ((0, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128,
               (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 64, 128, 4, 2), (64, 128, 128, 8, 2),
               (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 32, 4, 4))
 # the permuted-activation kernel: (slots per program, rows per program, bytes per step, warps, stages,
-# row blocks of a slot tile together)
-PERMUTED_TILES = ((0, 128, 16, 8, 3, True), (0, 128, 16, 4, 3, True), (0, 64, 16, 4, 3, True),
-                  (0, 128, 32, 8, 3, True), (0, 256, 16, 8, 3, True), (0, 128, 16, 8, 2, True),
-                  (0, 128, 16, 8, 3, False), (64, 128, 16, 8, 3, True), (128, 128, 16, 8, 3, True),
-                  (0, 64, 32, 4, 2, True))
+# row blocks of a slot tile together, byte tiles loaded a step ahead)
+PERMUTED_TILES = ((0, 128, 16, 8, 3, True, False), (0, 128, 16, 8, 3, True, True), (0, 128, 32, 8, 3, True, False),
+                  (0, 64, 16, 4, 3, True, False), (0, 256, 16, 8, 3, True, False), (0, 128, 16, 4, 3, True, True),
+                  (0, 128, 16, 8, 3, False, False), (0, 128, 16, 8, 2, True, True), (64, 128, 16, 8, 3, True, False),
+                  (128, 128, 16, 8, 3, True, False), (0, 64, 32, 4, 2, True, True))
 # (slots per program, rows per program, warps, stages)
 EXACT_TILES = ((0, 64, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (16, 64, 4, 2),
                (32, 32, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3))
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     fast_tiles, permuted_tiles, exact_tiles = FAST_TILES[:cut], PERMUTED_TILES[:cut], EXACT_TILES[:cut]
     if a.quick:  # the interpreter's cost is per program: whole-matrix blocks
         fast_tiles = tuple((bm, max(H, I), bk, w, 1) for bm, _, bk, w, _ in fast_tiles)
-        permuted_tiles = tuple((bm, max(H, I), bj, w, 1, nf) for bm, _, bj, w, _, nf in permuted_tiles)
+        permuted_tiles = tuple((bm, max(H, I), bj, w, 1, nf, pre) for bm, _, bj, w, _, nf, pre in permuted_tiles)
         exact_tiles = tuple((bm, max(H, I), w, 1) for bm, _, w, _ in exact_tiles)
     bench = base._timer(torch, dev, warm=min(2, reps))
     res = {"versions": base._versions(torch), "shape": dict(n_expert=n_exp, topk=topk, hidden=H, expert=I),
@@ -172,9 +173,9 @@ def main(argv=None) -> int:
                 ref = owner.prefill_device(0, x, di)
 
                 def permuted_setup(tile):
-                    bm, bn, bj, nw, ns, nf = tile
+                    bm, bn, bj, nw, ns, nf, pre = tile
                     owner.prefill_kernel, owner.prefill_bm = "permuted", bm
-                    owner.prefill_tile_permuted = {"gu": (bn, bj, nw, ns, nf), "down": (bn, bj, nw, ns, nf)}
+                    owner.prefill_tile_permuted = {"gu": (bn, bj, nw, ns, nf, pre), "down": (bn, bj, nw, ns, nf, pre)}
 
                 sweep("fast permuted", permuted_tiles, permuted_setup, lambda: owner.prefill_device(0, x, di), False,
                       against=ref)

@@ -317,14 +317,14 @@ def scenario_prefill_permuted():
         for bm in pk.BM_CHOICES if q == "rocmfp2" else (64,):
             plan = pk.sort_slots(ids, ids, E, n, bm=bm)
             for split in pk.split_variants(q):
-                bn, bj, nw, ns, nf = o.prefill_tile_permuted["gu"]
-                kw = dict(bn=bn, bj=bj, num_warps=nw, num_stages=ns, nfirst=nf)
+                bn, bj, nw, ns, nf, pre = o.prefill_tile_permuted["gu"]
+                kw = dict(bn=bn, bj=bj, num_warps=nw, num_stages=ns, nfirst=nf, pre=pre)
                 h = pp.grouped(f, x, plan, gu, w2=gu, limit=10.0, split=split, out_dtype=torch.bfloat16,
                                out_cpb=cpb, **kw)
                 pp.grouped(f, x, plan, gu, split=split, **kw)
-                bn, bj, nw, ns, nf = o.prefill_tile_permuted["down"]
+                bn, bj, nw, ns, nf, pre = o.prefill_tile_permuted["down"]
                 pp.grouped(f, h, plan, d, scatter=True, split=split, out=torch.zeros((n, H)), bn=bn, bj=bj,
-                           num_warps=nw, num_stages=ns, nfirst=nf)
+                           num_warps=nw, num_stages=ns, nfirst=nf, pre=pre)
 
 
 def scenario_exact_planes():

@@ -23,7 +23,7 @@ two for ``SPLIT`` and affine: ``prefill_triton.bf16_terms``), levels by
 arithmetic on the codes (small integers through the float exponent trick,
 no int-to-float conversion) or the select tree for tables of up to 8, and
 the sums float32; only the order of the float32 sums differs from
-``prefill_triton``. Programs run the row blocks of one slot tile next to
+``prefill_triton``. ``PRE`` loads each step's byte tiles one step ahead. Programs run the row blocks of one slot tile next to
 each other (``NFIRST``), so the tile's activations are read from L2 by
 all of them. Measured against ``prefill_triton`` in
 ``benchmarks/runtime_gpu_prefill.py`` (docs/gpu.md#prefill).
@@ -138,8 +138,8 @@ def _prefill_permuted_kernel(
     N, KP, ka_row, kb_row, ks_row, limit,
     ABITS: tl.constexpr, BBITS: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr, NLEV: tl.constexpr,
     LV: tl.constexpr, AFF: tl.constexpr, SPLIT: tl.constexpr, DUAL: tl.constexpr, GATHER: tl.constexpr,
-    SCATTER: tl.constexpr, NATIVE: tl.constexpr, OUTP: tl.constexpr, NFIRST: tl.constexpr, EP: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr,
+    SCATTER: tl.constexpr, NATIVE: tl.constexpr, OUTP: tl.constexpr, NFIRST: tl.constexpr, PRE: tl.constexpr,
+    EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr,
 ):
     if NFIRST:  # the row blocks of one slot tile run next to each other: its activations stay in L2
         pid_n = tl.program_id(0)
@@ -179,13 +179,31 @@ def _prefill_permuted_kernel(
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     acc2 = tl.zeros((BN, BM), dtype=tl.float32)
     jend = tl.where(m > 0, KP, 0)  # a program past the last tile runs no iterations
+    if PRE:  # the first byte tiles, loaded before the loop (see below)
+        nwa, nhb, nsc, noff, ntb = _bytes(a_base, b_base, s_base, o_base, tab_base, rows, rmask, jj, ka_row,
+                                          kb_row, ks_row, slut_ptr, ABITS, BBITS, G, MIX, NLEV, AFF)
+        nwa2, nhb2, nsc2, noff2, ntb2 = nwa, nhb, nsc, noff, ntb
+        if DUAL:
+            nwa2, nhb2, nsc2, noff2, ntb2 = _bytes(a2_base, b2_base, s2_base, o2_base, tab2_base, rows, rmask, jj,
+                                                   ka_row, kb_row, ks_row, slut2_ptr, ABITS, BBITS, G, MIX, NLEV, AFF)
     for j0 in range(0, jend, BJ):
         j = j0 + jj
-        wa, hb, sc, off, tb = _bytes(a_base, b_base, s_base, o_base, tab_base, rows, rmask, j, ka_row, kb_row,
-                                     ks_row, slut_ptr, ABITS, BBITS, G, MIX, NLEV, AFF)
-        if DUAL:
-            wa2, hb2, sc2, off2, tb2 = _bytes(a2_base, b2_base, s2_base, o2_base, tab2_base, rows, rmask, j,
-                                              ka_row, kb_row, ks_row, slut2_ptr, ABITS, BBITS, G, MIX, NLEV, AFF)
+        if PRE:  # this step's tiles came in the last step; the next step's are loaded now (the last reloads)
+            wa, hb, sc, off, tb = nwa, nhb, nsc, noff, ntb
+            wa2, hb2, sc2, off2, tb2 = nwa2, nhb2, nsc2, noff2, ntb2
+            jn = tl.minimum(j0 + BJ, KP - BJ) + jj
+            nwa, nhb, nsc, noff, ntb = _bytes(a_base, b_base, s_base, o_base, tab_base, rows, rmask, jn, ka_row,
+                                              kb_row, ks_row, slut_ptr, ABITS, BBITS, G, MIX, NLEV, AFF)
+            if DUAL:
+                nwa2, nhb2, nsc2, noff2, ntb2 = _bytes(a2_base, b2_base, s2_base, o2_base, tab2_base, rows, rmask,
+                                                       jn, ka_row, kb_row, ks_row, slut2_ptr, ABITS, BBITS, G, MIX,
+                                                       NLEV, AFF)
+        else:
+            wa, hb, sc, off, tb = _bytes(a_base, b_base, s_base, o_base, tab_base, rows, rmask, j, ka_row, kb_row,
+                                         ks_row, slut_ptr, ABITS, BBITS, G, MIX, NLEV, AFF)
+            if DUAL:
+                wa2, hb2, sc2, off2, tb2 = _bytes(a2_base, b2_base, s2_base, o2_base, tab2_base, rows, rmask, j,
+                                                  ka_row, kb_row, ks_row, slut2_ptr, ABITS, BBITS, G, MIX, NLEV, AFF)
         for p in tl.static_range(CPB):
             xp = tl.load(xcol + p * KP + j[:, None], mask=tmask[None, :], other=0.0)  # (BJ, BM)
             if not NATIVE:
@@ -226,12 +244,13 @@ def permute_columns(x, cpb: int):
 
 def grouped(fmt, x, plan: SlotPlan, w, *, w2=None, limit: float = 0.0, scatter: bool = False,
             split: bool = False, out=None, out_dtype=None, out_cpb: int = 1, bn: int = 128, bj: int = 16,
-            num_warps: int = 4, num_stages: int = 3, nfirst: bool = True):
+            num_warps: int = 4, num_stages: int = 3, nfirst: bool = True, pre: bool = False):
     """out[slot] = W_e @ x[slot] (or SwiGLU(W_e x, W2_e x) with ``w2``), ``prefill_triton.grouped``'s
     contract on permuted activations: x (n, K) from ``permute_columns(., codes_per_byte(fmt))``
     (gate + up: slot order, gathered through the plan; down: the sorted rows a gate + up launch
     wrote with ``out_cpb`` = this stage's codes a byte). ``out_cpb`` > 1 writes the output
-    permuted for such a next stage."""
+    permuted for such a next stage. ``pre``: each step's byte tiles are loaded one step ahead
+    (two steps of weight loads in flight a program, as the decode-step kernels keep)."""
     import torch
 
     a = w["a"]
@@ -269,7 +288,7 @@ def grouped(fmt, x, plan: SlotPlan, w, *, w2=None, limit: float = 0.0, scatter: 
         N, kp, ka_row, kb_row, ks_row, float(limit),
         ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev, LV=fmt.lv_mode,
         AFF=fmt.affine, SPLIT=bool(split) and not fmt.affine, DUAL=w2 is not None, GATHER=not scatter,
-        SCATTER=bool(scatter), NATIVE=not INTERPRETED, OUTP=int(out_cpb), NFIRST=bool(nfirst),
+        SCATTER=bool(scatter), NATIVE=not INTERPRETED, OUTP=int(out_cpb), NFIRST=bool(nfirst), PRE=bool(pre),
         EP=triton.next_power_of_2(max(1, E)), BM=plan.bm, BN=bn, BJ=bj, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -31,9 +31,10 @@ class PrefillMixin:
         # "tiles": ``prefill_triton`` (codes reshaped into (BN, BK) tiles); "permuted":
         # ``prefill_permuted`` (activations permuted once a call, each code position of a byte
         # tile one dot), with its (rows, bytes a step, warps, stages, row blocks of a tile
-        # together) per launch
+        # together, byte tiles loaded a step ahead) per launch
         self.prefill_kernel = "tiles"
-        self.prefill_tile_permuted: dict[str, tuple] = {"gu": (128, 16, 8, 3, True), "down": (128, 16, 8, 3, True)}
+        self.prefill_tile_permuted: dict[str, tuple] = {"gu": (128, 16, 8, 3, True, False),
+                                                        "down": (128, 16, 8, 3, True, False)}
         self._prefill: dict[int, object] = {}
 
     def _prefill_reset(self, layer: int) -> None:
@@ -126,8 +127,8 @@ class PrefillMixin:
 
         pg, pu, pd = stacks
         n = x.shape[0]
-        bn, bj, nw, ns, nf = self.prefill_tile_permuted["gu"]
-        kw = dict(bn=bn, bj=bj, num_warps=nw, num_stages=ns, nfirst=nf)
+        bn, bj, nw, ns, nf, pre = self.prefill_tile_permuted["gu"]
+        kw = dict(bn=bn, bj=bj, num_warps=nw, num_stages=ns, nfirst=nf, pre=pre)
         xg = pp.permute_columns(x, pp.codes_per_byte(pg["fmt"]))
         down_cpb = pp.codes_per_byte(pd["fmt"])
         if pg["fmt"].key == pu["fmt"].key and splits[0] == splits[1]:
@@ -139,8 +140,8 @@ class PrefillMixin:
             g = pp.grouped(pg["fmt"], xg, plan, pg, split=splits[0], **kw)
             u = pp.grouped(pu["fmt"], xu, plan, pu, split=splits[1], **kw)
             h = pp.permute_columns(swiglu_fast(g, u, self.swiglu_limit), down_cpb)
-        bn, bj, nw, ns, nf = self.prefill_tile_permuted["down"]
+        bn, bj, nw, ns, nf, pre = self.prefill_tile_permuted["down"]
         y = torch.empty((n, pd["stack"].rows), dtype=torch.float32, device=x.device)
         pp.grouped(pd["fmt"], h, plan, pd, scatter=True, split=splits[2], out=y, bn=bn, bj=bj, num_warps=nw,
-                   num_stages=ns, nfirst=nf)
+                   num_stages=ns, nfirst=nf, pre=pre)
         return y

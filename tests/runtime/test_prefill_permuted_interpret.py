@@ -35,7 +35,8 @@ def _owner(qtypes, kernel):
     # whole-matrix blocks: the interpreter's cost is per program
     o.prefill_tile = {"gu": (256, 64, 4, 1), "down": (256, 64, 4, 1)}
     o.prefill_tile_linear = o.prefill_tile
-    o.prefill_tile_permuted = {"gu": (256, 64, 4, 1, True), "down": (256, 64, 4, 1, False)}
+    # gate + up with the loads a step ahead, down without, so both forms run
+    o.prefill_tile_permuted = {"gu": (256, 16, 4, 1, True, True), "down": (256, 32, 4, 1, False, False)}
     stacks = {}
     for proj, q in zip(("gate", "up", "down"), qtypes):
         st, entries = S.layer_stacks(q, LAYER, EXPERTS)
