@@ -104,3 +104,14 @@ class Owner(Protocol):
 
     def close(self) -> None:
         """Unregister every decode table, then free the tensors. Idempotent."""
+
+
+def distinct(ids: np.ndarray) -> int:
+    """How many different expert ids ``ids`` (int64) holds: a count over ``bincount`` (16 us
+    against ``np.unique``'s 173 us at 12,288 slots on the 2-core box), ``np.unique`` for ids
+    bincount cannot take."""
+    if ids.size == 0:
+        return 0
+    if ids.min() < 0:
+        return int(np.unique(ids).shape[0])
+    return int(np.count_nonzero(np.bincount(ids)))

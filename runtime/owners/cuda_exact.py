@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4quant.runtime.owners.base import distinct
+
 
 class ExactKernelsMixin:
     """Exact mode on the word-layout kernels; needs CudaOwner's residency and buffers."""
@@ -63,7 +65,7 @@ class ExactKernelsMixin:
             from ds4quant.runtime.kernels import exact_triton  # noqa: F401
         except ImportError:  # exact mode stays usable without triton (the definition's path)
             return None
-        if n > self.exact_max_slots or n >= self.exact_grouped_mean * np.unique(ids).shape[0]:
+        if n > self.exact_max_slots or n >= self.exact_grouped_mean * distinct(ids):
             ps = self._exact_planes_set(layer)
             if ps is not None and self._grouped_levels(ps) and self._all_resident(ps[4], ids):
                 return ("grouped", ps)

@@ -61,7 +61,7 @@ import numpy as np
 
 from ds4quant.errors import BadInputError, MissingDependencyError, ShapeError
 from ds4quant.runtime.mode import Mode
-from ds4quant.runtime.owners.base import ExpertStack
+from ds4quant.runtime.owners.base import ExpertStack, distinct
 from ds4quant.runtime.owners.cuda_device import DeviceSlotsMixin
 from ds4quant.runtime.owners.cuda_exact import ExactKernelsMixin
 from ds4quant.runtime.owners.cuda_prefill import PrefillMixin
@@ -340,7 +340,7 @@ class CudaOwner(DeviceSlotsMixin, ExactKernelsMixin, PrefillMixin, TorchOwner):
         n = ids.shape[0]
         if n == 0:
             return False
-        uniq = np.unique(ids).shape[0]
+        uniq = distinct(ids)
         if n / uniq > self.group_max_mean:
             return True
         return n > uniq and self.gemv_set(layer) is None
@@ -381,7 +381,7 @@ class CudaOwner(DeviceSlotsMixin, ExactKernelsMixin, PrefillMixin, TorchOwner):
         loc = gem[4]
         if not self._all_resident(loc, ids):
             return None
-        if ids.shape[0] / np.unique(ids).shape[0] > self.group_max_mean:
+        if ids.shape[0] / distinct(ids) > self.group_max_mean:
             return None
         return gk.groups_for(ids, loc, self.group_tb)
 
