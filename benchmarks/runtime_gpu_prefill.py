@@ -12,11 +12,6 @@ expert 2048, seeded random valid bytes). For each recipe and batch:
 * ``fast prefill`` per tile: ``CudaOwner.prefill_device`` with
   ``prefill_tile`` (rows, columns per step, warps, stages; gate/up and down
   alike) and ``prefill_bm`` (slots of one expert per program), graphed;
-* ``fast permuted`` per tile: the same call through ``prefill_permuted``
-  (``prefill_kernel = "permuted"``, ``prefill_tile_permuted``: rows, bytes
-  per step, warps, stages, row blocks of a slot tile together, loads a step
-  ahead), with its
-  largest difference from the tile kernel's output (``rel_to_tiles``);
 * ``exact grouped`` per tile: ``CudaOwner.exact_device`` on the grouped
   kernels with ``exact_grouped_tile`` (rows, warps, stages), graphed; every
   tile's bytes are compared with the first tile's (exact mode: they must not
@@ -45,12 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 FAST_TILES = ((0, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 3),
               (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 64, 128, 4, 2), (64, 128, 128, 8, 2),
               (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 32, 4, 4))
-# the permuted-activation kernel: (slots per program, rows per program, bytes per step, warps, stages,
-# row blocks of a slot tile together, byte tiles loaded a step ahead)
-PERMUTED_TILES = ((0, 128, 16, 8, 3, True, False), (0, 128, 16, 8, 3, True, True), (0, 128, 32, 8, 3, True, False),
-                  (0, 64, 16, 4, 3, True, False), (0, 256, 16, 8, 3, True, False), (0, 128, 16, 4, 3, True, True),
-                  (0, 128, 16, 8, 3, False, False), (0, 128, 16, 8, 2, True, True), (64, 128, 16, 8, 3, True, False),
-                  (128, 128, 16, 8, 3, True, False), (0, 64, 32, 4, 2, True, True))
 # (slots per program, rows per program, warps, stages)
 EXACT_TILES = ((0, 64, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (16, 64, 4, 2),
                (32, 32, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3))
@@ -69,8 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--recipes", default="rocmfp2-strix,adaptive-mix,rocmfp4")
     ap.add_argument("--batches", default=None, help="tokens per call; default 2048,512 (--quick: 16)")
-    ap.add_argument("--paths", default="fast,permuted,exact")
-    ap.add_argument("--tiles", type=int, default=0, help="sweep only the first N tiles of each path")
+    ap.add_argument("--paths", default="fast,exact")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 10, --quick 1)")
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later cells are skipped")
     a = ap.parse_args(argv)
@@ -85,11 +73,10 @@ def main(argv=None) -> int:
     n_exp, topk, H, I = (8, 6, 128, 64) if a.quick else (256, 6, 4096, 2048)
     reps = a.reps or (1 if a.quick else 10)
     batches = [int(b) for b in (a.batches or ("16" if a.quick else "2048,512")).split(",")]
-    cut = 2 if a.quick else (a.tiles or None)
-    fast_tiles, permuted_tiles, exact_tiles = FAST_TILES[:cut], PERMUTED_TILES[:cut], EXACT_TILES[:cut]
+    fast_tiles = FAST_TILES[:2] if a.quick else FAST_TILES
+    exact_tiles = EXACT_TILES[:2] if a.quick else EXACT_TILES
     if a.quick:  # the interpreter's cost is per program: whole-matrix blocks
         fast_tiles = tuple((bm, max(H, I), bk, w, 1) for bm, _, bk, w, _ in fast_tiles)
-        permuted_tiles = tuple((bm, max(H, I), bj, w, 1, nf, pre) for bm, _, bj, w, _, nf, pre in permuted_tiles)
         exact_tiles = tuple((bm, max(H, I), w, 1) for bm, _, w, _ in exact_tiles)
     bench = base._timer(torch, dev, warm=min(2, reps))
     res = {"versions": base._versions(torch), "shape": dict(n_expert=n_exp, topk=topk, hidden=H, expert=I),
@@ -127,7 +114,7 @@ def main(argv=None) -> int:
                 row("bf16 grouped_mm", None, anchor)
                 gmm = None
 
-            def sweep(path, tiles, setup, call, check_bytes, against=None):
+            def sweep(path, tiles, setup, call, check_bytes):
                 best, first = None, None
                 for tile in tiles:
                     if time.perf_counter() - t0 > a.budget:
@@ -144,8 +131,6 @@ def main(argv=None) -> int:
                             same = bool(np.array_equal(yb, first))
                         t = run(call)
                         kw = dict(vs_anchor=t / anchor) if anchor else {}
-                        if against is not None:  # the largest difference from the reference path's output
-                            kw["rel_to_tiles"] = float((y - against).abs().max() / against.abs().max())
                         if same is not None:
                             kw["same_bytes_as_first_tile"] = same
                         row(path, tile, t, **kw)
@@ -166,20 +151,7 @@ def main(argv=None) -> int:
                     owner.prefill_tile = {"gu": (bn, bk, nw, ns), "down": (bn, bk, nw, ns)}
                     owner.prefill_tile_linear = owner.prefill_tile
 
-                owner.prefill_kernel = "tiles"
                 sweep("fast prefill", fast_tiles, fast_setup, lambda: owner.prefill_device(0, x, di), False)
-            if "permuted" in a.paths and owner.prefill_set(0) is not None:
-                owner.prefill_kernel, owner.prefill_bm = "tiles", 0
-                ref = owner.prefill_device(0, x, di)
-
-                def permuted_setup(tile):
-                    bm, bn, bj, nw, ns, nf, pre = tile
-                    owner.prefill_kernel, owner.prefill_bm = "permuted", bm
-                    owner.prefill_tile_permuted = {"gu": (bn, bj, nw, ns, nf, pre), "down": (bn, bj, nw, ns, nf, pre)}
-
-                sweep("fast permuted", permuted_tiles, permuted_setup, lambda: owner.prefill_device(0, x, di), False,
-                      against=ref)
-                owner.prefill_kernel, ref = "tiles", None
             ex = owner.exact_set(0, ids) if "exact" in a.paths else None
             if ex is not None and ex[0] == "grouped":
                 def exact_setup(tile):

@@ -300,33 +300,6 @@ def scenario_prefill():
                 pk.grouped(f, h, plan, d, scatter=True, split=split, bn=bn, bk=bk, num_warps=nw, num_stages=ns)
 
 
-def scenario_prefill_permuted():
-    """``CudaOwner._prefill_permuted``: the permuted-activation prefill, gate + up fused (and apart
-    for a layer whose gate and up differ), written permuted for down, and down."""
-    torch = _torch()
-    from ds4quant.runtime.kernels import layout, prefill_permuted as pp, prefill_triton as pk
-
-    o = _owner_defaults()
-    E, H, inter, n = 2, 512, 256, 8
-    for q in layout.KERNEL_QTYPES:
-        f = layout.kernel_format(q)
-        gu, d = _fake_planes(f, E, inter, H), _fake_planes(f, E, H, inter)
-        ids = torch.zeros(n, dtype=torch.int64)
-        cpb = pp.codes_per_byte(f)
-        x = torch.zeros((n, H), dtype=torch.bfloat16)
-        for bm in pk.BM_CHOICES if q == "rocmfp2" else (64,):
-            plan = pk.sort_slots(ids, ids, E, n, bm=bm)
-            for split in pk.split_variants(q):
-                bn, bj, nw, ns, nf, pre = o.prefill_tile_permuted["gu"]
-                kw = dict(bn=bn, bj=bj, num_warps=nw, num_stages=ns, nfirst=nf, pre=pre)
-                h = pp.grouped(f, x, plan, gu, w2=gu, limit=10.0, split=split, out_dtype=torch.bfloat16,
-                               out_cpb=cpb, **kw)
-                pp.grouped(f, x, plan, gu, split=split, **kw)
-                bn, bj, nw, ns, nf, pre = o.prefill_tile_permuted["down"]
-                pp.grouped(f, h, plan, d, scatter=True, split=split, out=torch.zeros((n, H)), bn=bn, bj=bj,
-                           num_warps=nw, num_stages=ns, nfirst=nf, pre=pre)
-
-
 def scenario_exact_planes():
     """``ExactKernelsMixin`` on the plane layout (every kernel qtype)."""
     torch = _torch()
@@ -428,7 +401,6 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "gemv": scenario_gemv,
     "exact_words": scenario_exact_words,
     "prefill": scenario_prefill,
-    "prefill_permuted": scenario_prefill_permuted,
     "exact_planes": scenario_exact_planes,
     "exact_grouped": scenario_exact_grouped,
     "search_scale": scenario_search_scale,
@@ -447,7 +419,6 @@ CATALOG = (
     Entry(_R + "exact_triton", "_quant_kernel", BITS, ("exact_words",)),
     Entry(_R + "exact_triton", "_swiglu_quant_kernel", BITS, ("exact_words",)),
     Entry(_R + "prefill_triton", "_prefill_kernel", FAST, ("prefill",)),
-    Entry(_R + "prefill_permuted", "_prefill_permuted_kernel", FAST, ("prefill_permuted",)),
     Entry(_R + "exact_planes", "_planes_exact_kernel", NO_APPROX, ("exact_planes",)),
     Entry(_R + "exact_grouped", "_grouped_exact_kernel", NO_APPROX, ("exact_grouped",)),
     Entry(_S + "triton_scale", "_search_kernel", BITS, ("search_scale",)),

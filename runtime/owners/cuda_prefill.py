@@ -28,13 +28,6 @@ class PrefillMixin:
         self.prefill_tile_linear: dict[str, tuple] = {"gu": (128, 64, 4, 3), "down": (128, 64, 4, 3)}
         # slots of one expert per program; 0: ``prefill_triton.pick_bm`` by the slot count
         self.prefill_bm = 0
-        # "tiles": ``prefill_triton`` (codes reshaped into (BN, BK) tiles); "permuted":
-        # ``prefill_permuted`` (activations permuted once a call, each code position of a byte
-        # tile one dot), with its (rows, bytes a step, warps, stages, row blocks of a tile
-        # together, byte tiles loaded a step ahead) per launch
-        self.prefill_kernel = "tiles"
-        self.prefill_tile_permuted: dict[str, tuple] = {"gu": (128, 16, 8, 3, True, False),
-                                                        "down": (128, 16, 8, 3, True, False)}
         self._prefill: dict[int, object] = {}
 
     def _prefill_reset(self, layer: int) -> None:
@@ -96,8 +89,6 @@ class PrefillMixin:
             return None
         n = x.shape[0]
         plan = pk.sort_slots(ids, loc, E, n, bm=self.prefill_bm)
-        if self.prefill_kernel == "permuted":
-            return self._prefill_permuted(x, plan, (pg, pu, pd), splits)
         L = self.swiglu_limit
         linear = all(p["stack"].qtype in layout.LINEAR_QTYPES for p in (pg, pu, pd))
         tiles = self.prefill_tile_linear if linear else self.prefill_tile
@@ -114,34 +105,4 @@ class PrefillMixin:
         y = torch.empty((n, pd["stack"].rows), dtype=torch.float32, device=x.device)
         pk.grouped(pd["fmt"], h, plan, pd, scatter=True, split=splits[2], out=y, bn=bn, bk=bk, num_warps=nw,
                    num_stages=ns)
-        return y
-
-    def _prefill_permuted(self, x, plan, stacks, splits):
-        """``prefill_device`` through ``prefill_permuted``: the input permuted and rounded to bf16
-        once, gate + up (fused when their formats and splits agree) writing the SwiGLU output
-        permuted for down, down scattering its rows back to slot order."""
-        import torch
-
-        from ds4quant.runtime.kernels import prefill_permuted as pp
-        from ds4quant.runtime.swiglu import swiglu_fast
-
-        pg, pu, pd = stacks
-        n = x.shape[0]
-        bn, bj, nw, ns, nf, pre = self.prefill_tile_permuted["gu"]
-        kw = dict(bn=bn, bj=bj, num_warps=nw, num_stages=ns, nfirst=nf, pre=pre)
-        xg = pp.permute_columns(x, pp.codes_per_byte(pg["fmt"]))
-        down_cpb = pp.codes_per_byte(pd["fmt"])
-        if pg["fmt"].key == pu["fmt"].key and splits[0] == splits[1]:
-            h = pp.grouped(pg["fmt"], xg, plan, pg, w2=pu, limit=self.swiglu_limit, split=splits[0],
-                           out_dtype=torch.bfloat16, out_cpb=down_cpb, **kw)
-        else:  # gate and up apart (their formats differ), SwiGLU in torch, then permuted for down
-            xu = xg if pp.codes_per_byte(pu["fmt"]) == pp.codes_per_byte(pg["fmt"]) else \
-                pp.permute_columns(x, pp.codes_per_byte(pu["fmt"]))
-            g = pp.grouped(pg["fmt"], xg, plan, pg, split=splits[0], **kw)
-            u = pp.grouped(pu["fmt"], xu, plan, pu, split=splits[1], **kw)
-            h = pp.permute_columns(swiglu_fast(g, u, self.swiglu_limit), down_cpb)
-        bn, bj, nw, ns, nf, pre = self.prefill_tile_permuted["down"]
-        y = torch.empty((n, pd["stack"].rows), dtype=torch.float32, device=x.device)
-        pp.grouped(pd["fmt"], h, plan, pd, scatter=True, split=splits[2], out=y, bn=bn, bj=bj, num_warps=nw,
-                   num_stages=ns, nfirst=nf, pre=pre)
         return y

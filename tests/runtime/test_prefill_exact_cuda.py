@@ -1,8 +1,7 @@
 """The tensor-core prefill kernels and the plane-layout exact kernels on a real
 device (skipped without CUDA/HIP), at DS4 sizes (hidden 4096, expert 2048):
 
-* prefill (both kernels: reshaped tiles and permuted activations): every
-  kernel qtype against a float64 product of the decoded
+* prefill: every kernel qtype against a float64 product of the decoded
   weights on the device (bf16-rounded activations), with an expert that gets
   no slot and one that gets many; the call takes the prefill path; a CUDA
   graph of ``prefill_device`` replays another routing of the same slot count
@@ -93,14 +92,12 @@ def _ids(tokens, seed):
     return ids
 
 
-@pytest.mark.parametrize("kernel", ["tiles", "permuted"])
 @pytest.mark.parametrize("qtype", layout.KERNEL_QTYPES)
-def test_prefill_matches_float64_at_ds4_sizes(qtype, kernel):
+def test_prefill_matches_float64_at_ds4_sizes(qtype):
     from ds4quant.runtime.owners.cuda_owner import CudaOwner
 
     stacks, entries = _layer(qtype)
     o = _owner(CudaOwner, stacks, entries, DEV)
-    o.prefill_kernel = kernel
     ids = _ids(256, 2)
     assert o.grouped_plan(0, ids) is None and o.prefill_set(0) is not None
     x = np.random.default_rng(3).standard_normal((ids.shape[0], H)).astype(np.float32)
@@ -115,18 +112,16 @@ def test_prefill_matches_float64_at_ds4_sizes(qtype, kernel):
         h = (g / (1 + torch.exp(-g)) * torch.clamp(xe @ W["up"].T, -10.0, 10.0)).float().bfloat16().double()
         ref = (h @ W["down"].T).cpu().numpy()
         err = max(err, float(np.abs(y[rows] - ref).max() / np.abs(ref).max()))
-    assert err < 1e-2, f"{qtype} {kernel}: {err}"
-    record_gpu(test="prefill_ds4", qtype=qtype, kernel=kernel, rel_err=err)
+    assert err < 1e-2, f"{qtype}: {err}"
+    record_gpu(test="prefill_ds4", qtype=qtype, rel_err=err)
     o.close()
 
 
-@pytest.mark.parametrize("kernel", ["tiles", "permuted"])
-def test_prefill_replays_from_a_cuda_graph(kernel):
+def test_prefill_replays_from_a_cuda_graph():
     from ds4quant.runtime.owners.cuda_owner import CudaOwner
 
     stacks, entries = _layer("rocmfp4")
     o = _owner(CudaOwner, stacks, entries, DEV)
-    o.prefill_kernel = kernel
     ids0, ids1 = _ids(128, 4), _ids(128, 5)
     x = torch.from_numpy(np.random.default_rng(6).standard_normal((ids0.shape[0], H)).astype(np.float32)).to(DEV)
     di = torch.from_numpy(ids0).to(DEV)
