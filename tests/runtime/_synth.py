@@ -70,6 +70,17 @@ def layer_stacks(qtype: str, layer: int, experts, *, tensor_suffix: str = ""):
     return stacks, entries
 
 
+def hold_layer(owner, qtype: str, layer: int, experts) -> dict:
+    """Make ``layer_stacks(qtype, layer, experts)`` resident on ``owner`` with their MIX books
+    registered; the stacks by projection."""
+    stacks, entries = layer_stacks(qtype, layer, experts)
+    for st in stacks.values():
+        owner.add_stack(st)
+    for t, ent in entries.items():
+        owner.register_books(t, tuple(int(e) for e in experts), ent)
+    return stacks
+
+
 def decoded(stack: ExpertStack, local: int) -> np.ndarray:
     """formats.decode of one resident expert (the independent path)."""
     qt = formats.QTYPES[stack.qtype]

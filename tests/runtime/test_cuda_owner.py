@@ -38,12 +38,7 @@ HAVE_CPU = importlib.util.find_spec("ds4quant.runtime.owners.cpu") is not None
 
 
 def _load(owner, qtype):
-    stacks, entries = S.layer_stacks(qtype, LAYER, EXPERTS)
-    for st in stacks.values():
-        owner.add_stack(st)
-    for t, ent in entries.items():
-        owner.register_books(t, EXPERTS, ent)
-    return stacks
+    return S.hold_layer(owner, qtype, LAYER, EXPERTS)
 
 
 def _cuda_owner():

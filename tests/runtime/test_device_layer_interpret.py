@@ -34,11 +34,7 @@ def _owner(qtype, experts=tuple(range(E))):
     o.prefill_tile_linear = o.prefill_tile
     big = {"gu": (S.FFN, 8, 1, 1, True, True), "down": (S.HIDDEN, 4, 1, 1, True, True)}
     o.gemv_tile, o.group_tile = dict(big), dict(big)
-    stacks, entries = S.layer_stacks(qtype, LAYER, experts)
-    for st in stacks.values():
-        o.add_stack(st)
-    for t, ent in entries.items():
-        o.register_books(t, experts, ent)
+    S.hold_layer(o, qtype, LAYER, experts)
     return o
 
 

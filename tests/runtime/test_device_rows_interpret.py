@@ -31,11 +31,7 @@ def _owner(qtype, cls="cuda", experts=EXPERTS, ident="torch-cpu:7"):
     from ds4quant.runtime.owners.torch_owner import TorchOwner
 
     o = CudaOwner("cpu", identity=ident) if cls == "cuda" else TorchOwner("cpu", identity=ident)
-    stacks, entries = S.layer_stacks(qtype, LAYER, experts)
-    for st in stacks.values():
-        o.add_stack(st)
-    for t, ent in entries.items():
-        o.register_books(t, experts, ent)
+    S.hold_layer(o, qtype, LAYER, experts)
     return o
 
 
