@@ -43,7 +43,8 @@ the Triton kernels of ``runtime.kernels``.
   a copy stream, the compute stream waits for it on a CUDA event, the caller
   waits on the output's event (never a device-wide synchronize).
   ``run_slots_staged`` fires the overlap readiness signal as soon as that copy
-  is enqueued (runtime/overlap.py).
+  is enqueued (runtime/overlap.py). Rows already on the device take
+  ``run_slots_device`` (``owners/cuda_device``): the same paths, no staging.
 * qtypes outside ``kernels.layout.KERNEL_QTYPES`` (q8_0, bf16, f16, f32),
   or a call whose experts need them, run TorchOwner's fast path
   (decode_torch + matmul) for the whole call.
