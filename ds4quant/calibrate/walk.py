@@ -273,9 +273,7 @@ def _walk(sm, seqs, journal: Journal, sens, stream, states: _States, meter, prog
                     for gi in range(n_sg):
                         out = sm.run_layer(layer, grouped[gi], states.get_many(L, key, groups[gi]))
                         states.put_many(L + 1, key, groups[gi], out)
-                for gi in range(n_sg):
-                    if not branches:
-                        break
+                for gi in range(n_sg if branches else 0):
                     h = states.get_many(L, MAIN, groups[gi])  # read once for every branch starting here
                     for br in branches:
                         layer.mlp.experts = br.experts(experts, gi)

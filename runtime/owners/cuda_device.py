@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4quant.errors import BadInputError
 from ds4quant.runtime.mode import Mode
 from ds4quant.runtime.owners.torch_owner import device_rows
 
@@ -50,15 +49,12 @@ class DeviceSlotsMixin:
         return y
 
     def _fast_on_device(self, layer: int, x, ids: np.ndarray):
-        """Fast mode's kernels in ``_fast_cuda``'s order of choice, or None (the fallback)."""
+        """Fast mode's kernels on ``fast_path``'s choice, or None (the fallback)."""
         import torch
 
         n, H = x.shape
-        gem = self.gemv_set(layer) if n <= self.gemv_max_slots else None
-        if gem is not None:
-            if not self._all_resident(gem[4], ids):
-                bad = sorted({int(e) for e in ids if e < 0 or e >= gem[4].shape[0] or gem[4][e] < 0})
-                raise BadInputError(f"experts {bad} of layer {layer} are not resident on {self.identity}")
+        kind, got = self.fast_path(layer, ids)
+        if kind == "step":
             xT = x.view(n, H // 16, 16).transpose(1, 2)  # group-transposed (``group_t``)
             if self.graphs and self.device.type == "cuda":
                 graph, dx, di, gy = self._step_graph(layer, n, H)
@@ -67,17 +63,15 @@ class DeviceSlotsMixin:
                 graph.replay()
                 return gy.clone()  # the graph's output buffer is reused by the next replay
             return self.gemv_device(layer, xT.contiguous(), torch.from_numpy(ids).to(self.device))
-        gp = self.grouped_plan(layer, ids)
-        if gp is not None:
-            order, groups = gp
+        if kind == "grouped":
+            order, groups = got
             do = torch.from_numpy(order).to(self.device)
             xT = x.index_select(0, do).view(n, H // 16, 16).transpose(1, 2).contiguous()
             ys = self.grouped_device(layer, xT, torch.from_numpy(groups).to(self.device))
             y = torch.empty_like(ys)
             y.index_copy_(0, do, ys)
             return y
-        pf = self.prefill_set(layer) if self.prefill_wanted(layer, ids) else None
-        if pf is not None and self._all_resident(pf[4], ids):
+        if kind == "prefill":
             y = self.prefill_device(layer, x, torch.from_numpy(ids).to(self.device))
             if y is not None:
                 return y

@@ -346,6 +346,26 @@ class CudaOwner(DeviceSlotsMixin, ExactKernelsMixin, PrefillMixin, TorchOwner):
             return True
         return n > uniq and self.gemv_set(layer) is None
 
+    def fast_path(self, layer: int, ids: np.ndarray):
+        """Fast mode's path for a call of ``ids`` (int64 (n,), n > 0), as (kind, what it needs):
+        ("step", ``gemv_set``), ("grouped", ``grouped_plan``), ("prefill", ``prefill_set``) or
+        ("tiles", None: ``fast_device``, which plans on the host and names an expert that is
+        not resident). A decode step naming an expert not resident here is refused."""
+        gem = self.gemv_set(layer) if ids.shape[0] <= self.gemv_max_slots else None
+        if gem is not None:
+            loc = gem[4]
+            if not self._all_resident(loc, ids):
+                bad = sorted({int(e) for e in ids if e < 0 or e >= loc.shape[0] or loc[e] < 0})
+                raise BadInputError(f"experts {bad} of layer {layer} are not resident on {self.identity}")
+            return "step", gem
+        gp = self.grouped_plan(layer, ids)
+        if gp is not None:
+            return "grouped", gp
+        pf = self.prefill_set(layer) if self.prefill_wanted(layer, ids) else None
+        if pf is not None and self._all_resident(pf[4], ids):
+            return "prefill", pf
+        return "tiles", None
+
     @staticmethod
     def _all_resident(loc: np.ndarray, ids: np.ndarray) -> bool:
         """Whether every id of a non-empty ``ids`` has a slot in ``gemv_set``'s host
@@ -466,18 +486,11 @@ class CudaOwner(DeviceSlotsMixin, ExactKernelsMixin, PrefillMixin, TorchOwner):
         import torch
 
         n, H = x.shape
-        gem = self.gemv_set(layer) if 0 < n <= self.gemv_max_slots else None
-        gp = self.grouped_plan(layer, ids) if gem is None else None
-        if gp is not None:
-            return self._grouped_cuda(layer, x, gp, ready)
-        if gem is not None:
-            loc = gem[4]
-            if not self._all_resident(loc, ids):
-                bad = sorted({int(e) for e in ids if e < 0 or e >= loc.shape[0] or loc[e] < 0})
-                raise BadInputError(f"experts {bad} of layer {layer} are not resident on {self.identity}")
-        pf = self.prefill_set(layer) if gem is None and self.prefill_wanted(layer, ids) else None
-        if pf is not None and not self._all_resident(pf[4], ids):
-            pf = None  # the planned path names the expert that is not resident
+        kind, got = self.fast_path(layer, ids)
+        if kind == "grouped":
+            return self._grouped_cuda(layer, x, got, ready)
+        gem = got if kind == "step" else None
+        pf = got if kind == "prefill" else None
         pin_i = self._pin("ids", n, torch.int64)
         pin_i.numpy()[...] = ids
         if gem is not None:  # the kernels read x group-transposed: done here, on the host
