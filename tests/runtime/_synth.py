@@ -141,10 +141,19 @@ def write_identity_artifact(artifact, out):
     return out
 
 
-def moe_ref64(stacks, x, ids, limit: float = 10.0) -> np.ndarray:
+def moe_ref64(stacks, x, ids, limit: float = 10.0, bf16: bool = False) -> np.ndarray:
     """Each slot's expert in float64 from the independently decoded weights:
-    down @ (silu(min(gate x, L)) * clip(up x, -L, L))."""
+    down @ (silu(min(gate x, L)) * clip(up x, -L, L)). ``bf16``: the activations rounded
+    to bf16 as the tensor-core prefill kernels feed them (x before gate/up, the SwiGLU
+    output before down)."""
     W = {}
+
+    def rnd(v):
+        if not bf16:
+            return v
+        import torch
+
+        return torch.from_numpy(v.astype(np.float32)).to(torch.bfloat16).to(torch.float64).numpy()
 
     def w(p, e):
         if (p, e) not in W:
@@ -154,9 +163,9 @@ def moe_ref64(stacks, x, ids, limit: float = 10.0) -> np.ndarray:
 
     out = np.empty((len(ids), x.shape[1]))
     for r, e in enumerate(int(e) for e in ids):
-        xi = x[r].astype(np.float64)
+        xi = rnd(x[r].astype(np.float64))
         gc = np.minimum(w("gate", e) @ xi, limit)
-        out[r] = w("down", e) @ (gc / (1 + np.exp(-gc)) * np.clip(w("up", e) @ xi, -limit, limit))
+        out[r] = w("down", e) @ rnd(gc / (1 + np.exp(-gc)) * np.clip(w("up", e) @ xi, -limit, limit))
     return out
 
 

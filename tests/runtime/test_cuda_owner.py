@@ -82,17 +82,15 @@ def test_fast_kernels_match_float64(qtype, ids):
     assert o.plan(LAYER, ids) is not None
     x = S.tokens(len(ids), seed=5)
     y = o.run_slots(LAYER, x, ids, "fast")
-    W = {p: [S.decoded(st, i).astype(np.float64) for i in range(st.n_experts)] for p, st in stacks.items()}
-    loc = {e: i for i, e in enumerate(EXPERTS)}
-    worst = 0.0
-    for r, e in enumerate(ids):
-        xi = x[r].astype(np.float64)
-        g, u = W["gate"][loc[e]] @ xi, W["up"][loc[e]] @ xi
-        gc = np.minimum(g, 10.0)
-        ref = W["down"][loc[e]] @ (gc / (1 + np.exp(-gc)) * np.clip(u, -10.0, 10.0))
-        worst = max(worst, float(np.abs(y[r] - ref).max() / np.abs(ref).max()))
-    record_gpu(test="fast_vs_f64", qtype=qtype, slots=len(ids), max_rel=worst)
-    assert worst < 1e-4, f"{qtype}: {worst}"
+    ref = S.moe_ref64(stacks, x, ids)
+    worst = max(float(np.abs(y[r] - ref[r]).max() / np.abs(ref[r]).max()) for r in range(len(ids)))
+    path = o.fast_path(LAYER, ids)[0]
+    record_gpu(test="fast_vs_f64", qtype=qtype, slots=len(ids), path=path, max_rel=worst)
+    if path == "prefill":  # bf16 activations (docs/gpu.md#prefill): held as the interpreter test holds them
+        S.assert_rows_close(y, S.moe_ref64(stacks, x, ids, bf16=True), ids, 1e-2, f"{qtype} (bf16 inputs)")
+        S.assert_rows_close(y, ref, ids, 3e-2, qtype)
+    else:
+        assert worst < 1e-4, f"{qtype} ({path}): {worst}"
     o.close()
 
 

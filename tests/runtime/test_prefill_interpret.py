@@ -41,20 +41,6 @@ def _owner(qtype, experts=EXPERTS):
     return o, stacks
 
 
-def _ref_bf16(stacks, x, ids):
-    """float64 reference with the activations rounded to bf16 as the kernels feed them
-    (the gate/up input, and the SwiGLU output before down)."""
-    xb = torch.from_numpy(x).to(torch.bfloat16).to(torch.float64).numpy()
-    out = np.empty(x.shape)
-    for r, e in enumerate(int(e) for e in ids):
-        W = {p: S.decoded(st, list(st.expert_ids).index(e)).astype(np.float64) for p, st in stacks.items()}
-        gc = np.minimum(W["gate"] @ xb[r], 10.0)
-        h = gc / (1 + np.exp(-gc)) * np.clip(W["up"] @ xb[r], -10.0, 10.0)
-        hb = torch.from_numpy(h.astype(np.float32)).to(torch.bfloat16).to(torch.float64).numpy()
-        out[r] = W["down"] @ hb
-    return out
-
-
 LOADS = {
     "uneven": np.array([7, 3, 7, 20, 7, 3, 7, 7, 20, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 3]),  # expert 8: no slot
     "one expert": np.array([20] * 18),
@@ -77,7 +63,7 @@ def test_prefill_matches_float64(pk, qtype):
         y = o.run_slots(LAYER, x, ids, "fast")
         assert y.dtype == np.float32 and y.shape == x.shape and np.all(np.isfinite(y))
         # the bf16-rounded activations: only float32 summation error remains
-        S.assert_rows_close(y, _ref_bf16(stacks, x, ids), ids, 1e-2, f"{qtype} {name} (bf16 inputs)")
+        S.assert_rows_close(y, S.moe_ref64(stacks, x, ids, bf16=True), ids, 1e-2, f"{qtype} {name} (bf16 inputs)")
         # the unrounded float64 reference: bf16 activations' rounding
         S.assert_rows_close(y, S.moe_ref64(stacks, x, ids), ids, 3e-2, f"{qtype} {name}")
 
