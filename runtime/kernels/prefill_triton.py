@@ -84,13 +84,18 @@ def _parts(lv, sc, off, AFF: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.const
 def _dot_tile(xb, a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row, slut_ptr,
               llut_ptr, acc, ABITS: tl.constexpr, BBITS: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr,
               NLEV: tl.constexpr, LV: tl.constexpr, AFF: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr):
+              SWAP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     lv, sc, off = _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
                         slut_ptr, llut_ptr, ABITS, BBITS, G, MIX, NLEV, LV, AFF, BN, BK)
     hi, lo = _parts(lv, sc, off, AFF, SPLIT, NATIVE, BN, BK)
-    acc = tl.dot(xb, tl.trans(hi), acc, input_precision="ieee")
-    if AFF or SPLIT:
-        acc = tl.dot(xb, tl.trans(lo), acc, input_precision="ieee")
+    if SWAP:  # acc (BN, BM) += W (BN, BK) @ x^T: the decoded tile is the A operand, held in registers
+        acc = tl.dot(hi, tl.trans(xb), acc, input_precision="ieee")
+        if AFF or SPLIT:
+            acc = tl.dot(lo, tl.trans(xb), acc, input_precision="ieee")
+    else:  # acc (BM, BN) += x (BM, BK) @ W^T
+        acc = tl.dot(xb, tl.trans(hi), acc, input_precision="ieee")
+        if AFF or SPLIT:
+            acc = tl.dot(xb, tl.trans(lo), acc, input_precision="ieee")
     return acc
 
 
@@ -121,11 +126,16 @@ def _prefill_kernel(
     N, K, ka_row, kb_row, ks_row, limit,
     ABITS: tl.constexpr, BBITS: tl.constexpr, G: tl.constexpr, MIX: tl.constexpr, NLEV: tl.constexpr,
     LV: tl.constexpr, AFF: tl.constexpr, SPLIT: tl.constexpr, DUAL: tl.constexpr, GATHER: tl.constexpr,
-    SCATTER: tl.constexpr, NATIVE: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr,
+    SCATTER: tl.constexpr, NATIVE: tl.constexpr, SWAP: tl.constexpr, N_FIRST: tl.constexpr, EP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    pid_n = tl.program_id(1)
-    ec, m, tmask, slot = tile_slots(tl.program_id(0), tend_ptr, count_ptr, start_ptr, NE, EP, BM)
+    if N_FIRST:  # a row tile's column blocks are neighbours in launch order: its rows are read once from DRAM
+        pid_n = tl.program_id(0)
+        pid_t = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(1)
+        pid_t = tl.program_id(0)
+    ec, m, tmask, slot = tile_slots(pid_t, tend_ptr, count_ptr, start_ptr, NE, EP, BM)
     src = slot
     if GATHER or SCATTER:
         perm = tl.load(order_ptr + slot, mask=tmask, other=0).to(tl.int64)
@@ -152,25 +162,33 @@ def _prefill_kernel(
         if DUAL:
             tab2_base = tl.load(tab2_ptr + ec)
     kk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc2 = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     kend = tl.where(m > 0, K, 0)  # a program past the last tile runs no iterations
     for k0 in range(0, kend, BK):
         xt = tl.load(x_ptr + src[:, None] * stride_x + (k0 + kk)[None, :], mask=tmask[:, None], other=0.0)
         xb = _bf16(xt.to(tl.float32), NATIVE)
         acc = _dot_tile(xb, a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_row, ks_row,
-                        slut_ptr, llut_ptr, acc, ABITS, BBITS, G, MIX, NLEV, LV, AFF, SPLIT, NATIVE, BN, BK)
+                        slut_ptr, llut_ptr, acc, ABITS, BBITS, G, MIX, NLEV, LV, AFF, SPLIT, NATIVE, SWAP, BN, BK)
         if DUAL:
             acc2 = _dot_tile(xb, a2_base, b2_base, s2_base, o2_base, tab2_base, rows, rmask, k0, ka_row, kb_row,
                              ks_row, slut2_ptr, llut2_ptr, acc2, ABITS, BBITS, G, MIX, NLEV, LV, AFF, SPLIT, NATIVE,
-                             BN, BK)
+                             SWAP, BN, BK)
     res = acc
     if DUAL:  # fast mode's SwiGLU (moe_triton's)
         gc = tl.minimum(acc, limit)
         uc = tl.minimum(tl.maximum(acc2, -limit), limit)
         res = gc / (1.0 + tl.exp(-gc)) * uc
-    optr = out_ptr + dst[:, None] * stride_o + rows[None, :]
-    tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
+    if SWAP:
+        optr = out_ptr + dst[None, :] * stride_o + rows[:, None]
+        tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & tmask[None, :])
+    else:
+        optr = out_ptr + dst[:, None] * stride_o + rows[None, :]
+        tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,13 +237,16 @@ def sort_slots(ids, loc, experts: int, n: int, bm: int = 0) -> SlotPlan:
 
 def grouped(fmt, x, plan: SlotPlan, w, *, w2=None, limit: float = 0.0, scatter: bool = False,
             split: bool = False, out=None, out_dtype=None, bn: int = 64, bk: int = 64, num_warps: int = 4,
-            num_stages: int = 3):
+            num_stages: int = 3, swap: bool = False, n_first: bool = True):
     """out[slot] = W_e @ x[slot] (or SwiGLU(W_e x, W2_e x) with ``w2``) for every slot of ``plan``.
 
     Without ``scatter``: x in slot order (rows gathered through ``plan.order``), out in
     sorted order. With ``scatter``: x in sorted order, out rows written back to slot order.
     fmt: layout.Format; w / w2: a stack's planes dict (a, b, s, o, slut, llut, tab).
-    ``split``: two bf16 parts per weight (``bf16_terms`` == 2; affine always takes two)."""
+    ``split``: two bf16 parts per weight (``bf16_terms`` == 2; affine always takes two).
+    ``swap``: the product computed transposed (weights as the tensor-core A operand; the
+    tensor cores' float32 sums may group differently: fast mode); ``n_first``: column blocks
+    before row tiles in launch order (launch order only: the same bytes)."""
     import torch
 
     a = w["a"]
@@ -250,7 +271,7 @@ def grouped(fmt, x, plan: SlotPlan, w, *, w2=None, limit: float = 0.0, scatter: 
     def off(p):
         return p["o"] if p.get("o") is not None else p["s"]
 
-    grid = (plan.tiles, triton.cdiv(N, bn))
+    grid = (triton.cdiv(N, bn), plan.tiles) if n_first else (plan.tiles, triton.cdiv(N, bn))
     _prefill_kernel[grid](
         x, x.stride(0), out, out.stride(0), plan.order, plan.start, plan.count, plan.tend, plan.experts,
         a, b, w["s"], off(w), w["tab"],
@@ -259,7 +280,7 @@ def grouped(fmt, x, plan: SlotPlan, w, *, w2=None, limit: float = 0.0, scatter: 
         N, K, ka_row, kb_row, ks_row, float(limit),
         ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev, LV=fmt.lv_mode,
         AFF=fmt.affine, SPLIT=bool(split) and not fmt.affine, DUAL=w2 is not None, GATHER=not scatter,
-        SCATTER=bool(scatter), NATIVE=not INTERPRETED, EP=triton.next_power_of_2(max(1, E)), BM=plan.bm, BN=bn, BK=bk,
+        SCATTER=bool(scatter), NATIVE=not INTERPRETED, SWAP=bool(swap), N_FIRST=bool(n_first), EP=triton.next_power_of_2(max(1, E)), BM=plan.bm, BN=bn, BK=bk,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

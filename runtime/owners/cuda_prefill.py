@@ -28,6 +28,12 @@ class PrefillMixin:
         self.prefill_tile_linear: dict[str, tuple] = {"gu": (128, 64, 4, 3), "down": (128, 64, 4, 3)}
         # slots of one expert per program; 0: ``prefill_triton.pick_bm`` by the slot count
         self.prefill_bm = 0
+        # ``prefill_triton.grouped``'s swap (the product transposed) and n_first (launch order),
+        # and the gate/up input cast to bf16 once before the launch (the kernel rounds it so
+        # anyway: the same bytes, half the bytes each column block reads)
+        self.prefill_swap = False
+        self.prefill_n_first = True
+        self.prefill_x16 = True
         self._prefill: dict[int, object] = {}
 
     def _prefill_reset(self, layer: int) -> None:
@@ -93,7 +99,10 @@ class PrefillMixin:
         linear = all(p["stack"].qtype in layout.LINEAR_QTYPES for p in (pg, pu, pd))
         tiles = self.prefill_tile_linear if linear else self.prefill_tile
         bn, bk, nw, ns = tiles["gu"]
-        kw = dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns)
+        form = dict(swap=self.prefill_swap, n_first=self.prefill_n_first)
+        kw = dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns, **form)
+        if self.prefill_x16 and x.dtype == torch.float32:
+            x = x.to(torch.bfloat16)
         if pg["fmt"].key == pu["fmt"].key and splits[0] == splits[1]:
             h = pk.grouped(pg["fmt"], x, plan, pg, w2=pu, limit=L, split=splits[0], out_dtype=torch.bfloat16,
                            **kw)
@@ -104,5 +113,5 @@ class PrefillMixin:
         bn, bk, nw, ns = tiles["down"]
         y = torch.empty((n, pd["stack"].rows), dtype=torch.float32, device=x.device)
         pk.grouped(pd["fmt"], h, plan, pd, scatter=True, split=splits[2], out=y, bn=bn, bk=bk, num_warps=nw,
-                   num_stages=ns)
+                   num_stages=ns, **form)
         return y

@@ -127,3 +127,27 @@ def test_prefill_device_on_a_fresh_owner(pk):
     want = o.run_slots(LAYER, x, ids, "fast")
     assert np.array_equal(got.numpy(), want)
     assert o.prefill_device(LAYER + 1, torch.from_numpy(x), torch.from_numpy(ids)) is None
+
+
+@pytest.mark.parametrize("qtype", ALL_IN_ONE + ("rocmfp2",))
+def test_prefill_launch_forms(pk, qtype):
+    """Launch order (column blocks first or row tiles first) and the bf16 cast of the input
+    before the launch change no byte; the transposed product (weights as the A operand)
+    holds the same bounds as the default form."""
+    ids = LOADS["uneven"]
+    x = S.tokens(len(ids), seed=7)
+    o, stacks = _owner(qtype)
+    o.prefill_x16 = False
+    want = o.run_slots(LAYER, x, ids, "fast")
+    o.prefill_x16 = True
+    assert np.array_equal(o.run_slots(LAYER, x, ids, "fast"), want), "bf16 input cast"
+    pg, pu, pd, loc, _, E = o.single_stacks(LAYER)
+    xt = torch.from_numpy(x)
+    plan = pk.sort_slots(torch.from_numpy(ids), loc, E, len(ids))
+    split = o._bf16_split(pg)
+    outs = [pk.grouped(pg["fmt"], xt, plan, pg, split=split, bn=64, bk=64, n_first=nf) for nf in (True, False)]
+    assert torch.equal(outs[0], outs[1]), "launch order"
+    o.prefill_swap = True
+    y = o.run_slots(LAYER, x, ids, "fast")
+    S.assert_rows_close(y, S.moe_ref64(stacks, x, ids, bf16=True), ids, 1e-2, f"{qtype} swap (bf16 inputs)")
+    S.assert_rows_close(y, want, ids, 1e-5, f"{qtype} swap against the default form")
