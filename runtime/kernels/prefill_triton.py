@@ -66,17 +66,30 @@ def _bf16(v, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _bf16_exact(v, NATIVE: tl.constexpr):
+    """float32 -> bf16 for values that are bf16 numbers (``bf16_terms`` proves it): the
+    upper half of the bits, by a shift rather than a rounding conversion (same value)."""
+    if NATIVE:
+        r = (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        r = (v.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+    return r
+
+
+@triton.jit
 def _parts(lv, sc, off, AFF: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr, BN: tl.constexpr,
            BK: tl.constexpr):
     """The decoded (BN, BK) tile as bf16: (w, unused) or, with SPLIT, two exact parts
     (hi, lo) of the float32 weight, or (code * s, -o) for affine."""
     p = tl.reshape(lv * sc[:, :, None], (BN, BK))
-    hi = _bf16(p, NATIVE)
-    lo = hi
-    if AFF:
-        lo = _bf16(tl.reshape(tl.zeros_like(lv) - off[:, :, None], (BN, BK)), NATIVE)
-    elif SPLIT:
+    if SPLIT:
+        hi = _bf16(p, NATIVE)
         lo = _bf16(p - hi.to(tl.float32), NATIVE)
+    else:  # one exact part (affine: two, each exact)
+        hi = _bf16_exact(p, NATIVE)
+        lo = hi
+        if AFF:
+            lo = _bf16_exact(tl.reshape(tl.zeros_like(lv) - off[:, :, None], (BN, BK)), NATIVE)
     return hi, lo
 
 
