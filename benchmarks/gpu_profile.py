@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--recipe", default="rocmfp2-strix")
     ap.add_argument("--batches", default="1,64,2048")
+    ap.add_argument("--prefill-tile", default=None,
+                    help="bm,bn,bk,warps,stages,swap,n_first,x16 (runtime_gpu_prefill.py's tile) for both launches")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         sys.path.insert(0, str(ROOT))
@@ -47,6 +49,11 @@ def main(argv=None) -> int:
     cuda = dev.type == "cuda"
     n_exp, topk, H, I = (8, 6, 128, 64) if a.quick else (256, 6, 4096, 2048)
     _, owner, _ = make_layer(torch, dev, a.device, a.recipe, n_exp, H, I)
+    if a.prefill_tile:
+        bm, bn, bk, nw, ns, swap, n_first, x16 = (int(v) for v in a.prefill_tile.split(","))
+        owner.prefill_bm = bm
+        owner.prefill_tile = owner.prefill_tile_linear = {"gu": (bn, bk, nw, ns), "down": (bn, bk, nw, ns)}
+        owner.prefill_swap, owner.prefill_n_first, owner.prefill_x16 = bool(swap), bool(n_first), bool(x16)
     if not cuda:
         big = {"gu": (I, 8, 1, 1, True, True), "down": (H, 4, 1, 1, True, True)}
         owner.gemv_tile, owner.group_tile = dict(big), dict(big)
