@@ -79,12 +79,12 @@ def _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_
         off = tl.load(slut_ptr + tl.load(po, mask=rmask[:, None], other=0).to(tl.int32))
     c3 = tl.reshape(codes, (BN, NG, G))
     if LV == 1:  # rocmfp2: {-1, 0, 1, 2}
-        lv = _i2f(c3) - 1.0
+        lv = _i2f(c3, 1)
     elif LV == 3:  # rocmfp2_affine: the code itself
-        lv = _i2f(c3)
+        lv = _i2f(c3, 0)
     elif LV == 2:  # rocmfp3: sign bit 2, magnitudes {0, 1, 2, 4}
         m = c3 & 3
-        mag = _i2f(m + (m == 3).to(tl.int32))
+        mag = _i2f(m + (m == 3).to(tl.int32), 0)
         lv = tl.where((c3 & 4) != 0, -mag, mag)
     elif LV == 4 or LV == 5:  # e2m1 x 2 (mxfp4), or rocmfp4 (7 -> 10): sign bit 3
         m = c3 & 7
@@ -92,7 +92,7 @@ def _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_
         mag = tl.where(ex == 0, m & 1, (2 + (m & 1)) << tl.maximum(ex - 1, 0))
         if LV == 5:
             mag = mag - 2 * (m == 7).to(tl.int32)
-        fm = _i2f(mag)
+        fm = _i2f(mag, 0)
         lv = tl.where((c3 & 8) != 0, -fm, fm)
     elif NLEV <= 8:  # MIX books and small fixed tables: a select tree, no gather per weight
         if MIX:
@@ -109,10 +109,11 @@ def _tile(a_base, b_base, s_base, o_base, tab_base, rows, rmask, k0, ka_row, kb_
 
 
 @triton.jit
-def _i2f(v):
-    """float32 of int32 v in [0, 2^23), exactly, with no conversion instruction (those issue
-    at a fraction of the logic and float rate): v in the mantissa of 2^23, minus 2^23."""
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _i2f(v, OFF: tl.constexpr):
+    """float32 of v - OFF for int32 v in [0, 2^23), exactly, with no conversion instruction
+    (those issue at a fraction of the logic and float rate): v in the mantissa of 2^23,
+    minus 2^23 + OFF in one subtraction."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFF)
 
 
 @triton.jit
