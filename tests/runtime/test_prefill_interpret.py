@@ -151,3 +151,30 @@ def test_prefill_launch_forms(pk, qtype):
     y = o.run_slots(LAYER, x, ids, "fast")
     S.assert_rows_close(y, S.moe_ref64(stacks, x, ids, bf16=True), ids, 1e-2, f"{qtype} swap (bf16 inputs)")
     S.assert_rows_close(y, want, ids, 1e-5, f"{qtype} swap against the default form")
+
+
+def test_exact_bf16_by_shift_is_the_rounded_value(pk, monkeypatch):
+    """The compiled path's shift (``_bf16_exact``, NATIVE) gives every bf16 number the
+    rounding conversion gives, signs and zeros included (the interpreter runs the same
+    integer and bitcast operations the GPU does)."""
+    import triton
+    import triton.language as tl
+
+    # the interpreter runs a kernel's source against its module's globals (no closures)
+    monkeypatch.setitem(globals(), "_SHIFT", pk._bf16_exact)
+    monkeypatch.setitem(globals(), "_ROUND", pk._bf16)
+
+    @triton.jit
+    def both(x_ptr, a_ptr, b_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        v = tl.load(x_ptr + i)
+        tl.store(a_ptr + i, _SHIFT(v, True).to(tl.float32))  # noqa: F821
+        tl.store(b_ptr + i, _ROUND(v, True).to(tl.float32))  # noqa: F821
+
+    rng = np.random.default_rng(0)
+    v = pk._bf16_np(rng.standard_normal(1024).astype(np.float32) * np.float32(2.0) ** rng.integers(-20, 20, 1024))
+    v[:4] = (0.0, -0.0, 1.5, -3.0)
+    a, b = torch.empty(1024), torch.empty(1024)
+    both[(1,)](torch.from_numpy(v), a, b, N=1024)
+    assert np.array_equal(a.numpy().view(np.uint32), v.view(np.uint32))
+    assert np.array_equal(b.numpy().view(np.uint32), v.view(np.uint32))
