@@ -293,8 +293,8 @@ def grouped(fmt, x, plan: SlotPlan, w, *, w2=None, limit: float = 0.0, scatter: 
         N, K, ka_row, kb_row, ks_row, float(limit),
         ABITS=fmt.abits, BBITS=fmt.bbits, G=fmt.group, MIX=fmt.mix, NLEV=fmt.nlev, LV=fmt.lv_mode,
         AFF=fmt.affine, SPLIT=bool(split) and not fmt.affine, DUAL=w2 is not None, GATHER=not scatter,
-        SCATTER=bool(scatter), NATIVE=not INTERPRETED, SWAP=bool(swap), N_FIRST=bool(n_first), EP=triton.next_power_of_2(max(1, E)), BM=plan.bm, BN=bn, BK=bk,
-        num_warps=num_warps, num_stages=num_stages,
+        SCATTER=bool(scatter), NATIVE=not INTERPRETED, SWAP=bool(swap), N_FIRST=bool(n_first),
+        EP=triton.next_power_of_2(max(1, E)), BM=plan.bm, BN=bn, BK=bk, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
