@@ -148,9 +148,14 @@ def test_prefill_launch_forms(pk, qtype):
     outs = [pk.grouped(pg["fmt"], xt, plan, pg, split=split, bn=64, bk=64, n_first=nf) for nf in (True, False)]
     assert torch.equal(outs[0], outs[1]), "launch order"
     o.prefill_swap = True
-    y = o.run_slots(LAYER, x, ids, "fast")
-    S.assert_rows_close(y, S.moe_ref64(stacks, x, ids, bf16=True), ids, 1e-2, f"{qtype} swap (bf16 inputs)")
-    S.assert_rows_close(y, want, ids, 1e-5, f"{qtype} swap against the default form")
+    for name, ids in LOADS.items():  # an expert with no slot; one expert with every slot
+        x = S.tokens(len(ids), seed=7)
+        y = o.run_slots(LAYER, x, ids, "fast")
+        S.assert_rows_close(y, S.moe_ref64(stacks, x, ids, bf16=True), ids, 1e-2, f"{qtype} {name} swap (bf16)")
+        o.prefill_swap = False
+        want = o.run_slots(LAYER, x, ids, "fast")
+        o.prefill_swap = True
+        S.assert_rows_close(y, want, ids, 1e-5, f"{qtype} {name} swap against the default form")
 
 
 def test_exact_bf16_by_shift_is_the_rounded_value(pk, monkeypatch):
