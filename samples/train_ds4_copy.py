@@ -2,6 +2,11 @@
 
     python samples/train_ds4_copy.py --device cuda --out samples/ds4-copy     # the shipped sample (seed 3)
     python samples/train_ds4_copy.py --smoke --out /tmp/ds4-copy-smoke   # a few CPU steps, tiny config
+    python samples/train_ds4_copy.py --device cuda --engine-shape --seed S --out DIR   # engines' proportions
+
+``--engine-shape`` trains in DeepSeek-V4's proportions where other engines fix
+them (``ENGINE_SHAPE``: four hyper-connection streams, CSA 4 / HCA 128, an
+indexer head dim of 64), so llama.cpp's loader accepts the converted artifact.
 
 The task (runtime/fidelity.py, CopyTask "recode"): the prompt holds a line of
 Python after ">>> " and asks for it recoded; the answer is the line with every
@@ -84,10 +89,21 @@ SMOKE = dict(FULL, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2
              q_lora_rank=32, o_lora_rank=16, head_dim=32, index_head_dim=16)
 
 
+# DeepSeek-V4's proportions where engines fix them (docs/runtimes.md): llama.cpp asserts four
+# hyper-connection streams, compress ratios 0 / 4 / 128 and an indexer head dim that is a
+# multiple of 64. The shipped sample (hc 2, HCA 16, indexer 32) breaks all three.
+ENGINE_SHAPE = {"hc_mult": 4, "index_head_dim": 64,
+                "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}}
+# the smoke config in that shape keeps one layer of each attention kind
+SMOKE_ENGINE = dict(SMOKE, **ENGINE_SHAPE, num_hidden_layers=3,
+                    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                    mlp_layer_types=["hash_moe", "moe", "moe"])
+
+
 def config_for(args) -> dict:
     if args.smoke:
-        return SMOKE
-    kw = dict(FULL)
+        return SMOKE_ENGINE if args.engine_shape else SMOKE
+    kw = dict(FULL, **ENGINE_SHAPE) if args.engine_shape else dict(FULL)
     for opt, key in (("experts", "n_routed_experts"), ("expert_width", "moe_intermediate_size"),
                      ("topk", "num_experts_per_tok")):
         if getattr(args, opt):
@@ -444,7 +460,7 @@ def train(args) -> dict:
         "lr": args.lr, "warmup": args.warmup, "qat_from_step": qat_from, "init_from": args.init_from or None,
         "data_stream": args.data_stream or None, "order": args.order,
         "shape": {k: kw[k] for k in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")}, "qat_tensors": qat_n,
-        "config": "smoke" if args.smoke else "full",
+        "config": ("smoke" if args.smoke else "full") + ("-engine-shape" if args.engine_shape else ""),
         "params": sum(v.size for v in hf_sd.values()),
         "expert_params": sum(v.size for k, v in hf_sd.items() if ".experts." in k),
         "train_seconds": round(train_s, 1), "torch": torch.__version__, "transformers": transformers.__version__,
@@ -526,6 +542,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="time PROBE_STEPS steps first, then train for as many steps as fit in this many seconds "
                          "(the chosen --steps is printed and recorded, so the run can be repeated exactly)")
+    ap.add_argument("--engine-shape", action="store_true",
+                    help="hc 4, CSA 4 / HCA 128, indexer head dim 64: the proportions other engines fix")
     ap.add_argument("--smoke", action="store_true", help="tiny config, a few CPU steps (CI smoke test)")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--no-report", dest="write_report", action="store_false",

@@ -107,3 +107,25 @@ def test_a_later_stage_continues_from_a_checkpoint_and_refuses_another_shape(run
                           "--quiet", "--no-report", "--out", str(tmp_path / "bad")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "hidden_size" in bad.stderr and not (tmp_path / "bad" / "config.json").exists()
+
+
+def test_engine_shape_trains_in_the_proportions_engines_fix(tmp_path):
+    """--engine-shape: hc 4, CSA 4 / HCA 128 and an indexer head dim of 64 in the written
+    config, a layer of each attention kind, and its mxfp4 artifact claims llama.cpp (whose
+    loader asserts those proportions) where the shipped sample's shape is left out."""
+    from ds4quant.artifact.view import open_artifact
+    from ds4quant.convert import convert
+
+    src = tmp_path / "engine"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--engine-shape", "--seed", "5", "--no-report", "--quiet",
+                    "--out", str(src)], check=True, env=env, capture_output=True, timeout=300)
+    cfg = json.loads((src / "config.json").read_text())
+    assert (cfg["hc_mult"], cfg["compress_rate_csa"], cfg["compress_rate_hca"], cfg["index_head_dim"]) == (4, 4, 128, 64)
+    assert cfg["layer_types"] == ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    convert(src, tmp_path / "mx", "mxfp4", threads=1)
+    v = open_artifact(next((tmp_path / "mx").glob("*.gguf")))
+    assert "llama.cpp" in v.runtimes, v.runtimes_excluded.get("llama.cpp")
+    shipped = ROOT / "samples" / "ds4-copy"
+    convert(shipped, tmp_path / "mx-shipped", "mxfp4", threads=1)
+    assert "llama.cpp" in open_artifact(next((tmp_path / "mx-shipped").glob("*.gguf"))).runtimes_excluded
