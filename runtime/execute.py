@@ -219,7 +219,7 @@ def _run_on_device(layer, hidden, idx, top_k_weights, owners, names, who, held, 
     flat = idx.reshape(-1)
     tok = torch.arange(T, device=dev).repeat_interleave(K)
     slots = torch.zeros((T * K, H), dtype=torch.float32, device=dev)
-    raw = []  # (owner, start, fired, end) on the host clock, as overlap's timings take them
+    raw, counts = [], {}  # (owner, start, fired, end) on the host clock, as overlap's timings take them
     for name in names:  # one device: the owners' launches queue on it in turn
         sel = np.nonzero(who == name)[0]
         seld = torch.from_numpy(sel).to(dev)
@@ -230,10 +230,11 @@ def _run_on_device(layer, hidden, idx, top_k_weights, owners, names, who, held, 
                              f"width {H}")
         slots.index_copy_(0, seld, y.to(torch.float32))
         raw.append((name, t0, t0, time.perf_counter()))
+        counts[name] = sel.shape[0]
     if timings is not None:
         import ds4quant.runtime.overlap as ov
 
-        timings.extend(ov.timings_of(raw, {n: int(np.count_nonzero(who == n)) for n in names}))
+        timings.extend(ov.timings_of(raw, counts))
     slots = slots.view(T, K, H)
     out = combine_on_device(top_k_weights.detach(), slots, held=None if held.all() else held, shared=shared)
     miss = tuple((int(t), int(k), int(idx[t, k])) for t, k in zip(*np.nonzero(~held)))

@@ -74,6 +74,11 @@ def hold_layer(owner, qtype: str, layer: int, experts) -> dict:
     """Make ``layer_stacks(qtype, layer, experts)`` resident on ``owner`` with their MIX books
     registered; the stacks by projection."""
     stacks, entries = layer_stacks(qtype, layer, experts)
+    return hold(owner, stacks, entries, experts)
+
+
+def hold(owner, stacks: dict, entries: dict, experts) -> dict:
+    """Make ``stacks`` resident on ``owner`` and register their MIX ``entries``; ``stacks``."""
     for st in stacks.values():
         owner.add_stack(st)
     for t, ent in entries.items():

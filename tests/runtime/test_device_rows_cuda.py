@@ -26,12 +26,8 @@ def _owner(qtype):
     pytest.importorskip("triton")
     from ds4quant.runtime.owners.cuda_owner import CudaOwner
 
-    stacks, entries = _layer(qtype, seed=11)
     o = CudaOwner(DEV)
-    for st in stacks.values():
-        o.add_stack(st)
-    for t, ent in entries.items():
-        o.register_books(t, EXPERTS, ent)
+    S.hold(o, *_layer(qtype, seed=11), EXPERTS)
     return o
 
 

@@ -33,12 +33,7 @@ def _owner(qtype, experts=EXPERTS):
     # whole-matrix column blocks: the interpreter's cost is per program
     o.prefill_tile = {"gu": (128, 64, 4, 1), "down": (256, 64, 4, 1)}
     o.prefill_tile_linear = o.prefill_tile
-    stacks, entries = S.layer_stacks(qtype, LAYER, experts)
-    for st in stacks.values():
-        o.add_stack(st)
-    for t, ent in entries.items():
-        o.register_books(t, experts, ent)
-    return o, stacks
+    return o, S.hold_layer(o, qtype, LAYER, experts)
 
 
 LOADS = {
