@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     from ds4quant.calibrate import calibrate
     from ds4quant.convert import convert
     from ds4quant.runtime import fidelity as fd
+    from ds4quant.runtime.copy_sets import copy_sets
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--source", default=str(SAMPLE))
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-seqs", type=int, default=48)
     ap.add_argument("--calib-seed", type=int, default=7)
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--copy-sets", type=int, default=5,
+                    help="seeded identifier sets of 60 trials, the protocol's own first (runtime/copy_sets.py)")
     ap.add_argument("--fit-iterations", type=int, default=None, help="MIX codebook fitting iterations (library default)")
     ap.add_argument("--fit-max-rows", type=int, default=None, help="rows the MIX fitter samples (library default)")
     args = ap.parse_args(argv)
@@ -131,13 +134,16 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(str(src))
 
     def score(model):
+        """(the protocol's own set's result, the figures over --copy-sets identifier sets, seconds)."""
         t = time.perf_counter()
-        r = fd.exact_copy(model, tok, task)
-        return r, time.perf_counter() - t
+        sets, r = copy_sets(model, tok, task, args.copy_sets)
+        lo, hi = sets.interval
+        fig = {"exact_copy": r.score, "sets": list(sets.passes), "per60": round(sets.per60, 2),
+               "interval95": [round(lo, 2), round(hi, 2)], "spread": [min(sets.passes), max(sets.passes)]}
+        return r, fig, time.perf_counter() - t
 
-    r, s = score(load_model(src))
-    print(json.dumps({"artifact": "source (FP4 experts, FP8 dense)", "exact_copy": r.score, "seconds": round(s, 1)}),
-          flush=True)
+    r, fig, s = score(load_model(src))
+    print(json.dumps({"artifact": "source (FP4 experts, FP8 dense)", **fig, "seconds": round(s, 1)}), flush=True)
     calib = work / "calib"
     if not all((calib / f).exists() for f in ("imatrix.gguf", "sensitivity.json")):
         t = time.perf_counter()
@@ -168,8 +174,8 @@ def main(argv=None) -> int:
         conv_s = time.perf_counter() - t
         model = load_model(src)
         qtypes = decode_experts_into(model, out)
-        r, s = score(model)
-        print(json.dumps({"artifact": label, "exact_copy": r.score, "bpw_experts": round(rep.bpw_experts, 4),
+        r, fig, s = score(model)
+        print(json.dumps({"artifact": label, **fig, "bpw_experts": round(rep.bpw_experts, 4),
                           "expert_bytes": rep.expert_bytes, "codebook_bytes": rep.codebook_bytes,
                           "bytes": rep.bytes, "expert_weighted_sqnr_db": rep.to_json()["expert_weighted_sqnr_db"],
                           "convert_seconds": round(conv_s, 1), "protocol_seconds": round(s, 1),

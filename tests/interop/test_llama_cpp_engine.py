@@ -8,9 +8,9 @@ for the record.
   converted to mxfp4 with bf16 and with q8_0 dense tensors: both load, and
   ``verify --fidelity --engine llama.cpp`` reports the engine's figures beside the runtime's
   (random weights route near ties, so only a loose top-1 floor applies);
-- the copy sample, once it is in llama.cpp's shape: top-1 agreement with the transformers
-  reference at least 95% over the fidelity evaluation tokens, greedy exact copies within one
-  trial of the source's own score.
+- the copy sample in llama.cpp's shape (samples/ds4-copy-engine; samples/ds4-copy skips, its
+  proportions named): top-1 agreement with the transformers reference at least 95% over the
+  fidelity evaluation tokens, greedy exact copies within one trial of the source's own score.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tests.artifact.conftest import llama_shape_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COPY = ROOT / "samples" / "ds4-copy"
+ENGINE_COPY = ROOT / "samples" / "ds4-copy-engine"  # the copy sample in llama.cpp's proportions
 DENSE = {"bf16": None, "q8_0": "q8_0"}
 FIGURES: dict = {}
 
@@ -79,18 +80,20 @@ def test_verify_reports_the_engine_beside_the_runtime(shaped, dense):
     _record(f"random-{dense}", f)
 
 
+@pytest.mark.parametrize("sample", [ENGINE_COPY, COPY], ids=lambda p: p.name)
 @pytest.mark.parametrize("dense", list(DENSE))
-def test_the_copy_sample_runs_in_llama_cpp_as_in_the_reference(tmp_path, dense):
+def test_the_copy_sample_runs_in_llama_cpp_as_in_the_reference(tmp_path, dense, sample):
     out = tmp_path / "copy"
-    convert(COPY, out, "mxfp4", threads=1, dense_qtype=DENSE[dense])
+    convert(sample, out, "mxfp4", threads=1, dense_qtype=DENSE[dense])
     v = open_artifact(out)
     if "llama.cpp" not in v.runtimes:
-        pytest.skip("samples/ds4-copy is not in llama.cpp's shape (" + "; ".join(v.runtimes_excluded["llama.cpp"])
-                    + "): retrain it in DeepSeek-V4's proportions first")
-    rep = verify(out, source=COPY, fidelity=True, protocol="exact-copy", engines=("llama.cpp",))
+        assert sample != ENGINE_COPY, v.runtimes_excluded["llama.cpp"]
+        pytest.skip(f"samples/{sample.name} is not in llama.cpp's shape ("
+                    + "; ".join(v.runtimes_excluded["llama.cpp"]) + ")")
+    rep = verify(out, source=sample, fidelity=True, protocol="exact-copy", engines=("llama.cpp",))
     f = rep.fidelity.to_json()
     e = f["engines"]["llama.cpp"]
     assert e["top1"] >= 0.95, e
     ec = e["exact_copy"]
     assert ec["passes"] >= ec["reference_passes"] - 1, ec
-    _record(f"copy-{dense}", f)
+    _record(f"{sample.name}-{dense}", f)
