@@ -52,8 +52,9 @@ def main(argv=None) -> int:
     if a.prefill_tile:
         bm, bn, bk, nw, ns, swap, n_first, x16 = (int(v) for v in a.prefill_tile.split(","))
         owner.prefill_bm = bm
-        owner.prefill_tile = owner.prefill_tile_linear = {"gu": (bn, bk, nw, ns), "down": (bn, bk, nw, ns)}
-        owner.prefill_swap, owner.prefill_n_first, owner.prefill_x16 = bool(swap), bool(n_first), bool(x16)
+        tile = (bn, bk, nw, ns, bool(swap))
+        owner.prefill_tile = owner.prefill_tile_linear = {"gu": tile, "down": tile}
+        owner.prefill_n_first, owner.prefill_x16 = bool(n_first), bool(x16)
     if not cuda:
         big = {"gu": (I, 8, 1, 1, True, True), "down": (H, 4, 1, 1, True, True)}
         owner.gemv_tile, owner.group_tile = dict(big), dict(big)

@@ -151,9 +151,9 @@ def main(argv=None) -> int:
                 def fast_setup(tile):
                     bm, bn, bk, nw, ns, swap, n_first, x16 = tile
                     owner.prefill_bm = bm
-                    owner.prefill_tile = {"gu": (bn, bk, nw, ns), "down": (bn, bk, nw, ns)}
+                    owner.prefill_tile = {"gu": (bn, bk, nw, ns, bool(swap)), "down": (bn, bk, nw, ns, bool(swap))}
                     owner.prefill_tile_linear = owner.prefill_tile
-                    owner.prefill_swap, owner.prefill_n_first, owner.prefill_x16 = bool(swap), bool(n_first), bool(x16)
+                    owner.prefill_n_first, owner.prefill_x16 = bool(n_first), bool(x16)
 
                 sweep("fast prefill", fast_tiles, fast_setup, lambda: owner.prefill_device(0, x, di), False)
             ex = owner.exact_set(0, ids) if "exact" in a.paths else None

@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     for recipe in a.recipes.split(","):
         stacks, owner, entries = make_layer(torch, dev, a.device, recipe, n_exp, H, I)
         if not cuda:  # the interpreter's cost is per program: whole-matrix blocks
-            owner.prefill_tile = {"gu": (max(H, I), 64, 4, 1), "down": (max(H, I), 64, 4, 1)}
+            owner.prefill_tile = {"gu": (max(H, I), 64, 4, 1, False), "down": (max(H, I), 64, 4, 1, False)}
             owner.prefill_tile_linear = owner.prefill_tile
             owner.exact_planes_tile = (max(H, I), 128, 4)
             owner.exact_grouped_tile = (max(H, I), 4, 1)

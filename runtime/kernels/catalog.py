@@ -292,12 +292,10 @@ def scenario_prefill():
         for bm in pk.BM_CHOICES if q == "rocmfp2" else (64,):
             plan = pk.sort_slots(ids, ids, E, n, bm=bm)
             for split in pk.split_variants(q):
-                bn, bk, nw, ns = tiles["gu"]
-                kw = dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns)
+                kw = pk.tile_kw(tiles["gu"])
                 h = pk.grouped(f, x, plan, gu, w2=gu, limit=10.0, split=split, out_dtype=torch.bfloat16, **kw)
                 pk.grouped(f, x, plan, gu, split=split, **kw)
-                bn, bk, nw, ns = tiles["down"]
-                pk.grouped(f, h, plan, d, scatter=True, split=split, bn=bn, bk=bk, num_warps=nw, num_stages=ns)
+                pk.grouped(f, h, plan, d, scatter=True, split=split, **pk.tile_kw(tiles["down"]))
 
 
 def scenario_exact_planes():

@@ -248,6 +248,13 @@ def sort_slots(ids, loc, experts: int, n: int, bm: int = 0) -> SlotPlan:
     return SlotPlan(order, start.to(i32), count.to(i32), tend.to(i32), n, experts, tiles, bm)
 
 
+def tile_kw(tile: tuple) -> dict:
+    """``grouped``'s keywords for an owner's tile (columns per program, columns per step,
+    warps, pipeline stages, swap): the one reading of the tile tuple."""
+    bn, bk, nw, ns, swap = tile
+    return dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns, swap=bool(swap))
+
+
 def grouped(fmt, x, plan: SlotPlan, w, *, w2=None, limit: float = 0.0, scatter: bool = False,
             split: bool = False, out=None, out_dtype=None, bn: int = 64, bk: int = 64, num_warps: int = 4,
             num_stages: int = 3, swap: bool = False, n_first: bool = True):

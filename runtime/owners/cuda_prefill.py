@@ -19,19 +19,21 @@ class PrefillMixin:
 
     def _prefill_init(self, enabled: bool) -> None:
         self.prefill = bool(enabled)
-        # (rows per program, columns per step, warps, pipeline stages) of the two launches.
-        # rocmfp2 / rocmfp3 layers (``prefill_tile_linear``): the fastest of
-        # benchmarks/runtime_gpu_prefill.py's sweep at 2,048 tokens on an H100 (128 rows: 7.8 ms
-        # against 8.7 for 64); the other qtypes measured slower with 128 rows on the same card
-        # (rocmfp4 13.3 ms against 10.9, MIX 23.5 against 20.7) and keep 64 (docs/performance.md)
-        self.prefill_tile: dict[str, tuple] = {"gu": (64, 64, 4, 3), "down": (64, 64, 4, 3)}
-        self.prefill_tile_linear: dict[str, tuple] = {"gu": (128, 64, 4, 3), "down": (128, 64, 4, 3)}
+        # (rows per program, columns per step, warps, pipeline stages, swap) of the two launches
+        # (``prefill_triton.tile_kw``; swap: the product transposed, weights as the tensor cores'
+        # A operand). The fastest of benchmarks/runtime_gpu_prefill.py's sweep on an H100 at
+        # 2,048 tokens with the launch order and input cast below (docs/gpu.md#prefill-tiles):
+        # rocmfp2 / rocmfp3 layers (``prefill_tile_linear``) 7.22 ms swapped with 128-column
+        # steps against 7.66 for the 128-row tile before; the other qtypes keep 64 x 64 unswapped
+        # (MIX 19.96 ms against 20.69 swapped; rocmfp4 10.30 against 10.11, within 2%)
+        self.prefill_tile: dict[str, tuple] = {"gu": (64, 64, 4, 3, False), "down": (64, 64, 4, 3, False)}
+        self.prefill_tile_linear: dict[str, tuple] = {"gu": (64, 128, 4, 3, True), "down": (64, 128, 4, 3, True)}
         # slots of one expert per program; 0: ``prefill_triton.pick_bm`` by the slot count
         self.prefill_bm = 0
-        # ``prefill_triton.grouped``'s swap (the product transposed) and n_first (launch order),
-        # and the gate/up input cast to bf16 once before the launch (the kernel rounds it so
-        # anyway: the same bytes, half the bytes each column block reads)
-        self.prefill_swap = False
+        # ``prefill_triton.grouped``'s n_first (launch order: column blocks first, the same bytes;
+        # 2.6% faster at 2,048 tokens) and the gate/up input cast to bf16 once before the launch
+        # (the kernel rounds it so anyway: the same bytes, half the bytes each column block
+        # reads; 5.8% more on the same card)
         self.prefill_n_first = True
         self.prefill_x16 = True
         self._prefill: dict[int, object] = {}
@@ -98,9 +100,7 @@ class PrefillMixin:
         L = self.swiglu_limit
         linear = all(p["stack"].qtype in layout.LINEAR_QTYPES for p in (pg, pu, pd))
         tiles = self.prefill_tile_linear if linear else self.prefill_tile
-        bn, bk, nw, ns = tiles["gu"]
-        form = dict(swap=self.prefill_swap, n_first=self.prefill_n_first)
-        kw = dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns, **form)
+        kw = dict(pk.tile_kw(tiles["gu"]), n_first=self.prefill_n_first)
         if self.prefill_x16 and x.dtype == torch.float32:
             x = x.to(torch.bfloat16)
         if pg["fmt"].key == pu["fmt"].key and splits[0] == splits[1]:
@@ -110,8 +110,7 @@ class PrefillMixin:
             g = pk.grouped(pg["fmt"], x, plan, pg, split=splits[0], **kw)
             u = pk.grouped(pu["fmt"], x, plan, pu, split=splits[1], **kw)
             h = swiglu_fast(g, u, L)
-        bn, bk, nw, ns = tiles["down"]
         y = torch.empty((n, pd["stack"].rows), dtype=torch.float32, device=x.device)
-        pk.grouped(pd["fmt"], h, plan, pd, scatter=True, split=splits[2], out=y, bn=bn, bk=bk, num_warps=nw,
-                   num_stages=ns, **form)
+        pk.grouped(pd["fmt"], h, plan, pd, scatter=True, split=splits[2], out=y, n_first=self.prefill_n_first,
+                   **pk.tile_kw(tiles["down"]))
         return y

@@ -30,7 +30,7 @@ def _owner(qtype, experts=tuple(range(E))):
     from ds4quant.runtime.owners.cuda_owner import CudaOwner
 
     o = CudaOwner("cpu", identity="torch-cpu:9")
-    o.prefill_tile = {"gu": (128, 64, 4, 1), "down": (256, 64, 4, 1)}
+    o.prefill_tile = {"gu": (128, 64, 4, 1, False), "down": (256, 64, 4, 1, False)}
     o.prefill_tile_linear = o.prefill_tile
     big = {"gu": (S.FFN, 8, 1, 1, True, True), "down": (S.HIDDEN, 4, 1, 1, True, True)}
     o.gemv_tile, o.group_tile = dict(big), dict(big)

@@ -31,7 +31,7 @@ def _owner(qtype, experts=EXPERTS):
     o = CudaOwner("cpu", identity="torch-cpu:9")
     o.gemv_max_slots, o.group_max_mean = 0, 0.0  # straight to the prefill kernels
     # whole-matrix column blocks: the interpreter's cost is per program
-    o.prefill_tile = {"gu": (128, 64, 4, 1), "down": (256, 64, 4, 1)}
+    o.prefill_tile = {"gu": (128, 64, 4, 1, False), "down": (256, 64, 4, 1, False)}
     o.prefill_tile_linear = o.prefill_tile
     return o, S.hold_layer(o, qtype, LAYER, experts)
 
@@ -142,14 +142,15 @@ def test_prefill_launch_forms(pk, qtype):
     split = o._bf16_split(pg)
     outs = [pk.grouped(pg["fmt"], xt, plan, pg, split=split, bn=64, bk=64, n_first=nf) for nf in (True, False)]
     assert torch.equal(outs[0], outs[1]), "launch order"
-    o.prefill_swap = True
+    plain = o.prefill_tile
+    swapped = {k: t[:4] + (True,) for k, t in plain.items()}  # the tile's last field
     for name, ids in LOADS.items():  # an expert with no slot; one expert with every slot
         x = S.tokens(len(ids), seed=7)
+        o.prefill_tile = o.prefill_tile_linear = swapped
         y = o.run_slots(LAYER, x, ids, "fast")
         S.assert_rows_close(y, S.moe_ref64(stacks, x, ids, bf16=True), ids, 1e-2, f"{qtype} {name} swap (bf16)")
-        o.prefill_swap = False
+        o.prefill_tile = o.prefill_tile_linear = plain
         want = o.run_slots(LAYER, x, ids, "fast")
-        o.prefill_swap = True
         S.assert_rows_close(y, want, ids, 1e-5, f"{qtype} {name} swap against the default form")
 
 
