@@ -26,6 +26,30 @@ from ds4quant.runtime.mode import Mode
 from ds4quant.runtime.owners.torch_owner import device_rows
 
 
+class PinnedIds:
+    """A captured graph's expert ids from the host without blocking it: a pinned buffer of
+    its own (a pageable copy holds the host for the whole transfer, a large share of a
+    batch-1 call) that is written again only after the event recorded behind its last
+    copy, so a copy still in flight never reads the next call's ids."""
+
+    def __init__(self, n: int):
+        import torch
+
+        self.host = torch.empty((n,), dtype=torch.int64, pin_memory=True)
+        self.copied = None  # the event behind the last copy out of ``host``
+
+    def put(self, dst, ids: np.ndarray) -> None:
+        """``dst[:] = ids`` on the current stream of ``dst``'s device."""
+        import torch
+
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.host.numpy()[...] = ids
+        dst.copy_(self.host, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record(torch.cuda.current_stream(dst.device))
+
+
 class DeviceSlotsMixin:
     """run_slots on device tensors; needs CudaOwner's kernels, graphs and lock."""
 
@@ -57,9 +81,9 @@ class DeviceSlotsMixin:
         if kind == "step":
             xT = x.view(n, H // 16, 16).transpose(1, 2)  # group-transposed (``group_t``)
             if self.graphs and self.device.type == "cuda":
-                graph, dx, di, gy = self._step_graph(layer, n, H)
+                graph, dx, di, gy, stage = self._step_graph(layer, n, H)
                 dx.copy_(xT)
-                di.copy_(torch.from_numpy(ids))
+                stage.put(di, ids)
                 graph.replay()
                 return gy.clone()  # the graph's output buffer is reused by the next replay
             return self.gemv_device(layer, xT.contiguous(), torch.from_numpy(ids).to(self.device))

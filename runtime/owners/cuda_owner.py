@@ -63,7 +63,7 @@ import numpy as np
 from ds4quant.errors import BadInputError, MissingDependencyError, ShapeError
 from ds4quant.runtime.mode import Mode
 from ds4quant.runtime.owners.base import ExpertStack, distinct
-from ds4quant.runtime.owners.cuda_device import DeviceSlotsMixin
+from ds4quant.runtime.owners.cuda_device import DeviceSlotsMixin, PinnedIds
 from ds4quant.runtime.owners.cuda_exact import ExactKernelsMixin
 from ds4quant.runtime.owners.cuda_prefill import PrefillMixin
 from ds4quant.runtime.owners.torch_owner import DEFAULT_SWIGLU_LIMIT, TorchOwner
@@ -425,7 +425,8 @@ class CudaOwner(DeviceSlotsMixin, ExactKernelsMixin, PrefillMixin, TorchOwner):
         return y
 
     def _step_graph(self, layer: int, n: int, H: int):
-        """(graph, xT, ids, y): the decode step of ``n`` slots captured once."""
+        """(graph, xT, ids, y, stage): the decode step of ``n`` slots captured once; stage: the
+        graph's own ``PinnedIds`` for device-row calls (``run_slots_device``)."""
         import torch
 
         key = (layer, n)
@@ -443,7 +444,7 @@ class CudaOwner(DeviceSlotsMixin, ExactKernelsMixin, PrefillMixin, TorchOwner):
         # thread_local: another owner's thread may be launching work meanwhile
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             y = self.gemv_device(layer, xs, ids)
-        self._graph_cache[key] = (graph, xs, ids, y)
+        self._graph_cache[key] = (graph, xs, ids, y, PinnedIds(n))
         return self._graph_cache[key]
 
     @staticmethod
@@ -502,7 +503,7 @@ class CudaOwner(DeviceSlotsMixin, ExactKernelsMixin, PrefillMixin, TorchOwner):
         copy, comp = self._stream_pair()
         graph = None
         if gem is not None and self.graphs:
-            graph, dx, di, gy = self._step_graph(layer, n, H)
+            graph, dx, di, gy, _ = self._step_graph(layer, n, H)
         else:
             dx = torch.empty(tuple(pin_x.shape), dtype=torch.float32, device=self.device)
             di = torch.empty((n,), dtype=torch.int64, device=self.device)

@@ -54,6 +54,22 @@ def test_device_rows_give_the_host_rows_bytes(qtype, mode):
     o.close()
 
 
+def test_back_to_back_decode_steps_each_get_their_own_ids():
+    """The graphed decode step copies its ids from a pinned buffer without blocking the host
+    (``cuda_device.PinnedIds``): calls issued back to back, no synchronisation between them,
+    each give the bytes of the same call on host rows."""
+    o = _owner("rocmfp2")
+    calls = []
+    for k in range(24):
+        ids = S.rng_for("steps", k).choice(EXPERTS, size=6).astype(np.int64)
+        calls.append((ids, _tokens(6, 100 + k)))
+    xs = [torch.from_numpy(x).to(DEV) for _, x in calls]
+    outs = [o.run_slots_device(LAYER, x, ids, "fast") for (ids, _), x in zip(calls, xs)]
+    for k, ((ids, x), y) in enumerate(zip(calls, outs)):
+        assert y.cpu().numpy().tobytes() == o.run_slots(LAYER, x, ids, "fast").tobytes(), f"call {k}"
+    o.close()
+
+
 @pytest.mark.parametrize("mode", ["fast", "exact"])
 def test_a_layer_on_device_hidden_states_gives_the_cpu_calls_bytes(mode):
     from ds4quant.runtime.execute import run_layer
