@@ -163,8 +163,12 @@ def verify_cmd(artifact, source, imatrix, report_dir, threshold_db, variant_107,
                 line = (f"fidelity ({e.engine}): KL mean {e.logits.kl_mean:.4g} p99 {e.logits.kl_p99:.4g}, top-1 "
                         f"{100 * e.logits.top1:.2f}%, PPL ratio {e.logits.ppl_ratio:.4f}, "
                         f"response {e.response_sha256[:16]}")
-                if e.exact_copy:
-                    line += f", exact copy {e.exact_copy.passes}/{e.exact_copy.trials}"
+                ec = e.exact_copy
+                if ec:
+                    line += f", exact copy {ec.passes}/{ec.trials}"
+                    if ec.sets:
+                        line += (f"; over {len(ec.sets)} identifier sets {ec.per60:.1f} per 60 "
+                                 f"[{ec.interval[0]:.1f}, {ec.interval[1]:.1f}] {list(ec.sets)}")
                 click.echo(line)
             for c in f.cluster:
                 click.echo(f"cluster: {c['n_ranks']} ranks started once in {c['start_s']:.1f} s, {c['calls']} layer "

@@ -126,23 +126,34 @@ def open_llama(view, n_ctx: int = N_CTX) -> Iterator[LlamaCppLM]:
 
 def measure_engine(view, engine: str, ref_logits, rows, cols, targets, seqs, pad: int, prompt, tok, task,
                    protocol: Optional[str], response_tokens: int, ref_copy_passes: Optional[int],
-                   ref_response_sha256: str) -> EngineFigures:
-    """The fidelity figures of ``engine`` running the artifact, against the reference's logits."""
+                   ref_response_sha256: str, ref_sets=None) -> EngineFigures:
+    """The fidelity figures of ``engine`` running the artifact, against the reference's logits;
+    with ``ref_sets`` (the source's ``copy_sets.CopySets``) the exact-copy protocol runs over
+    the same seeded identifier sets as the runtime's candidate, so both carry one interval."""
     import time
 
     from ds4quant.runtime import fidelity as fd
+    from ds4quant.runtime.copy_sets import METHOD, copy_sets
     import ds4quant.verify._candidate as C
 
     t0 = time.perf_counter()
+    sets = None
     with open_llama(view) as lm:
         logits = C.logits_of(lm, seqs, pad)[rows, cols]
         resp = fd.greedy_response(lm, prompt, response_tokens, tok.eos_token_id)
-        copy = fd.exact_copy(lm, tok, task) if protocol == "exact-copy" else None
+        if protocol != "exact-copy":
+            copy = None
+        elif ref_sets is not None:
+            sets, copy = copy_sets(lm, tok, task, len(ref_sets.seeds))
+        else:
+            copy = fd.exact_copy(lm, tok, task)
     m = fd.logit_metrics(ref_logits, logits, targets)
     ec = None
     if copy is not None:
         c = copy.to_json()
-        ec = ExactCopyScore(c["passes"], c["trials"], tuple(MappingProxyType(f) for f in c["failed"]), c["task"],
-                            ref_copy_passes)
+        base = (c["passes"], c["trials"], tuple(MappingProxyType(f) for f in c["failed"]), c["task"],
+                ref_copy_passes)
+        ec = ExactCopyScore(*base) if sets is None else ExactCopyScore(
+            *base, sets.passes, ref_sets.passes, sets.per60, sets.interval, ref_sets.per60, ref_sets.interval, METHOD)
     return EngineFigures(engine, LogitFigures(m.kl_mean, m.kl_p99, m.top1, m.ppl_ratio), tuple(resp.token_ids),
                          resp.sha256, resp.sha256 == ref_response_sha256, ec, time.perf_counter() - t0)

@@ -277,7 +277,7 @@ def measure(ctx: Context) -> FidelityReport:
                 with fp.run(f"{e} figures"):
                     figures.append(measure_engine(ctx.view, e, ref_logits, rows, cols, targets, seqs, pad, prompt,
                                                   tok, task, o.protocol, RESPONSE_TOKENS, side.copy_passes,
-                                                  side.response_sha256))
+                                                  side.response_sha256, ref_sets))
         rep = dataclasses.replace(rep, engines=tuple(figures))
     fp.finish()
     report_checks(ctx, rep)

@@ -96,4 +96,7 @@ def test_the_copy_sample_runs_in_llama_cpp_as_in_the_reference(tmp_path, dense, 
     assert e["top1"] >= 0.95, e
     ec = e["exact_copy"]
     assert ec["passes"] >= ec["reference_passes"] - 1, ec
+    # the same seeded identifier sets as the runtime's candidate, the source's beside them
+    assert len(ec["sets"]) == len(f["exact_copy"]["sets"]) and ec["reference_sets"] == f["exact_copy"]["reference_sets"]
+    assert ec["per_60"] >= ec["reference_per_60"] - 1, ec
     _record(f"{sample.name}-{dense}", f)

@@ -78,6 +78,31 @@ def test_adapter_gives_the_engine_logits_greedy_and_exact_copy():
     assert (a.passes, a.trials) == (b.passes, b.trials) and a.trials == 60
 
 
+def test_the_engine_runs_the_same_identifier_sets_as_the_reference(monkeypatch):
+    """measure_engine's exact copy, given the source's sets: the same seeded sets on the engine
+    (a stand-in over the toy model), the pooled score and interval beside the source's."""
+    import contextlib
+
+    from ds4quant.runtime import fidelity as fd
+    from ds4quant.runtime.copy_sets import copy_sets
+
+    toy = Toy()
+    tok = fd.ByteTokenizer()
+    ref_sets, ref = copy_sets(toy, tok, fd.ECHO, 3)
+    monkeypatch.setattr(E, "open_llama", lambda view: contextlib.nullcontext(E.LlamaCppLM(FakeLlama(toy))))
+    seqs = [[1, 5, 9, 200, 3]]
+    ref_logits = toy(torch.tensor(seqs)).logits[0, :4].detach()
+    rows, cols = np.zeros(4, dtype=np.int64), np.arange(4)
+    fig = E.measure_engine(None, "llama.cpp", ref_logits, rows, cols, np.array(seqs[0][1:5]), seqs, 0, [1, 2, 3], tok,
+                           fd.ECHO, "exact-copy", 4, ref.passes, "0" * 64, ref_sets)
+    ec = fig.exact_copy
+    assert ec.sets == ref_sets.passes and ec.reference_sets == ref_sets.passes and len(ec.sets) == 3
+    assert ec.per60 == ref_sets.per60 and ec.interval == ref_sets.interval and ec.passes == ref.passes
+    one = E.measure_engine(None, "llama.cpp", ref_logits, rows, cols, np.array(seqs[0][1:5]), seqs, 0, [1, 2, 3], tok,
+                           fd.ECHO, "exact-copy", 4, ref.passes, "0" * 64)
+    assert one.exact_copy.sets == () and one.exact_copy.passes == ref.passes  # no sets given: the protocol's own
+
+
 def test_engines_are_refused_before_anything_runs(monkeypatch):
     view = SimpleNamespace(runtimes=("ds4quant", "lucebox"), layout=SimpleNamespace(path="out/a"),
                            runtimes_excluded={"llama.cpp": ("deepseek4.hyper_connection.count = 2: llama.cpp's "
