@@ -249,7 +249,7 @@ def sort_slots(ids, loc, experts: int, n: int, bm: int = 0) -> SlotPlan:
 
 
 def tile_kw(tile: tuple) -> dict:
-    """``grouped``'s keywords for an owner's tile (columns per program, columns per step,
+    """``grouped``'s keywords for an owner's tile (weight rows per program, columns per step,
     warps, pipeline stages, swap): the one reading of the tile tuple."""
     bn, bk, nw, ns, swap = tile
     return dict(bn=bn, bk=bk, num_warps=nw, num_stages=ns, swap=bool(swap))

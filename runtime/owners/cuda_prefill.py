@@ -19,7 +19,7 @@ class PrefillMixin:
 
     def _prefill_init(self, enabled: bool) -> None:
         self.prefill = bool(enabled)
-        # (rows per program, columns per step, warps, pipeline stages, swap) of the two launches
+        # (weight rows per program, columns per step, warps, pipeline stages, swap) of the two launches
         # (``prefill_triton.tile_kw``; swap: the product transposed, weights as the tensor cores'
         # A operand). The fastest of benchmarks/runtime_gpu_prefill.py's sweep on an H100 at
         # 2,048 tokens with the launch order and input cast below (docs/gpu.md#prefill-tiles):
@@ -33,7 +33,7 @@ class PrefillMixin:
         # ``prefill_triton.grouped``'s n_first (launch order: column blocks first, the same bytes;
         # 2.6% faster at 2,048 tokens) and the gate/up input cast to bf16 once before the launch
         # (the kernel rounds it so anyway: the same bytes, half the bytes each column block
-        # reads; 5.8% more on the same card)
+        # reads; a further 5.8% on the same card)
         self.prefill_n_first = True
         self.prefill_x16 = True
         self._prefill: dict[int, object] = {}
