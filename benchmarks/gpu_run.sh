@@ -32,7 +32,7 @@ cat "$OUT/device.txt"
 # newest first: a budget that runs out cuts the long-established files
 GPU_TESTS="tests/runtime/test_prefill_exact_cuda.py tests/runtime/test_exact_cuda.py tests/runtime/test_gemv_cuda.py
   tests/formats/test_fp4_torch.py tests/runtime/stream/test_forward.py::test_a_gpu_layer_decodes_its_experts_there_to_the_same_bits
-  tests/calibrate/test_streamed.py::test_calibrate_on_cuda_writes_the_files tests/runtime/test_cuda_owner.py tests/runtime/test_identity.py tests/runtime/test_worker_cuda.py
+  tests/calibrate/test_streamed.py::test_calibrate_on_cuda_writes_the_files tests/samples/test_train_smoke.py::test_same_seed_gives_identical_bytes_on_the_gpu tests/runtime/test_cuda_owner.py tests/runtime/test_identity.py tests/runtime/test_worker_cuda.py
   tests/runtime/test_execute.py tests/formats/test_torch_cuda.py tests/formats/search/test_triton_scale.py
   tests/formats/search/test_triton_mix.py tests/formats/search/test_triton_sums.py tests/plan/test_device.py"
 GPU_TESTS=${TESTS:-$GPU_TESTS}  # TESTS="file[::test] ...": run these instead

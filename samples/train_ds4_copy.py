@@ -552,14 +552,18 @@ def main(argv=None) -> int:
                          "(the chosen --steps is printed and recorded, so the run can be repeated exactly)")
     ap.add_argument("--engine-shape", action="store_true",
                     help="hc 4, CSA 4 / HCA 128, indexer head dim 64: the proportions other engines fix")
-    ap.add_argument("--smoke", action="store_true", help="tiny config, a few CPU steps (CI smoke test)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny config, a few steps on the CPU unless --device is given (CI smoke test)")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--no-report", dest="write_report", action="store_false",
                     help="do not write train_report.json (it holds timings, which differ run to run)")
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.device, args.batch, args.warmup = "cpu", 4, 2
-        if "--steps" not in (argv if argv is not None else sys.argv[1:]):
+    if args.smoke:  # on the CPU unless --device names another (the GPU determinism test)
+        given = argv if argv is not None else sys.argv[1:]
+        args.batch, args.warmup = 4, 2
+        if "--device" not in given:
+            args.device = "cpu"
+        if "--steps" not in given:
             args.steps = 4
     if args.time_budget:
         args.steps = steps_for_budget(args)

@@ -129,3 +129,19 @@ def test_engine_shape_trains_in_the_proportions_engines_fix(tmp_path):
     shipped = ROOT / "samples" / "ds4-copy"
     convert(shipped, tmp_path / "mx-shipped", "mxfp4", threads=1)
     assert "llama.cpp" in open_artifact(next((tmp_path / "mx-shipped").glob("*.gguf"))).runtimes_excluded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_same_seed_gives_identical_bytes_on_the_gpu(tmp_path):
+    """On CUDA the script runs deterministic kernels: two runs of one seed (engine shape, a
+    few QAT steps included) write the same bytes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    outs = []
+    for k in range(2):
+        out = tmp_path / f"run{k}"
+        subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--engine-shape", "--device", "cuda", "--steps", "12",
+                        "--seed", "6", "--no-report", "--quiet", "--out", str(out)],
+                       check=True, env=env, capture_output=True, timeout=600)
+        outs.append(_digests(out))
+    assert outs[0] == outs[1]
