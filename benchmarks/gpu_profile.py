@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64,2048")
     ap.add_argument("--prefill-tile", default=None,
                     help="bm,bn,bk,warps,stages,swap,n_first,x16 (runtime_gpu_prefill.py's tile) for both launches")
+    ap.add_argument("--host", type=int, default=0, metavar="N",
+                    help="also run the owner's own run_slots (host arrays) N times a batch under cProfile "
+                         "and print where the host's time goes (the batch-1 calls of the plane-layout "
+                         "qtypes measured 10x their kernel)")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         sys.path.insert(0, str(ROOT))
@@ -77,7 +81,32 @@ def main(argv=None) -> int:
         fn()
         sync()
         print(f"{a.recipe} batch {B}: {label}, {(time.perf_counter() - t) * 1e3:.3f} ms (one run, eager)", flush=True)
+        if a.host:
+            host_profile(owner, x.cpu().numpy(), ids, a.host, sync)
     return 0
+
+
+def host_profile(owner, x: np.ndarray, ids: np.ndarray, n: int, sync) -> None:
+    """``owner.run_slots`` (fast mode, host arrays) ``n`` times under cProfile: the mean per
+    call and the functions that took the most time of their own."""
+    import cProfile
+    import io
+    import pstats
+
+    owner.run_slots(0, x, ids, "fast")  # warm: graphs, plans, pinned buffers
+    sync()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(n):
+        owner.run_slots(0, x, ids, "fast")
+    prof.disable()
+    sync()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+    print(f"  run_slots (host arrays): {(time.perf_counter() - t) / n * 1e6:.1f} us a call over {n} calls "
+          f"(under cProfile)", flush=True)
+    print("\n".join("  " + line for line in out.getvalue().splitlines() if line.strip()), flush=True)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,11 @@ def test_profile_script_runs_every_fast_path(bench, capsys):
     said = capsys.readouterr().out
     for path in ("decode-step gemv", "grouped gemv", "tensor-core prefill"):
         assert path in said
+
+
+def test_profile_script_reports_the_host_side_of_run_slots(bench, capsys):
+    import gpu_profile
+
+    assert gpu_profile.main(["--quick", "--device", "cpu", "--batches", "1", "--recipe", "rocmfp4", "--host", "1"]) == 0
+    said = capsys.readouterr().out
+    assert "run_slots (host arrays):" in said and "tottime" in said
