@@ -36,18 +36,19 @@ class PinnedIds:
         import torch
 
         self.host = torch.empty((n,), dtype=torch.int64, pin_memory=True)
-        self.copied = None  # the event behind the last copy out of ``host``
+        self.copied = torch.cuda.Event()  # recorded behind each copy out of ``host``
+        self.pending = False
 
     def put(self, dst, ids: np.ndarray) -> None:
         """``dst[:] = ids`` on the current stream of ``dst``'s device."""
         import torch
 
-        if self.copied is not None:
+        if self.pending:
             self.copied.synchronize()
         self.host.numpy()[...] = ids
         dst.copy_(self.host, non_blocking=True)
-        self.copied = torch.cuda.Event()
         self.copied.record(torch.cuda.current_stream(dst.device))
+        self.pending = True
 
 
 class DeviceSlotsMixin:
