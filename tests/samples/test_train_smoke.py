@@ -145,3 +145,19 @@ def test_same_seed_gives_identical_bytes_on_the_gpu(tmp_path):
                        check=True, env=env, capture_output=True, timeout=600)
         outs.append(_digests(out))
     assert outs[0] == outs[1]
+
+
+def test_train_seeds_packs_one_tar_a_seed(tmp_path):
+    """samples/train_seeds.sh (several seeds side by side, one tar each: the lent GPU returns few
+    files a call) on the CPU smoke config: each tar holds that seed's checkpoint and its log."""
+    import tarfile
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path / "out"), SEEDS="3 4", DEVICE="cpu", THREADS="1",
+               EXTRA="--smoke --no-report", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    subprocess.run(["bash", str(ROOT / "samples" / "train_seeds.sh")], check=True, env=env, capture_output=True,
+                   timeout=600)
+    for s in (3, 4):
+        with tarfile.open(tmp_path / "out" / f"seed{s}.tar") as t:
+            names = set(t.getnames())
+        assert {f"seed{s}/config.json", f"seed{s}/model.safetensors.index.json", f"seed{s}/task.json",
+                f"seed{s}/train{s}.log"} <= names
