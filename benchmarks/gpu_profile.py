@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def main(argv=None) -> int:
     import torch
 
+    from runtime_gpu_prefill import set_fast_tile
     from runtime_gpu_table import fast_kernel, make_layer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,11 +55,7 @@ def main(argv=None) -> int:
     n_exp, topk, H, I = (8, 6, 128, 64) if a.quick else (256, 6, 4096, 2048)
     _, owner, _ = make_layer(torch, dev, a.device, a.recipe, n_exp, H, I)
     if a.prefill_tile:
-        bm, bn, bk, nw, ns, swap, n_first, x16 = (int(v) for v in a.prefill_tile.split(","))
-        owner.prefill_bm = bm
-        tile = (bn, bk, nw, ns, bool(swap))
-        owner.prefill_tile = owner.prefill_tile_linear = {"gu": tile, "down": tile}
-        owner.prefill_n_first, owner.prefill_x16 = bool(n_first), bool(x16)
+        set_fast_tile(owner, tuple(int(v) for v in a.prefill_tile.split(",")))
     if not cuda:
         big = {"gu": (I, 8, 1, 1, True, True), "down": (H, 4, 1, 1, True, True)}
         owner.gemv_tile, owner.group_tile = dict(big), dict(big)

@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# (slots per program, rows per program, columns per step, warps, stages, transposed product,
+# (slots per program, weight rows per program, columns per step, warps, stages, transposed product,
 # column blocks first, bf16 input cast); the first row is the form before the last two flags existed
 FAST_TILES = ((0, 128, 64, 4, 3, 0, 0, 0), (0, 128, 64, 4, 3, 0, 1, 0), (0, 128, 64, 4, 3, 0, 1, 1),
               (0, 128, 64, 8, 3, 0, 1, 1), (0, 128, 64, 4, 3, 1, 1, 1), (0, 128, 64, 8, 3, 1, 1, 1),
@@ -46,6 +46,15 @@ FAST_TILES = ((0, 128, 64, 4, 3, 0, 0, 0), (0, 128, 64, 4, 3, 0, 1, 0), (0, 128,
 # (slots per program, rows per program, warps, stages)
 EXACT_TILES = ((0, 64, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (16, 64, 4, 2),
                (32, 32, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3))
+
+
+def set_fast_tile(owner, tile) -> None:
+    """A FAST_TILES row onto the owner's prefill settings, both launches and every qtype."""
+    bm, bn, bk, nw, ns, swap, n_first, x16 = tile
+    owner.prefill_bm = bm
+    owner.prefill_tile = owner.prefill_tile_linear = {"gu": (bn, bk, nw, ns, bool(swap)),
+                                                      "down": (bn, bk, nw, ns, bool(swap))}
+    owner.prefill_n_first, owner.prefill_x16 = bool(n_first), bool(x16)
 
 
 def main(argv=None) -> int:
@@ -148,14 +157,8 @@ def main(argv=None) -> int:
                                             vs_anchor=best[1] / anchor if anchor else None))
 
             if "fast" in a.paths and owner.prefill_set(0) is not None:
-                def fast_setup(tile):
-                    bm, bn, bk, nw, ns, swap, n_first, x16 = tile
-                    owner.prefill_bm = bm
-                    owner.prefill_tile = {"gu": (bn, bk, nw, ns, bool(swap)), "down": (bn, bk, nw, ns, bool(swap))}
-                    owner.prefill_tile_linear = owner.prefill_tile
-                    owner.prefill_n_first, owner.prefill_x16 = bool(n_first), bool(x16)
-
-                sweep("fast prefill", fast_tiles, fast_setup, lambda: owner.prefill_device(0, x, di), False)
+                sweep("fast prefill", fast_tiles, lambda tile: set_fast_tile(owner, tile),
+                      lambda: owner.prefill_device(0, x, di), False)
             ex = owner.exact_set(0, ids) if "exact" in a.paths else None
             if ex is not None and ex[0] == "grouped":
                 def exact_setup(tile):
